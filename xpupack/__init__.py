@@ -1,0 +1,40 @@
+"""xpupack: build, ship and load tuned PyTorch models for Intel GPUs (XPU), NVIDIA GPUs and CPU.
+
+Example:
+    >>> import xpupack
+    >>> model = xpupack.tune(model, samples, modules=["layers.*.mlp"])
+    >>> xpupack.save(model, "pkg/")
+    >>> model = xpupack.load(make_model(), "pkg/")
+"""
+
+from .backends.eager import EagerBackend
+from .backends.graph import GraphBackend
+from .backends.inductor import InductorBackend
+from .environment import __version__
+from .errors import (BackendError, BackendUnavailableError, HubError, IncompatiblePackageError,
+                     IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
+                     OutputMismatchError, PackageFormatError, SaveError, TuningError,
+                     UnknownConfigError, XpupackError)
+from .load import load
+from .package import save
+from .strategies import Fastest, FirstWins, Only, Strategy
+from .tune import tune
+from .tuned import activate, deactivate, stats
+
+
+def push(path, repo_id, revision=None, private=None, token=None):
+    """Uploads the package at ``path`` to the Hub repo ``repo_id``; see `xpupack.hub.push`."""
+    from .hub import push as _push
+
+    return _push(path, repo_id, revision=revision, private=private, token=token)
+
+
+__all__ = [
+    "tune", "save", "load", "stats", "activate", "deactivate", "push",
+    "FirstWins", "Fastest", "Only", "Strategy",
+    "GraphBackend", "InductorBackend", "EagerBackend",
+    "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
+    "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
+    "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "UnknownConfigError", "HubError",
+    "__version__",
+]

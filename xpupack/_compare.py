@@ -1,0 +1,53 @@
+"""Output comparison with dtype-aware tolerances: how a candidate earns acceptance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .signature import flatten
+
+# (rtol, atol) per dtype: loose enough for reordered reductions and fused
+# kernels, tight enough that a wrong kernel or stale buffer never passes.
+DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (3e-2, 3e-2),
+    torch.complex64: (1e-4, 1e-4),
+    torch.complex128: (1e-7, 1e-7),
+}
+
+
+def mismatch(actual: Any, expected: Any,
+             tolerances: dict[torch.dtype, tuple[float, float]] | None = None) -> str | None:
+    """Why ``actual`` differs from ``expected`` (trees of tensors and constants), or None if they match.
+
+    Integer and boolean tensors must be equal; floating ones equal within the
+    dtype's tolerance, NaNs in the same places.
+    """
+    tolerances = tolerances or DEFAULT_TOLERANCES
+    actual_leaves, actual_spec = flatten((actual,), {})
+    expected_leaves, expected_spec = flatten((expected,), {})
+    if actual_spec != expected_spec:
+        return "output structure differs from eager"
+    for index, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
+        where = f"output {index}"
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                return f"{where}: eager gives a tensor, candidate a {type(a).__name__}"
+            if a.shape != e.shape or a.dtype != e.dtype:
+                return (f"{where}: eager gives {e.dtype} {tuple(e.shape)}, "
+                        f"candidate {a.dtype} {tuple(a.shape)}")
+            a, e = a.detach(), e.detach().to(a.device)
+            if e.dtype.is_floating_point or e.dtype.is_complex:
+                rtol, atol = tolerances.get(e.dtype, (1e-4, 1e-4))
+                if not torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
+                    worst = (a.double() - e.double()).abs().nan_to_num(float("inf")).max().item()
+                    return f"{where}: max abs difference {worst:.3g} exceeds rtol={rtol}, atol={atol}"
+            elif not torch.equal(a, e):
+                return f"{where}: values differ from eager"
+        elif a != e:
+            return f"{where}: eager gives {e!r}, candidate {a!r}"
+    return None

@@ -1,0 +1,135 @@
+"""The backend interface and the registry that resolves backends by name.
+
+A backend turns one module into a *runner*: an object that executes calls of
+the signatures it was built for. Backends never decide whether a call fits;
+the dispatcher in `xpupack.tuned` does that and hands the runner only calls
+whose signature it recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from .._compare import DEFAULT_TOLERANCES
+from ..errors import UnknownConfigError
+from ..signature import Signature
+
+
+@dataclass
+class Target:
+    """A module being tuned or loaded: its object path, the module, and its original forward."""
+
+    path: str
+    module: nn.Module
+    forward: Callable[..., Any]
+
+
+@dataclass
+class ModuleSpec:
+    """What the recording saw for one module: the call signatures (and, at tune time, samples).
+
+    ``samples[i]`` holds recorded ``(args, kwargs)`` of ``signatures[i]``; it is
+    empty after loading, where only the signatures exist.
+    """
+
+    signatures: list[Signature]
+    samples: list[list[tuple[tuple, dict]]] = field(default_factory=list)
+    calls: int = 0
+    unrecordable: dict[str, int] = field(default_factory=dict)
+
+    def example(self, index: int) -> tuple[tuple, dict]:
+        """A recorded sample of signature ``index`` where one exists, else synthesised inputs."""
+        if index < len(self.samples) and self.samples[index]:
+            return self.samples[index][0]
+        return self.signatures[index].synthesize()
+
+
+class Runner:
+    """Executes calls of a tuned module. Subclasses override `run`."""
+
+    #: indices of signatures this runner can execute (others fall back)
+    supported: set[int]
+
+    def __init__(self, supported: set[int]):
+        self.supported = set(supported)
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        raise NotImplementedError
+
+    def memory_bytes(self) -> int:
+        """Device memory this runner holds beyond the module's own weights."""
+        return 0
+
+    def describe(self) -> dict:
+        """Extra facts for `stats` and `inspect`."""
+        return {}
+
+
+class Backend:
+    """Base class of backends; see the module docstring and DESIGN §3."""
+
+    name: ClassVar[str]
+    #: environment keys whose change invalidates this backend's saved artifacts
+    depends_on: ClassVar[tuple[str, ...]] = ()
+    #: True when saved artifacts may unpickle or run native code (DESIGN §5)
+    compiled_artifacts: ClassVar[bool] = False
+    #: True when the runner's outputs carry autograd history like eager's (device graphs do not)
+    supports_autograd: ClassVar[bool] = False
+
+    def available(self, device: torch.device) -> bool:
+        return True
+
+    def why_unavailable(self, device: torch.device) -> str:
+        return f"{self.name} cannot run on {device.type}"
+
+    def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        raise NotImplementedError
+
+    def save(self, runner: Runner, folder: Path) -> dict:
+        """Writes the runner's artifacts into ``folder``; returns its JSON config."""
+        return {}
+
+    def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
+                device: torch.device, *, use_artifacts: bool) -> Runner:
+        """Rebuilds the runner at load time from ``spec``'s signatures and saved artifacts.
+
+        ``use_artifacts`` is False when the saved compiled artifacts must not run
+        (untrusted source or environment mismatch): rebuild from portable parts.
+        """
+        return self.build(target, spec, device)
+
+    def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
+        return DEFAULT_TOLERANCES
+
+    def options(self) -> dict:
+        """Constructor options as JSON, so that a loader can rebuild the same backend."""
+        return {}
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({options})"
+
+
+BACKENDS: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    """Class decorator: makes a backend resolvable by its ``name`` from a manifest."""
+    BACKENDS[cls.name] = cls
+    return cls
+
+
+def backend_from_json(name: str, options: dict) -> Backend:
+    """The backend a manifest names; only registered backends resolve."""
+    try:
+        cls = BACKENDS[name]
+    except KeyError:
+        raise UnknownConfigError(
+            f"unknown backend {name!r}; this xpupack knows {', '.join(sorted(BACKENDS))} "
+            "— upgrade xpupack if the package was built by a newer one") from None
+    return cls(**options)

@@ -1,0 +1,46 @@
+"""The environment fingerprint stored in a package, and the comparison with the running one."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+import torch
+
+from . import _device
+
+__version__ = "0.1.0"
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """What a compiled artifact may depend on: library versions and the device."""
+    env = {
+        "xpupack": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchao": _version("torchao"),
+        "triton": _version("triton") or _version("pytorch-triton-xpu"),
+        "device_type": device.type,
+        "device_name": _device.device_name(device),
+    }
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        env["architecture"] = f"sm_{major}{minor}"
+        env["driver"] = torch.version.cuda
+    elif device.type == "xpu":
+        props = torch.xpu.get_device_properties(device)
+        env["architecture"] = getattr(props, "architecture", None) and str(props.architecture)
+        env["driver"] = getattr(props, "driver_version", None)
+    return env
+
+
+def differences(built: dict, here: dict, keys: tuple[str, ...]) -> dict[str, tuple]:
+    """``{key: (built, here)}`` for each of ``keys`` whose value differs."""
+    return {key: (built.get(key), here.get(key)) for key in keys if built.get(key) != here.get(key)}

@@ -1,0 +1,83 @@
+"""Every error xpupack raises on purpose.
+
+One base class, one subclass per failure a user can act on. Each message says
+what went wrong, where, and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class XpupackError(Exception):
+    """Base class of every error xpupack raises on purpose."""
+
+
+class PackageFormatError(XpupackError, ValueError):
+    """A package's manifest or spec is not valid JSON, fails its schema, or names a bad path."""
+
+    def __init__(self, message: str, *, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class IntegrityError(XpupackError):
+    """A file of the package is missing, changed, truncated, or not listed in the manifest."""
+
+    def __init__(self, message: str, *, path: str | None = None, expected: str | None = None,
+                 actual: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+
+
+class IncompatiblePackageError(XpupackError):
+    """The package was built in an environment whose artifacts cannot run here."""
+
+    def __init__(self, message: str, *, differences: dict | None = None):
+        super().__init__(message)
+        self.differences = differences or {}
+
+
+class ModelMismatchError(XpupackError, ValueError):
+    """The model given to `load` has another architecture than the one the package was built from."""
+
+    def __init__(self, message: str, *, expected=None, actual=None):
+        super().__init__(message)
+        self.expected = expected
+        self.actual = actual
+
+
+class BackendError(XpupackError):
+    """A backend could not build, save or restore a module (the reason says why)."""
+
+
+class BackendUnavailableError(BackendError):
+    """A backend cannot run on the requested device at all."""
+
+
+class OutputMismatchError(BackendError):
+    """A candidate backend's outputs differ from eager beyond the tolerance."""
+
+
+class NoCandidateError(XpupackError):
+    """No backend of the strategy could tune a module; the message lists each refusal."""
+
+
+class TuningError(XpupackError, ValueError):
+    """`tune` was called with arguments it cannot use (no samples, no matching module...)."""
+
+
+class NotTunedError(XpupackError, ValueError):
+    """The model has no tuned modules (call `xpupack.tune` or `xpupack.load` first)."""
+
+
+class SaveError(XpupackError):
+    """Writing the package failed; any previous package at the destination is untouched."""
+
+
+class UnknownConfigError(XpupackError, ValueError):
+    """A backend config names a type xpupack does not know (the message lists the known ones)."""
+
+
+class HubError(XpupackError):
+    """A Hugging Face Hub operation failed (repo or revision not found, offline with nothing cached...)."""

@@ -1,0 +1,305 @@
+"""`xpupack.load`: verify a package, restore weights and backends, activate (DESIGN §2, §5).
+
+Everything that can be checked is checked before the model is touched. The
+changes that follow (weights, device, backends, activation) go through one
+`_ModelEdit`, which puts every tensor and flag back if anything fails, so a
+failed load leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import _device
+from .backends.base import Backend, ModuleSpec, Target, backend_from_json
+from .backends.eager import EagerBackend
+from .environment import differences, environment
+from .errors import IncompatiblePackageError, IntegrityError, ModelMismatchError, PackageFormatError
+from .manifest import check_files, read_json, read_manifest
+from .signature import Signature, dtype_name
+from .tuned import Session, TunedModule, attach, detach, find_session
+
+log = logging.getLogger("xpupack")
+
+ON_MISMATCH = ("rebuild", "fallback", "error")
+
+
+@dataclass
+class Source:
+    """A package directory on disk and whether its compiled artifacts may run (DESIGN §5)."""
+
+    root: Path
+    trusted: bool
+    links_within: Path | None = None
+    description: str = ""
+
+
+@dataclass
+class _ModulePlan:
+    path: str
+    module: nn.Module
+    spec: ModuleSpec
+    backend: Backend
+    config: dict
+    folder: Path
+    use_artifacts: bool
+    note: str = ""
+
+
+def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
+         revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
+         token: str | bool | None = None, progress: Callable[[str], None] | None = None) -> nn.Module:
+    """Loads the package at ``path`` (a directory or a Hub repo id) into ``model`` and activates it.
+
+    The manifest is validated against its schema, every file's sha256 is
+    checked, and the model's architecture (state-dict names, shapes, dtypes) is
+    compared with the package's before anything changes. Then the package's
+    weights replace the model's (in the same Parameter objects), every backend
+    is rebuilt on ``device`` (device graphs are recorded again there), and the
+    tuned modules are activated. The model is put in eval mode.
+
+    Args:
+        model: a freshly built model of the architecture the package was built from.
+        path: a package directory, or ``"org/name"`` on the Hugging Face Hub.
+        device: where to run; default: the device of the model's parameters.
+        revision: Hub revision (branch, tag or commit hash).
+        on_mismatch: when the build environment differs in a way that invalidates
+            an artifact: ``"rebuild"`` it here, ``"fallback"`` to the original
+            module, or ``"error"`` (raise `IncompatiblePackageError`).
+        trust_compiled: run compiled artifacts from a Hub revision that is not
+            pinned by commit hash (local packages are always trusted).
+        token: Hugging Face token for private repos.
+        progress: called with short status messages.
+
+    Returns:
+        The same model object, tuned modules active.
+
+    Raises:
+        PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
+        IntegrityError: a file is missing, changed or unlisted.
+        ModelMismatchError: the model's architecture differs from the package's.
+        IncompatiblePackageError: with ``on_mismatch="error"``, what differs.
+
+    Example:
+        >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
+    """
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
+    source = resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token)
+    manifest = read_manifest(source.root)
+    check_files(source.root, manifest, links_within=source.links_within)
+    check_architecture(model, manifest, source.root)
+    device = _device.resolve(device, default=_device.model_device(model))
+    here = environment(device)
+    build_device = torch.device(manifest["device"])
+    plans = [_plan(model, module, source, manifest, build_device, device, here, on_mismatch)
+             for module in manifest["modules"]]
+    weights = _read_weights(source.root, manifest, device)
+
+    edit = _ModelEdit()
+    previous = find_session(model)
+    try:
+        if previous is not None:  # loading again replaces the earlier tuning
+            previous.deactivate()
+            detach(model)
+        edit.set_tensors(model, weights, device)
+        edit.set_eval(model)
+        _restore_shared(manifest, source, plans)
+        modules = {}
+        for number, plan in enumerate(plans, 1):
+            if progress:
+                progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
+            modules[plan.path] = _restore(plan, device, on_mismatch)
+        session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""))
+        attach(model, session)
+        session.activate()
+    except BaseException:
+        edit.rollback()
+        detach(model)
+        if previous is not None:
+            attach(model, previous)
+            if previous.active:
+                previous.activate()
+        raise
+    return model
+
+
+def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
+                   token: str | bool | None = None) -> Source:
+    """A local package directory as is; anything else is looked up on the Hub."""
+    local = Path(path).expanduser()
+    if local.exists() or revision is None and _looks_local(str(path)):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
+        return Source(local, trusted=True, description=str(local))
+    from .hub import download
+
+    return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)
+
+
+def _looks_local(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or text.count("/") != 1
+
+
+def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
+    """Raises `ModelMismatchError` unless the model's state dict has the package's names, shapes and dtypes."""
+    expected = manifest["model"]["tensors"]
+    actual = {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+              for name, t in model.state_dict().items()}
+    missing = [name for name in expected if name not in actual]
+    unexpected = [name for name in actual if name not in expected]
+    changed = [f"{name}: package {expected[name]['dtype']}{expected[name]['shape']}, "
+               f"model {actual[name]['dtype']}{actual[name]['shape']}"
+               for name in expected if name in actual and expected[name] != actual[name]]
+    paths = dict(model.named_modules())
+    absent = [m["path"] for m in manifest["modules"] if m["path"] not in paths]
+    if missing or unexpected or changed or absent:
+        problems = ([f"missing {name}" for name in missing[:5]] + [f"unexpected {name}" for name in unexpected[:5]]
+                    + changed[:5] + [f"no submodule {path!r}" for path in absent[:5]])
+        raise ModelMismatchError(
+            f"{type(model).__name__} does not match the package at {root} (built from "
+            f"{manifest['model']['class']}): " + "; ".join(problems)
+            + " — build the model with the same architecture and dtype as the package",
+            expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
+
+
+def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_device: torch.device,
+          device: torch.device, here: dict, on_mismatch: str) -> _ModulePlan:
+    path = entry["path"]
+    spec_data = read_json(source.root, entry["spec"], "spec")
+    try:
+        signatures = [Signature.from_json(s).on_device({build_device: device}) for s in spec_data["signatures"]]
+    except ValueError as exc:
+        raise PackageFormatError(f"{source.root / entry['spec']}: {exc}; rebuild the package",
+                                 path=entry["spec"]) from None
+    spec = ModuleSpec(signatures, calls=spec_data["calls"], unrecordable=spec_data["unrecordable"])
+    backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+    module = model.get_submodule(path)
+    plan = _ModulePlan(path, module, spec, backend, entry["backend"]["config"],
+                       source.root / entry["folder"] / backend.name, use_artifacts=True)
+
+    changed = differences(manifest["environment"], here, backend.depends_on)
+    unavailable = not backend.available(device)
+    if changed or unavailable:
+        what = ", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items()) or \
+            backend.why_unavailable(device)
+        if on_mismatch == "error":
+            raise IncompatiblePackageError(
+                f"{path or '<model>'}: the {backend.name} artifacts cannot run here ({what}); "
+                "load with on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
+                differences=changed)
+        if on_mismatch == "fallback" or unavailable:
+            plan.backend, plan.note = EagerBackend(), f"{backend.name} -> original module ({what})"
+        else:
+            plan.use_artifacts, plan.note = False, f"{backend.name} rebuilt here ({what})"
+        log.warning("%s: %s", path or "<model>", plan.note)
+    elif backend.compiled_artifacts and not source.trusted:
+        plan.use_artifacts = False
+        plan.note = (f"{backend.name} compiled here: {source.description} is not pinned by commit hash "
+                     "(pass trust_compiled=True to use its compiled artifacts)")
+        log.warning("%s: %s", path or "<model>", plan.note)
+    return plan
+
+
+def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor] | None:
+    relative = manifest["model"]["weights"]
+    if relative is None:
+        return None
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(root / relative), device=str(device))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise PackageFormatError(f"{root / relative} is not a readable safetensors file ({exc}); "
+                                 "rebuild the package", path=relative) from None
+    for alias, name in manifest["model"]["aliases"].items():
+        if name not in tensors:
+            raise PackageFormatError(f"alias {alias!r} in {root}/xpupack.json names {name!r}, "
+                                     f"which {relative} does not hold", path=relative)
+        tensors[alias] = tensors[name]
+    expected = manifest["model"]["tensors"]
+    for name, tensor in tensors.items():
+        spec = expected.get(name)
+        if spec is None or list(tensor.shape) != spec["shape"] or dtype_name(tensor.dtype) != spec["dtype"]:
+            raise PackageFormatError(f"{root / relative}: tensor {name!r} does not match the manifest; "
+                                     "rebuild the package", path=relative)
+    if set(tensors) != set(expected):
+        missing = sorted(set(expected) - set(tensors))[:5]
+        raise IntegrityError(f"{root / relative} lacks {missing}; rebuild the package", path=relative)
+    return tensors
+
+
+def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan]) -> None:
+    for name, shared in manifest["backends"].items():
+        users = [plan for plan in plans if plan.backend.name == name]
+        if users and hasattr(users[0].backend, "restore_shared"):
+            users[0].backend.restore_shared(shared["config"], source.root / shared["folder"],
+                                            use_artifacts=all(plan.use_artifacts for plan in users))
+
+
+def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> TunedModule:
+    target = Target(plan.path, plan.module, plan.module.forward)
+    report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.note or "from package"}]
+    try:
+        runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, device,
+                                      use_artifacts=plan.use_artifacts)
+    except Exception as exc:
+        if on_mismatch == "error":
+            raise
+        # serving beats crashing: the original module still gives eager's answers
+        log.warning("%s: restoring %s failed (%s: %s); running the original module",
+                    plan.path or "<model>", plan.backend.name, type(exc).__name__, exc)
+        eager = EagerBackend()
+        report = [{"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"},
+                  {"backend": "eager", "status": "chosen", "reason": "fallback after restore failure"}]
+        return TunedModule(target, plan.spec, eager, eager.build(target, plan.spec, device), report)
+    return TunedModule(target, plan.spec, plan.backend, runner, report)
+
+
+class _ModelEdit:
+    """Changes to a model that can all be undone: tensor swaps, training flags, sessions."""
+
+    def __init__(self):
+        self._undo: list[Callable[[], None]] = []
+
+    def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
+                    device: torch.device) -> None:
+        """Installs ``weights`` and moves every tensor to ``device``, keeping the Parameter objects."""
+        for module, state_name, name, tensor in _named_tensors(model):
+            new = weights.get(state_name, tensor) if weights is not None else tensor
+            if new.device != device:
+                new = new.to(device)
+            if new is tensor:
+                continue
+            if name in module._parameters:
+                old = tensor.data
+                tensor.data = new
+                self._undo.append(lambda p=tensor, old=old: setattr(p, "data", old))
+            else:
+                module._buffers[name] = new
+                self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
+
+    def set_eval(self, model: nn.Module) -> None:
+        flags = [(m, m.training) for m in model.modules()]
+        model.eval()
+        self._undo.append(lambda: [setattr(m, "training", flag) for m, flag in flags])
+
+    def rollback(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+def _named_tensors(model: nn.Module):
+    """``(module, state-dict name, attribute name, tensor)`` for each parameter and buffer."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is not None:
+                yield module, f"{prefix}.{name}" if prefix else name, name, tensor

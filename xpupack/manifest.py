@@ -1,0 +1,171 @@
+"""The package format, version 1 (DESIGN §2): manifest, specs, schemas, paths and digests.
+
+Everything here reads or writes JSON and bytes; nothing imports torch, so the
+commands that only look at a package stay fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import cache
+from importlib import resources
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .errors import IntegrityError, PackageFormatError
+
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+MANIFEST = "xpupack.json"
+MODEL_CARD = "README.md"
+#: files a package may hold without listing them (the Hub adds .gitattributes)
+UNLISTED_OK = frozenset({MANIFEST, MODEL_CARD, ".gitattributes"})
+#: folders a package may hold without listing them (huggingface_hub's local_dir metadata)
+UNLISTED_DIRS_OK = frozenset({".cache", ".git"})
+
+
+@cache
+def schema(name: str) -> dict:
+    """The JSON Schema ``name`` ("manifest" or "spec"), shipped as package data."""
+    text = resources.files("xpupack").joinpath("schemas", f"{name}.schema.json").read_text()
+    return json.loads(text)
+
+
+def validate(data: Any, name: str, where: str) -> None:
+    """Raises `PackageFormatError` naming ``where`` and the failing field unless ``data`` fits schema ``name``."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema(name))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is not None:
+        field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise PackageFormatError(f"{where} does not match the {name} schema at {field}: {error.message}; "
+                                 "the package is damaged or was not written by xpupack — rebuild it",
+                                 path=where)
+
+
+def read_json(root: Path, relative: str, schema_name: str) -> dict:
+    """Reads and validates one JSON file of a package (manifest or spec)."""
+    where = str(root / relative)
+    try:
+        text = (root / relative).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise IntegrityError(f"{where} is missing; the package is incomplete — rebuild or re-download it",
+                             path=where) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PackageFormatError(f"cannot read {where}: {exc}", path=where) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PackageFormatError(f"{where} is not valid JSON ({exc}); the package is damaged — "
+                                 "rebuild it with `xpupack build`", path=where) from None
+    if not isinstance(data, dict):
+        raise PackageFormatError(f"{where} must hold a JSON object", path=where)
+    version = data.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_VERSIONS:
+        newest = max(SUPPORTED_VERSIONS)
+        fix = "upgrade xpupack" if version > newest else "rebuild the package with this xpupack"
+        raise PackageFormatError(f"unsupported format_version {version} in {where}; this xpupack reads "
+                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))} — {fix}", path=where)
+    validate(data, schema_name, where)
+    return data
+
+
+def read_manifest(root: Path) -> dict:
+    """The validated manifest of the package at ``root``, every path in it checked."""
+    if not root.is_dir():
+        raise PackageFormatError(f"{root} is not a directory; pass the folder `xpupack build` wrote",
+                                 path=str(root))
+    if not (root / MANIFEST).is_file():
+        raise PackageFormatError(f"{root} is not an xpupack package: it has no {MANIFEST}",
+                                 path=str(root))
+    manifest = read_json(root, MANIFEST, "manifest")
+    paths = list(manifest["files"])
+    paths += [m[k] for m in manifest["modules"] for k in ("folder", "spec")]
+    paths += [b["folder"] for b in manifest["backends"].values()]
+    if manifest["model"]["weights"]:
+        paths.append(manifest["model"]["weights"])
+    for relative in paths:
+        check_relative(relative, root)
+    return manifest
+
+
+def check_relative(relative: str, root: Path) -> None:
+    """Refuses a path that is absolute, has ``..`` or a backslash, or escapes ``root``."""
+    pure = PurePosixPath(relative)
+    if (pure.is_absolute() or "\\" in relative or ".." in pure.parts or re.match(r"^[A-Za-z]:", relative)
+            or not relative or relative.startswith("~")):
+        raise PackageFormatError(f"{root / MANIFEST} names the path {relative!r}, which escapes the package; "
+                                 "refusing to load it", path=relative)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_files(root: Path) -> dict[str, dict]:
+    """``{relative path: {sha256, size}}`` for every file under ``root`` but the unlisted ones."""
+    files = {}
+    for path in sorted(root.rglob("*")):
+        relative = path.relative_to(root).as_posix()
+        if path.is_file() and relative not in UNLISTED_OK:
+            files[relative] = {"sha256": sha256_of(path), "size": path.stat().st_size}
+    return files
+
+
+def check_files(root: Path, manifest: dict, *, links_within: Path | None = None) -> None:
+    """Checks every listed file's size and digest, and that no unlisted file is present.
+
+    Symbolic links are refused, except links that resolve inside ``links_within``
+    (the Hugging Face cache, whose snapshots link to its blob store).
+    """
+    listed = manifest["files"]
+    for relative, expected in listed.items():
+        path = root / relative
+        _refuse_link(path, root, links_within)
+        if not path.is_file():
+            raise IntegrityError(f"{path} is listed in the manifest but missing; the package is incomplete "
+                                 "— rebuild or re-download it", path=relative)
+        size = path.stat().st_size
+        if size != expected["size"]:
+            raise IntegrityError(f"{path} has {size} bytes, the manifest says {expected['size']}; "
+                                 "the file is truncated or changed — rebuild or re-download the package",
+                                 path=relative, expected=str(expected["size"]), actual=str(size))
+        actual = sha256_of(path)
+        if actual != expected["sha256"]:
+            raise IntegrityError(f"{path} does not match its sha256 in the manifest; the file was changed "
+                                 "or damaged — rebuild or re-download the package",
+                                 path=relative, expected=expected["sha256"], actual=actual)
+    for path in root.rglob("*"):
+        relative = path.relative_to(root)
+        if relative.parts[0] in UNLISTED_DIRS_OK:
+            continue
+        if path.is_symlink() and relative.as_posix() not in listed:
+            _refuse_link(path, root, links_within)
+        if path.is_file() and relative.as_posix() not in listed and relative.as_posix() not in UNLISTED_OK:
+            raise IntegrityError(f"{path} is not listed in the manifest; something added it after the "
+                                 "build — remove it or rebuild the package", path=relative.as_posix())
+
+
+def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
+    current = root
+    for part in path.relative_to(root).parts:
+        current = current / part
+        if not current.is_symlink():
+            continue
+        if links_within is not None and current.resolve().is_relative_to(links_within.resolve()):
+            continue
+        raise IntegrityError(f"{current} is a symbolic link; packages must hold plain files — "
+                             "refusing to follow it", path=current.relative_to(root).as_posix())
+
+
+def module_folder(path: str) -> str:
+    """The package folder of the module at object path ``path`` (``modules/__model__`` for the whole model)."""
+    name = path or "__model__"
+    return "modules/" + re.sub(r"[^A-Za-z0-9._-]", lambda m: f"_{ord(m.group()):x}_", name)

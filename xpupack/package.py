@@ -1,0 +1,139 @@
+"""`xpupack.save`: writes a package directory, atomically (DESIGN §2)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from . import _fsutil
+from .backends.base import ModuleSpec
+from .card import model_card
+from .environment import __version__
+from .errors import SaveError, XpupackError
+from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, describe_files, module_folder, validate)
+from .signature import dtype_name
+from .tuned import session_of
+
+WEIGHTS = "model.safetensors"
+
+
+def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
+    """Writes the tuned ``model`` as a package directory at ``path``.
+
+    The package is written into a hidden sibling directory and moved into
+    place only when complete, so an existing package at ``path`` stays intact
+    until the new one replaces it. Recorded sample data is never written.
+
+    Args:
+        model: a model tuned by `xpupack.tune` (or loaded by `xpupack.load`).
+        path: the package directory; an existing package there is replaced.
+        weights: store the model's weights (``model.safetensors``). Without them,
+            a loader keeps whatever weights its model holds.
+
+    Returns:
+        The package directory.
+
+    Raises:
+        NotTunedError: the model was never tuned.
+        SaveError: the destination is a non-package directory, or writing failed.
+
+    Example:
+        >>> xpupack.save(model, "pkg/")
+    """
+    session = session_of(model)
+    root = Path(path)
+    if root.exists() and not (root / MANIFEST).is_file() and (not root.is_dir() or any(root.iterdir())):
+        raise SaveError(f"{root} exists and is not an xpupack package; refusing to replace it — "
+                        "choose another --out or remove it")
+    staging = _fsutil.temporary_sibling(root)
+    try:
+        manifest = _write_package(model, session, staging, weights)
+        described = {path: [sig.describe() for sig in tuned.spec.signatures]
+                     for path, tuned in session.modules.items()}
+        (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
+        _fsutil.replace_dir(staging, root)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, XpupackError) or not isinstance(exc, Exception):
+            raise
+        raise SaveError(f"writing {root} failed: {type(exc).__name__}: {exc}; "
+                        "any previous package there is unchanged") from exc
+    return root
+
+
+def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> dict:
+    state = model.state_dict()
+    tensors = {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in state.items()}
+    aliases = {}
+    if weights:
+        unique, aliases = _deduplicate(state)
+        save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
+                  str(staging / WEIGHTS), metadata={"format": "pt"})
+
+    modules, used_backends = [], {}
+    for path, tuned in session.modules.items():
+        folder = module_folder(path)
+        (staging / folder).mkdir(parents=True)
+        spec_file = f"{folder}/spec.json"
+        spec_data = spec_to_json(path, tuned.spec)
+        validate(spec_data, "spec", spec_file)
+        _write_json(staging / spec_file, spec_data)
+        backend = tuned.backend
+        config = backend.save(tuned.runner, staging / folder / backend.name)
+        used_backends.setdefault(backend.name, backend)
+        modules.append({"path": path, "folder": folder, "spec": spec_file,
+                        "backend": {"name": backend.name, "options": backend.options(), "config": config},
+                        "candidates": tuned.report})
+
+    shared = {}
+    for name, backend in used_backends.items():
+        if hasattr(backend, "save_shared"):
+            folder = f"backends/{name}"
+            shared[name] = {"folder": folder, "config": backend.save_shared(staging / folder)}
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "xpupack_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": session.environment,
+        "device": str(session.device),
+        "strategy": session.strategy,
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}", "tensors": tensors,
+                  "weights": WEIGHTS if weights else None, "aliases": aliases},
+        "modules": modules,
+        "backends": shared,
+        "files": describe_files(staging),
+    }
+    validate(manifest, "manifest", MANIFEST)
+    _write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
+    return manifest
+
+
+def spec_to_json(path: str, spec: ModuleSpec) -> dict:
+    return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
+            "unrecordable": dict(spec.unrecordable),
+            "signatures": [signature.to_json() for signature in spec.signatures]}
+
+
+def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Stores tensors that are views of the same memory (tied weights) once; the rest become aliases."""
+    unique, aliases, seen = {}, {}, {}
+    for name, tensor in state.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            unique[name] = tensor
+    return unique, aliases
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

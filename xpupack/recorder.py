@@ -1,0 +1,116 @@
+"""Recording: which submodules to tune, and how the samples call them."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .backends.base import ModuleSpec
+from .errors import TuningError
+from .signature import Signature, Unrecordable
+
+#: recorded samples kept per signature (only for accuracy checks and timing at tune time)
+SAMPLES_PER_SIGNATURE = 2
+
+
+def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str, nn.Module]:
+    """Object path -> module for every ``named_modules()`` path matching a glob pattern.
+
+    ``None`` selects the whole model as one unit (object path ``""``). Nested
+    selections are refused: a module and one of its ancestors cannot both be
+    tuned, because the outer backend would record the inner one.
+    """
+    if patterns is None:
+        return {"": model}
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns)
+    named = dict(model.named_modules())
+    selected = {path: module for path, module in named.items()
+                if path and any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)}
+    if not selected:
+        examples = ", ".join(list(p for p in named if p)[:8])
+        raise TuningError(f"no submodule matches {patterns}; object paths look like: {examples}")
+    for path in selected:
+        for other in selected:
+            if other != path and path.startswith(other + "."):
+                raise TuningError(f"both {other!r} and its submodule {path!r} are selected; "
+                                  "tune one or the other (narrow the --modules patterns)")
+    return selected
+
+
+def _snapshot(value: Any) -> Any:
+    """A detached copy of the tensors of a call, so later in-place updates do not change it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return value
+
+
+class _Recording:
+    def __init__(self):
+        self.index: dict[Signature, int] = {}
+        self.spec = ModuleSpec(signatures=[], samples=[])
+
+    def add(self, args: tuple, kwargs: dict) -> None:
+        spec = self.spec
+        spec.calls += 1
+        try:
+            signature = Signature.of_call(args, kwargs)
+        except Unrecordable as exc:
+            reason = f"calls with {exc} cannot be recorded; they run the original module"
+            spec.unrecordable[reason] = spec.unrecordable.get(reason, 0) + 1
+            return
+        index = self.index.get(signature)
+        if index is None:
+            index = self.index[signature] = len(spec.signatures)
+            spec.signatures.append(signature)
+            spec.samples.append([])
+        if len(spec.samples[index]) < SAMPLES_PER_SIGNATURE:
+            spec.samples[index].append((_snapshot(args), _snapshot(kwargs)))
+
+
+def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],
+           run: Callable[[nn.Module, Any], Any] | None,
+           progress: Callable[[str], None] | None = None) -> dict[str, ModuleSpec]:
+    """Runs ``samples`` through ``model`` and returns each selected module's recorded spec."""
+    recordings = {path: _Recording() for path in modules}
+    handles = [module.register_forward_pre_hook(
+        lambda _m, args, kwargs, rec=recordings[path]: rec.add(args, kwargs), with_kwargs=True)
+        for path, module in modules.items()]
+    count = 0
+    try:
+        with torch.no_grad():
+            for count, sample in enumerate(samples, 1):
+                if progress:
+                    progress(f"recording sample {count}")
+                _run_sample(model, sample, run)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if count == 0:
+        raise TuningError("samples is empty; pass at least one input the model is called with")
+    return {path: rec.spec for path, rec in recordings.items()}
+
+
+def _run_sample(model: nn.Module, sample: Any, run: Callable | None) -> None:
+    if run is not None:
+        run(model, sample)
+    elif isinstance(sample, torch.Tensor):
+        model(sample)
+    elif isinstance(sample, (tuple, list)):
+        model(*sample)
+    elif isinstance(sample, dict):
+        model(**sample)
+    else:
+        raise TuningError(f"cannot call the model with a {type(sample).__name__} sample; "
+                          "pass a tensor, tuple, list or dict, or give run=lambda model, item: ...")

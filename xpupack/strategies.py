@@ -1,0 +1,162 @@
+"""Strategies: which backend a module gets, and why the others were refused (DESIGN §1, §3).
+
+Every candidate must build and reproduce eager's outputs on the recorded
+samples within its tolerances before it can be chosen; each refusal is kept
+as a report entry that `xpupack inspect` shows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _timing
+from ._compare import mismatch
+from .backends.base import Backend, ModuleSpec, Runner, Target
+from .errors import NoCandidateError
+from .signature import flatten
+
+log = logging.getLogger("xpupack")
+
+
+class Rejected(Exception):
+    """A candidate backend was refused; the message is the reason."""
+
+
+def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
+                    references: list[list[Any]], device: torch.device) -> Runner:
+    """Builds ``backend`` for ``target`` and checks it against eager; raises `Rejected` with the reason."""
+    if not backend.available(device):
+        raise Rejected(backend.why_unavailable(device))
+    try:
+        runner = backend.build(target, spec, device)
+    except Exception as exc:
+        raise Rejected(f"build failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+    if not runner.supported:
+        raise Rejected("no recorded signature could be built")
+    with torch.no_grad():
+        for index in sorted(runner.supported):
+            for sample, expected in zip(spec.samples[index], references[index]):
+                args, kwargs = sample
+                leaves, _ = flatten(args, kwargs)
+                try:
+                    actual = runner.run(index, args, kwargs, leaves)
+                except Exception as exc:
+                    raise Rejected(f"running {spec.signatures[index].describe()} failed: "
+                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                problem = mismatch(actual, expected, backend.tolerances())
+                if problem:
+                    raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
+    return runner
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+class Strategy:
+    """Base class: picks one backend per module from a list of candidates."""
+
+    def __init__(self, backends: Sequence[Backend]):
+        if not backends:
+            raise ValueError(f"{type(self).__name__} needs at least one backend")
+        self.backends = list(backends)
+
+    def choose(self, target: Target, spec: ModuleSpec, references: list[list[Any]],
+               device: torch.device) -> tuple[Backend, Runner, list[dict]]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}([{', '.join(map(repr, self.backends))}])"
+
+
+class FirstWins(Strategy):
+    """The first backend, in order, that builds and matches eager wins.
+
+    Example:
+        >>> xpupack.FirstWins([xpupack.GraphBackend(), xpupack.InductorBackend(), xpupack.EagerBackend()])
+    """
+
+    def choose(self, target, spec, references, device):
+        report = []
+        for backend in self.backends:
+            try:
+                runner = check_candidate(backend, target, spec, references, device)
+            except Rejected as exc:
+                report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
+                continue
+            report.append({"backend": backend.name, "status": "chosen", "reason": "first to pass"})
+            return backend, runner, report
+        raise NoCandidateError(_explain(target, report))
+
+
+class Fastest(Strategy):
+    """Builds every candidate that passes, times each (device-synchronized), keeps the fastest."""
+
+    def __init__(self, backends: Sequence[Backend], *, iterations: int = 20):
+        super().__init__(backends)
+        self.iterations = iterations
+
+    def choose(self, target, spec, references, device):
+        report, timed = [], []
+        for backend in self.backends:
+            try:
+                runner = check_candidate(backend, target, spec, references, device)
+            except Rejected as exc:
+                report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
+                continue
+            total = self._time(runner, spec, device)
+            timed.append((total, backend, runner))
+            report.append({"backend": backend.name, "status": "accepted", "median_us": round(total, 2)})
+        if not timed:
+            raise NoCandidateError(_explain(target, report))
+        total, backend, runner = min(timed, key=lambda item: item[0])
+        for entry in report:
+            if entry["backend"] == backend.name and entry["status"] == "accepted":
+                entry["status"], entry["reason"] = "chosen", "fastest"
+        return backend, runner, report
+
+    def _time(self, runner: Runner, spec: ModuleSpec, device: torch.device) -> float:
+        total = 0.0
+        for index in sorted(runner.supported):
+            args, kwargs = spec.example(index)
+            leaves, _ = flatten(args, kwargs)
+            timing = _timing.measure(lambda: runner.run(index, args, kwargs, leaves), device,
+                                     iterations=self.iterations)
+            total += timing.median_us
+        return total
+
+
+class Only(Strategy):
+    """Uses one backend and raises its error if it cannot tune a module."""
+
+    def __init__(self, backend: Backend):
+        super().__init__([backend])
+
+    def choose(self, target, spec, references, device):
+        backend = self.backends[0]
+        try:
+            runner = check_candidate(backend, target, spec, references, device)
+        except Rejected as exc:
+            raise NoCandidateError(f"{target.path or '<model>'}: {backend.name} backend rejected: {exc}") from exc
+        return backend, runner, [{"backend": backend.name, "status": "chosen", "reason": "only candidate"}]
+
+
+def _explain(target: Target, report: list[dict]) -> str:
+    lines = [f"no backend could tune {target.path or '<model>'}:"]
+    lines += [f"  {entry['backend']}: {entry.get('reason', '')}" for entry in report]
+    lines.append("add EagerBackend() to the strategy to keep such modules untuned")
+    return "\n".join(lines)
+
+
+def default_strategy() -> Strategy:
+    """``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``."""
+    from .backends.eager import EagerBackend
+    from .backends.graph import GraphBackend
+    from .backends.inductor import InductorBackend
+
+    return FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])

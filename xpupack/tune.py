@@ -1,0 +1,106 @@
+"""`xpupack.tune`: record, choose a backend per module, activate."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _device
+from .backends.base import ModuleSpec, Target
+from .backends.eager import EagerBackend
+from .environment import environment
+from .recorder import record, select_modules
+from .strategies import Strategy, default_strategy
+from .tuned import Session, TunedModule, attach, detach, find_session
+
+log = logging.getLogger("xpupack")
+
+
+def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
+         device: str | torch.device | None = None, strategy: Strategy | None = None,
+         run: Callable[[nn.Module, Any], Any] | None = None, *,
+         progress: Callable[[str], None] | None = None) -> nn.Module:
+    """Tunes ``model`` in place and returns it, with the tuned modules active.
+
+    The samples run through the model (in eval mode, without autograd) while
+    the selected modules' calls are recorded; then each module gets the first
+    (or fastest) backend of ``strategy`` whose outputs match eager.
+
+    Args:
+        model: the model; it is put in eval mode.
+        samples: inputs the model is called with: a tensor (``model(x)``), a
+            tuple/list (``model(*x)``), a dict (``model(**x)``), or anything ``run`` takes.
+        modules: glob patterns over ``named_modules()`` paths (``"layers.*.mlp"``);
+            None tunes the whole model as one unit.
+        device: where to tune; the model (and tensor samples) move there. Default:
+            the device of the model's parameters.
+        strategy: default ``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``.
+        run: ``run(model, item)`` drives the model for one sample (e.g. a ``generate()`` loop).
+        progress: called with short status messages (the CLI shows them).
+
+    Returns:
+        The same model object.
+
+    Raises:
+        TuningError: no samples, or no module matches ``modules``.
+        NoCandidateError: a module no backend of the strategy could tune.
+
+    Example:
+        >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
+        >>> xpupack.save(model, "pkg/")
+    """
+    strategy = strategy or default_strategy()
+    device = _device.resolve(device, default=_device.model_device(model))
+    previous = find_session(model)
+    if previous is not None:  # re-tuning replaces the earlier tuning
+        previous.deactivate()
+        detach(model)
+    model.to(device)
+    model.eval()
+    if run is None:
+        samples = [_to_device(sample, device) for sample in samples]
+    selected = select_modules(model, modules)
+    specs = record(model, selected, samples, run, progress)
+
+    tuned: dict[str, TunedModule] = {}
+    for number, (path, module) in enumerate(selected.items(), 1):
+        spec = specs[path]
+        target = Target(path, module, module.forward)
+        if progress:
+            progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, "
+                     f"{len(spec.signatures)} signature(s))")
+        tuned[path] = _tune_one(target, spec, strategy, device)
+        spec.samples = []  # recorded data is never kept beyond tuning
+    session = Session(tuned, device, environment=environment(device), strategy=repr(strategy))
+    attach(model, session)
+    session.activate()
+    return model
+
+
+def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torch.device) -> TunedModule:
+    if not spec.signatures:
+        why = "never called by the samples" if not spec.calls else "; ".join(spec.unrecordable)
+        log.warning("%s: %s; it stays eager", target.path or "<model>", why)
+        backend = EagerBackend()
+        return TunedModule(target, spec, backend, backend.build(target, spec, device),
+                           [{"backend": "eager", "status": "chosen", "reason": why}])
+    with torch.no_grad():
+        references = [[target.forward(*args, **kwargs) for args, kwargs in samples]
+                      for samples in spec.samples]
+    backend, runner, report = strategy.choose(target, spec, references, device)
+    log.info("%s: %s", target.path or "<model>", backend.name)
+    return TunedModule(target, spec, backend, runner, report)
+
+
+def _to_device(sample: Any, device: torch.device) -> Any:
+    if isinstance(sample, torch.Tensor):
+        return sample.to(device)
+    if type(sample) in (tuple, list):
+        return type(sample)(_to_device(x, device) for x in sample)
+    if isinstance(sample, dict):
+        return {k: _to_device(v, device) for k, v in sample.items()}
+    return sample

@@ -1,0 +1,192 @@
+"""Tuned modules: the fit check, the fallback rule, and stats (DESIGN §4).
+
+A tuned module keeps its class, parameters and state-dict keys. Activation
+sets an instance attribute ``forward`` to a `TunedModule`, which checks each
+call against the recorded signatures: a fitting call runs the backend, any
+other call runs the original forward (the fallback) and is counted.
+Deactivation removes the attribute, so the module is exactly as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .backends.base import Backend, ModuleSpec, Runner, Target
+from .errors import NotTunedError
+from .signature import call_key, flatten
+
+log = logging.getLogger("xpupack")
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """One call that ran the original module instead of the tuned backend."""
+
+    path: str
+    reason: str
+
+
+_fallback_listeners: list[Callable[[FallbackEvent], None]] = []
+
+
+def add_fallback_listener(listener: Callable[[FallbackEvent], None]) -> Callable[[], None]:
+    """Calls ``listener`` on every fallback; returns a function that removes it."""
+    _fallback_listeners.append(listener)
+    return lambda: _fallback_listeners.remove(listener)
+
+
+class TunedModule:
+    """The ``forward`` of a tuned module: fit check, then backend or fallback."""
+
+    def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
+                 report: list[dict] | None = None):
+        self.target = target
+        self.spec = spec
+        self.backend = backend
+        self.backend_name = backend.name
+        self.runner = runner
+        self.report = report or []
+        self.calls = 0
+        self.fallbacks = 0
+        self.backend_errors: dict[int, str] = {}
+        self._logged: set = set()
+        self._params = list(target.module.parameters())
+        self._check_grad = not backend.supports_autograd
+        self._table = {signature.key: index for index, signature in enumerate(spec.signatures)
+                       if index in runner.supported}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        module = self.target.module
+        leaves, treespec = flatten(args, kwargs)
+        try:
+            index = self._table.get(call_key(treespec, leaves))
+        except TypeError:  # an unhashable leaf never fits
+            index = None
+        if index is None:
+            return self._fallback(args, kwargs, "signature", leaves, treespec)
+        if module.training:
+            return self._fallback(args, kwargs, "training mode", leaves, treespec)
+        if self._check_grad and torch.is_grad_enabled() and self._needs_grad(leaves):
+            return self._fallback(args, kwargs, "autograd needed", leaves, treespec)
+        try:
+            return self.runner.run(index, args, kwargs, leaves)
+        except Exception as exc:  # a broken backend must never break the model: fall back
+            self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
+            self._table = {k: i for k, i in self._table.items() if i != index}
+            log.warning("%s: %s backend failed (%s); this signature now runs the original module",
+                        self.target.path or "<model>", self.backend_name, exc)
+            return self._fallback(args, kwargs, "backend error", leaves, treespec)
+
+    def _needs_grad(self, leaves: list) -> bool:
+        return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+                or any(p.requires_grad for p in self._params))
+
+    def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list, treespec: Any) -> Any:
+        self.fallbacks += 1
+        if reason == "signature":
+            reason = "no recorded signature fits " + _describe_call(leaves)
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("%s: %s; running the original module", self.target.path or "<model>", reason)
+        if _fallback_listeners:
+            event = FallbackEvent(self.target.path, reason)
+            for listener in list(_fallback_listeners):
+                listener(event)
+        return self.target.forward(*args, **kwargs)
+
+    def stats(self) -> dict:
+        return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks,
+                "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
+                "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
+                **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {})}
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot deepcopy a model with active xpupack modules; "
+                        "call xpupack.deactivate(model) first, or copy it before tuning")
+
+
+def _describe_call(leaves: list) -> str:
+    parts = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}@{x.device}")
+        else:
+            parts.append(repr(x) if len(repr(x)) < 40 else type(x).__name__)
+    return "(" + ", ".join(parts) + ")"
+
+
+@dataclass
+class Session:
+    """Everything xpupack knows about one tuned model."""
+
+    modules: dict[str, TunedModule]
+    device: torch.device
+    active: bool = False
+    environment: dict = field(default_factory=dict)
+    strategy: str = ""
+
+    def activate(self) -> None:
+        for tuned in self.modules.values():
+            tuned.target.module.forward = tuned
+        self.active = True
+
+    def deactivate(self) -> None:
+        for tuned in self.modules.values():
+            module = tuned.target.module
+            if module.__dict__.get("forward") is tuned:
+                del module.forward
+        self.active = False
+
+
+_sessions: "weakref.WeakKeyDictionary[nn.Module, Session]" = weakref.WeakKeyDictionary()
+
+
+def session_of(model: nn.Module) -> Session:
+    try:
+        return _sessions[model]
+    except KeyError:
+        raise NotTunedError(f"{type(model).__name__} has no tuned modules; "
+                            "call xpupack.tune(model, samples) or xpupack.load(model, path) first") from None
+
+
+def find_session(model: nn.Module) -> Session | None:
+    return _sessions.get(model)
+
+
+def attach(model: nn.Module, session: Session) -> None:
+    _sessions[model] = session
+
+
+def detach(model: nn.Module) -> None:
+    _sessions.pop(model, None)
+
+
+def stats(model: nn.Module) -> dict[str, dict]:
+    """Per tuned module (by object path): backend, calls, fallbacks, signatures, memory.
+
+    Example:
+        >>> xpupack.stats(model)["layers.0.mlp"]
+        {'backend': 'graph', 'calls': 10, 'fallbacks': 1, 'signatures': 2, ...}
+    """
+    session = session_of(model)
+    return {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
+
+
+def activate(model: nn.Module) -> nn.Module:
+    """Routes calls of the tuned modules through their backends again (after `deactivate`)."""
+    session_of(model).activate()
+    return model
+
+
+def deactivate(model: nn.Module) -> nn.Module:
+    """Restores every tuned module's original forward; `activate` undoes it."""
+    session_of(model).deactivate()
+    return model
