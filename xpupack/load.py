@@ -23,21 +23,12 @@ from .environment import differences, environment
 from .errors import IncompatiblePackageError, IntegrityError, ModelMismatchError, PackageFormatError
 from .manifest import check_files, read_json, read_manifest
 from .signature import Signature, dtype_name
-from .tuned import Session, TunedModule, attach, detach, find_session
+from .source import Source, resolve_source
+from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
 
 ON_MISMATCH = ("rebuild", "fallback", "error")
-
-
-@dataclass
-class Source:
-    """A package directory on disk and whether its compiled artifacts may run (DESIGN §5)."""
-
-    root: Path
-    trusted: bool
-    links_within: Path | None = None
-    description: str = ""
 
 
 @dataclass
@@ -116,7 +107,8 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             if progress:
                 progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
             modules[plan.path] = _restore(plan, device, on_mismatch)
-        session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""))
+        session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
+                          architecture=manifest["model"]["tensors"])
         attach(model, session)
         session.activate()
     except BaseException:
@@ -130,28 +122,10 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     return model
 
 
-def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
-                   token: str | bool | None = None) -> Source:
-    """A local package directory as is; anything else is looked up on the Hub."""
-    local = Path(path).expanduser()
-    if local.exists() or revision is None and _looks_local(str(path)):
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
-        return Source(local, trusted=True, description=str(local))
-    from .hub import download
-
-    return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)
-
-
-def _looks_local(text: str) -> bool:
-    return text.startswith((".", "/", "~")) or text.count("/") != 1
-
-
 def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
     """Raises `ModelMismatchError` unless the model's state dict has the package's names, shapes and dtypes."""
     expected = manifest["model"]["tensors"]
-    actual = {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-              for name, t in model.state_dict().items()}
+    actual = describe_architecture(model)
     missing = [name for name in expected if name not in actual]
     unexpected = [name for name in actual if name not in expected]
     changed = [f"{name}: package {expected[name]['dtype']}{expected[name]['shape']}, "
@@ -230,8 +204,10 @@ def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str,
         if spec is None or list(tensor.shape) != spec["shape"] or dtype_name(tensor.dtype) != spec["dtype"]:
             raise PackageFormatError(f"{root / relative}: tensor {name!r} does not match the manifest; "
                                      "rebuild the package", path=relative)
-    if set(tensors) != set(expected):
-        missing = sorted(set(expected) - set(tensors))[:5]
+    owned = {f"{m['path']}.{name}" if m["path"] else name
+             for m in manifest["modules"] for name in m.get("owned_tensors", [])}
+    if set(tensors) != set(expected) - owned:
+        missing = sorted(set(expected) - owned - set(tensors))[:5]
         raise IntegrityError(f"{root / relative} lacks {missing}; rebuild the package", path=relative)
     return tensors
 

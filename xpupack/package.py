@@ -17,7 +17,6 @@ from .card import model_card
 from .environment import __version__
 from .errors import SaveError, XpupackError
 from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, describe_files, module_folder, validate)
-from .signature import dtype_name
 from .tuned import session_of
 
 WEIGHTS = "model.safetensors"
@@ -69,10 +68,11 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
 
 def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> dict:
     state = model.state_dict()
-    tensors = {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in state.items()}
+    owned = {f"{path}.{name}" if path else name
+             for path, tuned in session.modules.items() for name in tuned.runner.owned_tensors()}
     aliases = {}
     if weights:
-        unique, aliases = _deduplicate(state)
+        unique, aliases = _deduplicate({k: v for k, v in state.items() if k not in owned})
         save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
                   str(staging / WEIGHTS), metadata={"format": "pt"})
 
@@ -88,6 +88,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         config = backend.save(tuned.runner, staging / folder / backend.name)
         used_backends.setdefault(backend.name, backend)
         modules.append({"path": path, "folder": folder, "spec": spec_file,
+                        "owned_tensors": sorted(tuned.runner.owned_tensors()),
                         "backend": {"name": backend.name, "options": backend.options(), "config": config},
                         "candidates": tuned.report})
 
@@ -104,7 +105,8 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         "environment": session.environment,
         "device": str(session.device),
         "strategy": session.strategy,
-        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}", "tensors": tensors,
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+                  "tensors": session.architecture,
                   "weights": WEIGHTS if weights else None, "aliases": aliases},
         "modules": modules,
         "backends": shared,

@@ -15,7 +15,7 @@ from .backends.eager import EagerBackend
 from .environment import environment
 from .recorder import record, select_modules
 from .strategies import Strategy, default_strategy
-from .tuned import Session, TunedModule, attach, detach, find_session
+from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
 
@@ -63,6 +63,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     model.eval()
     if run is None:
         samples = [_to_device(sample, device) for sample in samples]
+    architecture = describe_architecture(model)
     selected = select_modules(model, modules)
     specs = record(model, selected, samples, run, progress)
 
@@ -75,7 +76,8 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
                      f"{len(spec.signatures)} signature(s))")
         tuned[path] = _tune_one(target, spec, strategy, device)
         spec.samples = []  # recorded data is never kept beyond tuning
-    session = Session(tuned, device, environment=environment(device), strategy=repr(strategy))
+    session = Session(tuned, device, environment=environment(device), strategy=repr(strategy),
+                      architecture=architecture)
     attach(model, session)
     session.activate()
     return model

@@ -132,6 +132,8 @@ class Session:
     active: bool = False
     environment: dict = field(default_factory=dict)
     strategy: str = ""
+    #: state-dict name -> {"shape", "dtype"} of the model as built, before any backend changed it
+    architecture: dict = field(default_factory=dict)
 
     def activate(self) -> None:
         for tuned in self.modules.values():
@@ -147,6 +149,12 @@ class Session:
 
 
 _sessions: "weakref.WeakKeyDictionary[nn.Module, Session]" = weakref.WeakKeyDictionary()
+
+
+def describe_architecture(model: nn.Module) -> dict[str, dict]:
+    """State-dict name -> ``{"shape", "dtype"}``: what a package records and a loader checks."""
+    return {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in model.state_dict().items()}
 
 
 def session_of(model: nn.Module) -> Session:

@@ -61,6 +61,13 @@ class Runner:
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         raise NotImplementedError
 
+    def owned_tensors(self) -> set[str]:
+        """State-dict names (relative to the module) whose values the backend saves itself.
+
+        They are left out of ``model.safetensors`` (e.g. quantized weights).
+        """
+        return set()
+
     def memory_bytes(self) -> int:
         """Device memory this runner holds beyond the module's own weights."""
         return 0

@@ -1,0 +1,75 @@
+"""Shared fixtures: isolated caches, the emulated graph device, hardware markers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from emulated_graph import EmulatedGraphs
+from xpupack import _device
+
+
+def _graph_device() -> str | None:
+    for device_type in ("xpu", "cuda"):
+        module = getattr(torch, device_type, None)
+        if module is not None and module.is_available():
+            return device_type
+    return None
+
+
+GRAPH_DEVICE = _graph_device()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Applies the hardware markers from one capability probe."""
+    have = {"requires_graph_device": GRAPH_DEVICE is not None,
+            "requires_cuda": torch.cuda.is_available(),
+            "requires_xpu": hasattr(torch, "xpu") and torch.xpu.is_available()}
+    for item in items:
+        for marker, available in have.items():
+            if marker in item.keywords and not available:
+                item.add_marker(pytest.mark.skip(reason=f"{marker}: no such device here"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache(tmp_path_factory):
+    """One Inductor cache for the whole run, so a module compiles once per run, never from the user's cache."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("XPUPACK_CACHE", str(tmp_path / "xpupack-cache"))
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """Device graphs on CPU through `EmulatedGraphs` (for the graph backend's logic)."""
+    api = EmulatedGraphs()
+    monkeypatch.setitem(_device.GRAPH_APIS, "cpu", api)
+    return api
+
+
+@pytest.fixture
+def run_python(tmp_path):
+    """Runs a Python snippet in a fresh process; returns its stdout (fails the test on a non-zero exit)."""
+
+    def run(code: str, *, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        script = tmp_path / "snippet.py"
+        script.write_text(textwrap.dedent(code))
+        tests_dir = os.path.dirname(__file__)
+        full_env = {**os.environ, "PYTHONPATH": tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    **(env or {})}
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                                env=full_env, timeout=600)
+        if check and result.returncode != 0:
+            pytest.fail(f"fresh process failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        return result
+
+    return run

@@ -1,0 +1,54 @@
+"""A test-only stand-in for device graphs on CPU.
+
+`capture` runs the function once into static outputs; `replay` runs it again
+and copies the results into those same output tensors. The function reads
+only the static input buffers, so the graph backend's static-buffer,
+signature-dispatch, aliasing and invalidation logic runs exactly as on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from xpupack.signature import flatten
+
+
+class EmulatedGraphs:
+    device_type = "cpu"
+
+    def __init__(self):
+        self.captures = 0
+        self.replays = 0
+        self.fail_capture: Callable[[], bool] = lambda: False
+
+    def available(self) -> bool:
+        return True
+
+    def shared_pool(self, device: torch.device) -> Any:
+        return None
+
+    def memory_in_use(self, device: torch.device) -> int:
+        return 0
+
+    def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
+                warmup: int = 2) -> tuple[Callable[[], None], Any]:
+        with torch.no_grad():
+            for _ in range(warmup):
+                fn()
+            if self.fail_capture():
+                raise RuntimeError("emulated capture failure")
+            outputs = fn()
+        self.captures += 1
+        static_leaves, _ = flatten((outputs,), {})
+
+        def replay() -> None:
+            self.replays += 1
+            with torch.no_grad():
+                fresh, _ = flatten((fn(),), {})
+            for static, value in zip(static_leaves, fresh):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(value)
+
+        return replay, outputs

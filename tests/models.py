@@ -1,0 +1,42 @@
+"""Small models for the tests (the demo transformer lives in `xpupack.examples`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ScaledMLP(nn.Module):
+    """An MLP with a constant keyword (``scale``) and an optional tensor (``bias``)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x, scale: float = 1.0, bias=None):
+        y = self.down(torch.relu(self.up(x))) * scale
+        return y if bias is None else y + bias
+
+
+class Stack(nn.Module):
+    """Two sibling MLPs with the same class: ``layers.0.mlp`` and ``layers.1.mlp``."""
+
+    def __init__(self, width: int = 8, depth: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"mlp": ScaledMLP(width)}) for _ in range(depth))
+
+    def forward(self, x, scale: float = 1.0):
+        for layer in self.layers:
+            x = x + layer["mlp"](x, scale=scale)
+        return x
+
+
+def make_stack(seed: int = 0) -> Stack:
+    torch.manual_seed(seed)
+    return Stack().eval()
+
+
+def stack_samples() -> list:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 8, generator=generator), torch.randn(4, 8, generator=generator)]

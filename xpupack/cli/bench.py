@@ -1,0 +1,42 @@
+"""``xpupack bench``: load a package and time each tuned module against eager."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import console, echo_json, handle_errors, import_object, json_option
+
+
+@click.command()
+@click.argument("package", metavar="DIR|ORG/NAME")
+@click.option("--model", "model_factory", required=True, metavar="MODULE:FACTORY",
+              help="Function building the model the package was made from.")
+@click.option("--device", default=None, help="Device to load onto. Default: the best device here.")
+@click.option("--iterations", default=50, show_default=True, help="Timed calls per signature.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
+@json_option
+@handle_errors
+def bench(package, model_factory, device, iterations, revision, as_json):
+    """Load PACKAGE into MODULE:FACTORY's model and report, per recorded signature, the tuned
+    module's latency against eager (device-synchronized; median and p90, in microseconds)."""
+    import xpupack
+    from xpupack._device import resolve
+    from xpupack.bench import benchmark
+
+    model = import_object(model_factory, "--model")()
+    model = xpupack.load(model, package, device=resolve(device), revision=revision)
+    rows = benchmark(model, iterations=iterations)
+    if as_json:
+        echo_json({"package": package, "device": str(xpupack.tuned.session_of(model).device), "results": rows})
+        return
+    from rich.table import Table
+
+    table = Table("module", "signature", "backend", "tuned median µs", "tuned p90 µs", "eager median µs",
+                  "eager p90 µs", "speedup")
+    for row in rows:
+        table.add_row(row["module"] or "<model>", row["signature"],
+                      row["backend"] + (" (fell back)" if row["fell_back"] else ""),
+                      f"{row['tuned']['median_us']:.1f}", f"{row['tuned']['p90_us']:.1f}",
+                      f"{row['eager']['median_us']:.1f}", f"{row['eager']['p90_us']:.1f}",
+                      f"{row['speedup']:.2f}×")
+    console().print(table)

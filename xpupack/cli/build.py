@@ -1,0 +1,86 @@
+"""``xpupack build``: tune a model from a factory and samples, write a package."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from ._common import console, handle_errors, import_object
+
+
+def parse_backends(text: str):
+    """``"graph,inductor,eager"`` -> backend instances; ``name:argument`` passes one argument
+    (``torchao:int8-weight-only``); ``graph+name:argument`` records that backend as a device graph."""
+    from ..backends.base import BACKENDS
+    from ..backends.graph import GraphBackend
+
+    def one(item: str):
+        name, _, argument = item.partition(":")
+        if name not in BACKENDS:
+            raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(BACKENDS))}",
+                                     param_hint="--backends")
+        return BACKENDS[name](argument) if argument else BACKENDS[name]()
+
+    backends = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        if item.startswith("graph+"):
+            backends.append(GraphBackend(base=one(item.removeprefix("graph+"))))
+        else:
+            backends.append(one(item))
+    if not backends:
+        raise click.BadParameter("name at least one backend", param_hint="--backends")
+    return backends
+
+
+@click.command()
+@click.argument("model_factory", metavar="MODULE:FACTORY")
+@click.option("--samples", "samples_factory", required=True, metavar="MODULE:FN",
+              help="Function returning the sample inputs (an iterable; each item a tensor, tuple or dict).")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Package directory to write (an existing package there is replaced atomically).")
+@click.option("--modules", "modules", multiple=True, metavar="GLOB",
+              help="Submodules to tune, as globs over object paths (repeatable), e.g. 'layers.*.mlp'. "
+                   "Default: the whole model as one unit.")
+@click.option("--device", default=None, help="xpu, cuda, cuda:1 or cpu. Default: the best device here.")
+@click.option("--backends", "backends", default="graph,inductor,eager", show_default=True,
+              help="Candidate backends in order of preference, comma-separated.")
+@click.option("--strategy", type=click.Choice(["first-wins", "fastest"]), default="first-wins",
+              show_default=True, help="first-wins keeps the first backend that matches eager; "
+                                      "fastest times all that match and keeps the fastest.")
+@click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
+@handle_errors
+def build(model_factory, samples_factory, out, modules, device, backends, strategy, no_weights):
+    """Tune MODULE:FACTORY's model on its samples and write a package to --out.
+
+    \b
+    Example:
+      xpupack build xpupack.examples:tiny_transformer \\
+          --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
+    """
+    out_console = console()
+    started = time.perf_counter()
+    make_model = import_object(model_factory, "MODULE:FACTORY")
+    make_samples = import_object(samples_factory, "--samples")
+    with out_console.status("importing torch") as status:
+        import xpupack
+
+        candidates = parse_backends(backends)
+        chosen = (xpupack.Fastest if strategy == "fastest" else xpupack.FirstWins)(candidates)
+        status.update("building the model")
+        model = make_model()
+        samples = make_samples()
+
+        def progress(message: str) -> None:
+            status.update(message)
+
+        xpupack.tune(model, samples, modules=list(modules) or None, device=device, strategy=chosen,
+                     progress=progress)
+        status.update(f"writing {out}")
+        xpupack.save(model, out, weights=not no_weights)
+
+    from .inspect import print_report
+    from ..report import package_report
+
+    print_report(package_report(out), out_console)
+    out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s")

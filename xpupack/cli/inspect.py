@@ -1,0 +1,101 @@
+"""``xpupack inspect`` and ``xpupack verify``: look at a package without loading a model."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ._common import console, echo_json, handle_errors, json_option
+
+_revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
+
+
+def _source(package: str, revision: str | None):
+    from ..source import resolve_source
+
+    return resolve_source(package, revision=revision)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_report(report: dict, out) -> None:
+    """Renders `package_report` as tables."""
+    from rich.table import Table
+
+    env = report["environment"]
+    out.print(f"[bold]{report['package']}[/bold]  format {report['format_version']}, "
+              f"xpupack {report['xpupack_version']}, built {report['created']} on {report['device']}")
+    out.print(f"environment: torch {env['torch']}, torchao {env.get('torchao')}, triton {env.get('triton')}, "
+              f"python {env['python']}, {env['device_type']} {env['device_name']}"
+              + (f" ({env['architecture']})" if env.get("architecture") else ""))
+    out.print(f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
+              f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
+              f"package {_size(report['total_bytes'])}")
+    table = Table("module", "backend", "signatures", "candidates", "size")
+    for module in report["modules"]:
+        candidates = "\n".join(
+            f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
+            + (f" ({c['median_us']} µs)" if "median_us" in c else "") for c in module["candidates"])
+        signatures = "\n".join(module["signatures"]) or "—"
+        if module["unrecordable"]:
+            signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
+        table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
+                      _size(module["size_bytes"]))
+    out.print(table)
+
+
+@click.command()
+@click.argument("package", metavar="DIR|ORG/NAME")
+@_revision
+@json_option
+@handle_errors
+def inspect(package, revision, as_json):
+    """Show a package's modules, chosen backends, rejected candidates and why, recorded signatures,
+    build environment and file sizes."""
+    from ..report import package_report
+
+    report = package_report(_source(package, revision))
+    if as_json:
+        echo_json(report)
+    else:
+        print_report(report, console())
+
+
+@click.command()
+@click.argument("package", metavar="DIR|ORG/NAME")
+@_revision
+@click.option("--device", default=None, help="Device to check compatibility against. Default: the best here.")
+@json_option
+@handle_errors
+def verify(package, revision, device, as_json):
+    """Check a package: schema, every file's sha256, and compatibility with this machine.
+
+    \b
+    Exit status: 0 when the package is intact and everything in it runs here as built;
+    1 when it is damaged (nothing is loaded from such a package);
+    2 when it is intact but some modules would be rebuilt or run the original module here.
+    """
+    from ..report import verify_package
+
+    result = verify_package(_source(package, revision), device=device)
+    degraded = any(not entry["compatible"] for entry in result["compatibility"].values())
+    if as_json:
+        echo_json(result)
+    else:
+        out = console()
+        for problem in result["problems"]:
+            out.print(f"[red]problem:[/red] {problem}")
+        for path, entry in result["compatibility"].items():
+            colour = "green" if entry["compatible"] else "yellow"
+            out.print(f"[{colour}]{path}[/{colour}] ({entry['backend']}): {entry['status']}")
+        if result["ok"]:
+            out.print("[green]intact[/green]: schema and every file's sha256 check out"
+                      + ("" if not degraded else "; some modules will not run as built here"))
+    sys.exit(1 if not result["ok"] else 2 if degraded else 0)

@@ -1,0 +1,110 @@
+"""What `xpupack inspect` and `xpupack verify` report about a package.
+
+`package_report` reads JSON only (no torch import); `verify_package` also
+compares the build environment with this machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import XpupackError
+from .manifest import check_files, read_json, read_manifest
+from .source import Source
+
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
+          "int32": "i32", "bool": "bool"}
+
+
+def describe_signature(data: dict) -> str:
+    """``(f32[1,16,64], 2.0)`` from a signature's JSON."""
+    parts = []
+    for leaf in data["leaves"]:
+        if leaf["kind"] == "tensor":
+            parts.append(f"{_SHORT.get(leaf['dtype'], leaf['dtype'])}[{','.join(map(str, leaf['shape']))}]")
+        else:
+            parts.append(repr(leaf["value"]))
+    return "(" + ", ".join(parts) + ")"
+
+
+def package_report(source: Source | str | Path) -> dict:
+    """Modules, backends, candidates and reasons, signatures, environment and sizes of a package."""
+    source = source if isinstance(source, Source) else Source(Path(source), trusted=True,
+                                                             description=str(source))
+    root = source.root
+    manifest = read_manifest(root)
+    modules = []
+    for entry in manifest["modules"]:
+        spec = read_json(root, entry["spec"], "spec")
+        prefix = entry["folder"] + "/"
+        modules.append({
+            "path": entry["path"],
+            "backend": entry["backend"]["name"],
+            "options": entry["backend"]["options"],
+            "candidates": entry["candidates"],
+            "signatures": [describe_signature(s) for s in spec["signatures"]],
+            "calls_recorded": spec["calls"],
+            "unrecordable": spec["unrecordable"],
+            "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
+        })
+    return {
+        "package": source.description or str(root),
+        "format_version": manifest["format_version"],
+        "xpupack_version": manifest["xpupack_version"],
+        "created": manifest["created"],
+        "device": manifest["device"],
+        "environment": manifest["environment"],
+        "model": {"class": manifest["model"]["class"], "tensors": len(manifest["model"]["tensors"]),
+                  "weights": manifest["model"]["weights"]},
+        "modules": modules,
+        "files": {name: f["size"] for name, f in manifest["files"].items()},
+        "total_bytes": sum(f["size"] for f in manifest["files"].values()),
+        "trusted": source.trusted,
+    }
+
+
+def verify_package(source: Source | str | Path, device: str | None = None) -> dict:
+    """Schema, digests, specs and compatibility with this machine; ``ok`` is False on any problem."""
+    source = source if isinstance(source, Source) else Source(Path(source), trusted=True,
+                                                             description=str(source))
+    result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [],
+                    "compatibility": {}}
+    try:
+        manifest = read_manifest(source.root)
+        check_files(source.root, manifest, links_within=source.links_within)
+        for entry in manifest["modules"]:
+            read_json(source.root, entry["spec"], "spec")
+    except XpupackError as exc:
+        result["ok"] = False
+        result["problems"].append(str(exc))
+        return result
+
+    import torch
+
+    from . import _device
+    from .backends.base import backend_from_json
+    from .environment import differences, environment
+
+    here = environment(_device.resolve(device))
+    result["environment_here"] = here
+    for entry in manifest["modules"]:
+        path = entry["path"] or "<model>"
+        try:
+            backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+        except XpupackError as exc:
+            result["ok"] = False
+            result["problems"].append(f"{path}: {exc}")
+            continue
+        changed = differences(manifest["environment"], here, backend.depends_on)
+        device_here = torch.device(here["device_type"])
+        if not backend.available(device_here):
+            status = f"{backend.why_unavailable(device_here)}: runs the original module"
+        elif changed:
+            status = "rebuilt on load: " + ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
+        elif backend.compiled_artifacts and not source.trusted:
+            status = "compiled artifacts not trusted (revision not pinned): compiled on load"
+        else:
+            status = "compatible"
+        result["compatibility"][path] = {"backend": backend.name, "status": status,
+                                         "compatible": status == "compatible"}
+    return result

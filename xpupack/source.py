@@ -1,0 +1,34 @@
+"""Where a package comes from: a local directory or a Hub repo, and whether its compiled code may run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Source:
+    """A package directory on disk and whether its compiled artifacts may run (DESIGN §5)."""
+
+    root: Path
+    trusted: bool
+    links_within: Path | None = None
+    description: str = ""
+
+
+def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
+                   token: str | bool | None = None) -> Source:
+    """A local package directory as is (trusted); anything else is looked up on the Hub."""
+    local = Path(path).expanduser()
+    if local.exists() or revision is None and _looks_local(str(path)):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
+        return Source(local, trusted=True, description=str(local))
+    from .hub import download
+
+    return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)
+
+
+def _looks_local(text: str) -> bool:
+    """Paths that cannot be ``org/name`` repo ids."""
+    return text.startswith((".", "/", "~")) or text.count("/") != 1
