@@ -28,7 +28,9 @@ class Unrecordable(Exception):
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
-    """Flattens a call's ``(args, kwargs)`` into leaves and a tree spec."""
+    """Flattens a call's ``(args, kwargs)`` into leaves and a tree spec (keyword order ignored)."""
+    if len(kwargs) > 1:
+        kwargs = {name: kwargs[name] for name in sorted(kwargs)}
     return pytree.tree_flatten((args, kwargs))
 
 

@@ -1,0 +1,177 @@
+import json
+import sys
+
+import pytest
+import torch
+
+import xpupack
+from models import make_stack, stack_samples
+from xpupack.errors import IntegrityError, ModelMismatchError, PackageFormatError, UnknownConfigError
+from xpupack.examples import tiny_transformer, tiny_transformer_samples
+
+EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
+
+
+@pytest.fixture
+def package(tmp_path):
+    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER)
+    return xpupack.save(model, tmp_path / "pkg")
+
+
+def snapshot(model):
+    """Everything a failed load must leave unchanged."""
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [m.training for m in model.modules()],
+            [("forward" in m.__dict__) for m in model.modules()],
+            [id(p) for p in model.parameters()])
+
+
+def assert_unchanged(model, before):
+    after = snapshot(model)
+    assert before[0].keys() == after[0].keys()
+    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert before[1:] == after[1:]
+
+
+def test_load_restores_the_package_weights_over_other_weights(package):
+    tuned = make_stack(seed=0)
+    model = make_stack(seed=7)  # the user loaded other weights before
+    params_before = [id(p) for p in model.parameters()]
+    xpupack.load(model, package)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), tuned(x))
+    assert [id(p) for p in model.parameters()] == params_before  # same Parameter objects
+    assert set(xpupack.stats(model)) == {"layers.0.mlp", "layers.1.mlp"}
+
+
+def test_package_without_weights_keeps_the_models_own(tmp_path):
+    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER)
+    root = xpupack.save(model, tmp_path / "pkg", weights=False)
+    other = make_stack(seed=3)
+    expected = make_stack(seed=3)
+    xpupack.load(other, root)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(other(x), expected(x))
+
+
+def test_load_puts_the_model_in_eval_mode(package):
+    model = make_stack().train()
+    xpupack.load(model, package)
+    assert not any(m.training for m in model.modules())
+
+
+def test_loading_twice_replaces_the_first(package):
+    model = make_stack()
+    xpupack.load(model, package)
+    xpupack.load(model, package)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x, scale=1.0)
+    assert xpupack.stats(model)["layers.0.mlp"]["calls"] == 1
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete", "add a file"])
+def test_damaged_package_raises_and_leaves_the_model_unchanged(package, damage):
+    target = package / "model.safetensors"
+    if damage == "flip a byte":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-10])
+    elif damage == "delete":
+        target.unlink()
+    else:
+        (package / "modules" / "extra.bin").write_bytes(b"\0")
+    model = make_stack(seed=5).train()
+    before = snapshot(model)
+    with pytest.raises(IntegrityError) as error:
+        xpupack.load(model, package)
+    assert ("extra.bin" if damage == "add a file" else "model.safetensors") in str(error.value)
+    assert "rebuild" in str(error.value) or "remove" in str(error.value)
+    assert_unchanged(model, before)
+
+
+def test_wrong_architecture_fails_before_anything_changes(package):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    before = snapshot(model)
+    with pytest.raises(ModelMismatchError, match="missing layers.0.mlp.up.weight"):
+        xpupack.load(model, package)
+    assert_unchanged(model, before)
+
+
+def test_other_dtype_is_a_mismatch(package):
+    with pytest.raises(ModelMismatchError, match="float64"):
+        xpupack.load(make_stack().double(), package)
+
+
+def test_failure_during_restore_rolls_everything_back(package, monkeypatch):
+    model = make_stack(seed=5).train()
+    before = snapshot(model)
+    load_module = sys.modules["xpupack.load"]  # the module, not the function of the same name
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("restore exploded")
+
+    monkeypatch.setattr(load_module, "attach", explode)
+    with pytest.raises(RuntimeError, match="restore exploded"):
+        xpupack.load(model, package)
+    assert_unchanged(model, before)
+
+
+def test_failed_load_keeps_an_earlier_tuning_active(package):
+    model = make_stack()
+    xpupack.load(model, package)
+    (package / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(IntegrityError):
+        xpupack.load(model, package)
+    assert xpupack.stats(model)["layers.0.mlp"]["active"]
+    assert "forward" in model.layers[0]["mlp"].__dict__
+
+
+def rewrite_manifest(package, change):
+    manifest = json.loads((package / "xpupack.json").read_text())
+    change(manifest)
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+
+
+def test_future_format_version_says_upgrade(package):
+    rewrite_manifest(package, lambda m: m.update(format_version=3))
+    with pytest.raises(PackageFormatError, match="unsupported format_version 3.*upgrade xpupack"):
+        xpupack.load(make_stack(), package)
+
+
+def test_escaping_path_is_refused(package):
+    def escape(manifest):
+        manifest["files"]["../outside"] = {"sha256": "0" * 64, "size": 1}
+
+    rewrite_manifest(package, escape)
+    with pytest.raises(PackageFormatError):
+        xpupack.load(make_stack(), package)
+
+
+def test_unknown_backend_lists_known_ones(package):
+    def rename(manifest):
+        for module in manifest["modules"]:
+            module["backend"]["name"] = "warp-drive"
+
+    rewrite_manifest(package, rename)
+    with pytest.raises(UnknownConfigError, match="eager.*graph.*inductor"):
+        xpupack.load(make_stack(), package)
+
+
+def test_not_a_package(tmp_path):
+    with pytest.raises(PackageFormatError, match="not an xpupack package"):
+        xpupack.load(make_stack(), tmp_path)
+
+
+def test_demo_transformer_round_trip(tmp_path):
+    model = xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.*.mlp"], strategy=EAGER)
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(tiny_transformer(seed=9), root)
+    with torch.no_grad():
+        for ids in tiny_transformer_samples():
+            assert torch.equal(loaded(ids), tiny_transformer()(ids))
+    assert loaded.head.weight is loaded.embed.weight  # tying survives the load

@@ -1,0 +1,86 @@
+import json
+
+import pytest
+import torch
+
+from xpupack.signature import ConstantLeaf, Signature, TensorLeaf, Unrecordable, call_key, flatten
+
+
+def key_of(*args, **kwargs):
+    leaves, spec = flatten(args, kwargs)
+    return call_key(spec, leaves)
+
+
+def test_signature_key_equals_call_key():
+    x = torch.randn(2, 3)
+    signature = Signature.of_call((x,), {"scale": 2.0, "mask": None})
+    assert signature.key == key_of(x, scale=2.0, mask=None)
+
+
+@pytest.mark.parametrize("other", [
+    lambda x: ((torch.randn(4, 3),), {"scale": 2.0, "mask": None}),          # batch size
+    lambda x: ((x,), {"scale": 3.0, "mask": None}),                          # constant
+    lambda x: ((x,), {"scale": 2, "mask": None}),                            # int vs float constant
+    lambda x: ((x,), {"scale": 2.0}),                                        # missing kwarg
+    lambda x: ((x.double(),), {"scale": 2.0, "mask": None}),                 # dtype
+    lambda x: ((x, 2.0), {"mask": None}),                                    # positional vs keyword
+    lambda x: ((x,), {"scale": 2.0, "mask": torch.ones(2, 3)}),              # None vs tensor
+])
+def test_any_static_difference_changes_the_key(other):
+    x = torch.randn(2, 3)
+    base = key_of(x, scale=2.0, mask=None)
+    args, kwargs = other(x)
+    assert key_of(*args, **kwargs) != base
+
+
+def test_kwargs_order_does_not_matter():
+    x = torch.randn(2, 3)
+    assert key_of(x, a=1.0, b=None) == key_of(x, b=None, a=1.0)
+
+
+def test_json_round_trip_keeps_the_key():
+    x = torch.randn(2, 3)
+    signature = Signature.of_call((x, [x, (1, "mode")]), {"dtype": torch.float16, "eps": float("inf"),
+                                                          "device": torch.device("cpu"), "flag": True})
+    restored = Signature.from_json(json.loads(json.dumps(signature.to_json())))
+    assert restored == signature
+    assert restored.key == signature.key
+
+
+def test_unrecordable_leaf_names_its_type():
+    class KVCache:
+        pass
+
+    with pytest.raises(Unrecordable, match="KVCache"):
+        Signature.of_call((torch.randn(1),), {"cache": KVCache()})
+
+
+def test_synthesize_matches_the_signature_with_valid_indices():
+    ids = torch.randint(5, 9, (2, 7))
+    signature = Signature.of_call((ids, torch.randn(2, 7, 4, dtype=torch.float16)), {"scale": 0.5})
+    args, kwargs = signature.synthesize()
+    assert Signature.of_call(args, kwargs) == signature
+    assert int(args[0].max()) == 0  # zeros are a valid index for any embedding
+
+
+def test_on_device_maps_tensor_leaves():
+    signature = Signature.of_call((torch.randn(1),), {})
+    moved = signature.on_device({torch.device("cpu"): torch.device("meta")})
+    assert moved.leaves[0] == TensorLeaf((1,), torch.float32, torch.device("meta"))
+
+
+@pytest.mark.parametrize("bad", [
+    {"tree": "not json", "leaves": []},
+    {"tree": Signature.of_call((torch.randn(1),), {}).to_json()["tree"], "leaves": []},
+    {"tree": Signature.of_call((torch.randn(1),), {}).to_json()["tree"],
+     "leaves": [{"kind": "tensor", "shape": [1], "dtype": "no_such_dtype", "device": "cpu"}]},
+])
+def test_from_json_rejects_malformed_input(bad):
+    with pytest.raises((ValueError, KeyError)):
+        Signature.from_json(bad)
+
+
+def test_describe_is_short():
+    signature = Signature.of_call((torch.randn(1, 16, 64),), {"scale": 2.0})
+    assert signature.describe() == "(f32[1,16,64], 2.0)"
+    assert isinstance(signature.leaves[1], ConstantLeaf)
