@@ -84,3 +84,68 @@ def test_describe_is_short():
     signature = Signature.of_call((torch.randn(1, 16, 64),), {"scale": 2.0})
     assert signature.describe() == "(f32[1,16,64], 2.0)"
     assert isinstance(signature.leaves[1], ConstantLeaf)
+
+
+def _tree_with_kwargs_context(context):
+    """A stored tree of ``(x,), {one kwarg}`` whose kwargs context is replaced by ``context``."""
+    signature = Signature.of_call((torch.randn(1),), {"scale": 1.0})
+    data = signature.to_json()
+    tree = json.loads(data["tree"])
+    tree[1]["children_spec"][1]["context"] = context
+    return {**data, "tree": json.dumps(tree)}
+
+
+@pytest.mark.parametrize("tree", [
+    # torch's parser imports the module an enum key names
+    lambda name: _tree_with_kwargs_context(json.dumps([{"__enum__": True, "fqn": f"{name}:E", "name": "a"}])),
+    # ... and the module a defaultdict's default_factory names
+    lambda name: {"leaves": [], "tree": json.dumps(
+        [1, {"type": "builtins.tuple", "context": "null", "children_spec": [
+            {"type": "builtins.tuple", "context": "null", "children_spec": [
+                {"type": "collections.defaultdict",
+                 "context": {"default_factory_module": name, "default_factory_name": "E", "dict_context": []},
+                 "children_spec": []}]},
+            {"type": "builtins.dict", "context": "[]", "children_spec": []}]}])},
+])
+def test_parsing_a_hostile_tree_never_imports_a_module(tree, tmp_path, monkeypatch):
+    probe = tmp_path / "xpupack_import_probe.py"
+    probe.write_text("import enum, pathlib\n"
+                     f"pathlib.Path({str(tmp_path / 'imported')!r}).write_text('yes')\n"
+                     "class E(enum.Enum):\n    a = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="context|not allowed"):
+        Signature.from_json(tree("xpupack_import_probe"))
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("bad", [
+    None, [], {"tree": 1, "leaves": []}, {"tree": "[1, {}]", "leaves": []}, {"tree": "[2, null]", "leaves": []},
+    {"tree": json.dumps([1, {"type": None, "context": None, "children_spec": []}]), "leaves": [{}]},
+    {"tree": "[" * 10000 + "]" * 10000, "leaves": []},
+])
+def test_from_json_raises_only_value_errors(bad):
+    with pytest.raises(ValueError):
+        Signature.from_json(bad)
+
+
+@pytest.mark.parametrize("leaf", [
+    {"kind": "tensor", "shape": [1], "dtype": "float32", "device": "no-such-device"},
+    {"kind": "tensor", "shape": [-1], "dtype": "float32", "device": "cpu"},
+    {"kind": "tensor", "shape": [1], "dtype": "_dynamo", "device": "cpu"},
+    {"kind": "constant", "value": {"device": "warp:0"}},
+    {"kind": "constant", "value": [1, 2]},
+    {"kind": "mystery"},
+])
+def test_bad_leaves_are_value_errors(leaf):
+    data = Signature.of_call((torch.randn(1),), {}).to_json()
+    with pytest.raises(ValueError):
+        Signature.from_json({**data, "leaves": [leaf]})
+
+
+def test_negative_zero_is_another_constant():
+    """``0.0 == -0.0`` in Python, but ``x * -0.0`` has other signs than ``x * 0.0``: no shared recording."""
+    x = torch.randn(2, 3)
+    assert key_of(x, scale=-0.0) != key_of(x, scale=0.0)
+    assert Signature.of_call((x,), {"scale": -0.0}).key == key_of(x, scale=-0.0)
+    restored = Signature.from_json(json.loads(json.dumps(Signature.of_call((x,), {"scale": -0.0}).to_json())))
+    assert restored.key == key_of(x, scale=-0.0)

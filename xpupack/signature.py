@@ -12,6 +12,7 @@ same information, never the tensor values.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,13 @@ import torch.utils._cxx_pytree as pytree
 
 _Tensor = torch.Tensor
 _SIMPLE_CONSTANTS = (type(None), bool, int, float, str)
+#: pytree node types a stored tree may name. torch's parser also knows node types
+#: whose context names a module to import (``collections.defaultdict``, enum keys):
+#: a package must never make the loader import anything, so those are refused.
+_TREE_NODES = frozenset({"builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
+                         "collections.deque", "collections.namedtuple", "torch.Size"})
+_MAX_TREE_NODES = 10_000
+_MAX_TREE_DEPTH = 100
 
 
 class Unrecordable(Exception):
@@ -43,11 +51,18 @@ def call_key(spec: Any, leaves: list) -> tuple:
     """The hashable fit key of a flattened call.
 
     Tensor leaves contribute ``(shape, dtype, device)``; other leaves
-    ``(type, value)`` so that ``2`` and ``2.0`` (which give different dtypes)
-    never share a recording. Unhashable leaves raise ``TypeError``.
+    `_constant_key`. Unhashable leaves raise ``TypeError``.
     """
-    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else (type(x), x)
+    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _constant_key(x)
                     for x in leaves])
+
+
+def _constant_key(value: Any) -> tuple:
+    """``(type, value)``, so that ``2`` and ``2.0`` (which give different dtypes) never share a
+    recording; a float zero also keeps its sign, since ``0.0 == -0.0`` yet ``x * -0.0`` differs."""
+    if type(value) is float and not value:
+        return (float, value, math.copysign(1.0, value))
+    return (type(value), value)
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ class Signature:
     def key(self) -> tuple:
         """Equal to `call_key` of any call this signature describes."""
         return (self.spec, *[(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, TensorLeaf)
-                             else (type(leaf.value), leaf.value) for leaf in self.leaves])
+                             else _constant_key(leaf.value) for leaf in self.leaves])
 
     @property
     def tensor_leaves(self) -> list[TensorLeaf]:
@@ -131,8 +146,16 @@ class Signature:
         return {"tree": pytree.treespec_dumps(self.spec), "leaves": [x.to_json() for x in self.leaves]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Signature":
-        """Parses `to_json`'s output. Raises ``ValueError`` on anything malformed."""
+    def from_json(cls, data: Any) -> "Signature":
+        """Parses `to_json`'s output. Raises ``ValueError`` on anything malformed.
+
+        The input may come from a hostile package: the tree is checked before
+        torch parses it, so that parsing never imports a module.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("tree"), str) \
+                or not isinstance(data.get("leaves"), list):
+            raise ValueError("a signature must be an object with a 'tree' string and a 'leaves' list")
+        _check_tree(data["tree"])
         try:
             spec = pytree.treespec_loads(data["tree"])
         except Exception as exc:  # treespec_loads raises many kinds on bad input
@@ -165,20 +188,78 @@ def _constant_to_json(value: Any) -> Any:
     raise Unrecordable(type(value).__qualname__)
 
 
-def _leaf_from_json(data: dict) -> TensorLeaf | ConstantLeaf:
-    if data["kind"] == "tensor":
-        return TensorLeaf(tuple(int(n) for n in data["shape"]), dtype_from_name(data["dtype"]),
-                          torch.device(data["device"]))
+def _check_tree(text: str) -> None:
+    """Raises ``ValueError`` unless ``text`` is a serialized tree of ``(args, kwargs)`` made of
+    allowed node types (`_TREE_NODES`) whose contexts are plain JSON scalars or lists of them."""
+    try:
+        protocol, root = json.loads(text)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ValueError(f"unreadable tree structure: {exc}") from None
+    if protocol != 1:
+        raise ValueError(f"unknown tree protocol {protocol!r}")
+    if not (_node_type(root) == "builtins.tuple" and len(root["children_spec"]) == 2
+            and _node_type(root["children_spec"][0]) == "builtins.tuple"
+            and _node_type(root["children_spec"][1]) == "builtins.dict"):
+        raise ValueError("the tree does not describe (args, kwargs)")
+    pending, seen = [(root, 0)], 0
+    while pending:
+        node, depth = pending.pop()
+        seen += 1
+        if seen > _MAX_TREE_NODES or depth > _MAX_TREE_DEPTH:
+            raise ValueError(f"the tree is larger than {_MAX_TREE_NODES} nodes or deeper than {_MAX_TREE_DEPTH}")
+        kind, context, children = _node_type(node), node["context"], node["children_spec"]
+        if kind is None:
+            if context is not None or children:
+                raise ValueError("a tree leaf has a context or children")
+            continue
+        if kind not in _TREE_NODES:
+            raise ValueError(f"tree node type {kind!r} is not allowed; a spec may hold "
+                             f"{', '.join(sorted(_TREE_NODES))}")
+        if not isinstance(context, str) or (kind != "collections.namedtuple" and not _plain(context)):
+            raise ValueError(f"the context of a {kind} tree node must be plain JSON, not {context!r}")
+        pending.extend((child, depth + 1) for child in children)
+
+
+def _node_type(node: Any) -> Any:
+    """A tree node's ``type``, after checking the node's shape."""
+    if not (isinstance(node, dict) and set(node) == {"type", "context", "children_spec"}
+            and isinstance(node["children_spec"], list) and isinstance(node["type"], (str, type(None)))):
+        raise ValueError(f"malformed tree node {str(node)[:80]}")
+    return node["type"]
+
+
+def _plain(context: str) -> bool:
+    """True when ``context`` is JSON null, a scalar or a list of scalars (no objects: torch turns
+    objects carrying ``__enum__`` into imports)."""
+    try:
+        value = json.loads(context)
+    except (ValueError, RecursionError):
+        return False
+    items = value if isinstance(value, list) else [value]
+    return all(isinstance(item, (type(None), bool, int, float, str)) for item in items)
+
+
+def _leaf_from_json(data: Any) -> TensorLeaf | ConstantLeaf:
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind == "tensor":
+        shape = data.get("shape")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"tensor shape must be a list of sizes, not {shape!r}")
+        return TensorLeaf(tuple(shape), dtype_from_name(data.get("dtype")), device_from_name(data.get("device")))
+    if kind != "constant" or "value" not in data:
+        raise ValueError(f"a leaf must be a tensor or a constant, not {str(data)[:80]}")
     value = data["value"]
     if isinstance(value, dict):
-        if "float" in value:
+        if set(value) == {"float"} and value["float"] in ("nan", "inf", "-inf"):
             value = float(value["float"])
-        elif "dtype" in value:
+        elif set(value) == {"dtype"}:
             value = dtype_from_name(value["dtype"])
-        elif "device" in value:
-            value = torch.device(value["device"])
+        elif set(value) == {"device"}:
+            value = device_from_name(value["device"])
         else:
-            raise ValueError(f"unknown constant {value!r}")
+            raise ValueError(f"unknown constant {str(value)[:80]}")
+    elif not isinstance(value, _SIMPLE_CONSTANTS):
+        raise ValueError(f"unknown constant {str(value)[:80]}")
     return ConstantLeaf(value)
 
 
@@ -186,12 +267,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+def dtype_from_name(name: Any) -> torch.dtype:
+    """The dtype ``torch.<name>``; looked up in a table, since ``getattr(torch, ...)`` can import modules."""
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 
 
+def device_from_name(name: Any) -> torch.device:
+    """``torch.device(name)``, raising ``ValueError`` (not torch's ``RuntimeError``) for a bad name."""
+    if isinstance(name, str):
+        try:
+            return torch.device(name)
+        except (RuntimeError, ValueError):
+            pass
+    raise ValueError(f"unknown device {name!r}")
+
+
+_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
 _SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
                  torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
