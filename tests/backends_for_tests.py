@@ -50,3 +50,39 @@ class CpuOnlyNever(Backend):
 
     def why_unavailable(self, device):
         return f"never available (asked for {device.type})"
+
+
+class ArtifactRunner(CountingRunner):
+    def __init__(self, forward, supported, from_artifacts):
+        super().__init__(forward, supported)
+        self.from_artifacts = from_artifacts
+
+
+@register_backend
+class ArtifactBackend(Backend):
+    """Stands in for a backend with compiled artifacts that depend on the environment (Inductor, TorchAO).
+
+    It saves a small artifact file; ``restore`` reads it only when allowed to
+    (``use_artifacts``) and records in the runner whether it did.
+    """
+
+    name = "artifact"
+    depends_on = ("torch", "torchao", "triton", "device_type", "device_name")
+    compiled_artifacts = True
+    supports_autograd = True
+
+    def build(self, target, spec, device):
+        return ArtifactRunner(target.forward, set(range(len(spec.signatures))), from_artifacts=False)
+
+    def save(self, runner, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "artifact.json").write_text('{"compiled": true}')
+        return {"artifact": "artifact.json"}
+
+    def restore(self, target, spec, config, folder, device, *, use_artifacts):
+        from xpupack.manifest import artifact_file
+
+        if not use_artifacts:
+            return self.build(target, spec, device)
+        artifact_file(folder, config["artifact"]).read_text()
+        return ArtifactRunner(target.forward, set(range(len(spec.signatures))), from_artifacts=True)

@@ -10,7 +10,9 @@ import textwrap
 import pytest
 import torch
 
+import xpupack
 from emulated_graph import EmulatedGraphs
+from models import make_stack, stack_samples
 from xpupack import _device
 
 
@@ -40,6 +42,18 @@ def pytest_collection_modifyitems(config, items):
 def _inductor_cache(tmp_path_factory):
     """One Inductor cache for the whole run, so a module compiles once per run, never from the user's cache."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
+
+
+@pytest.fixture(scope="session")
+def inductor_package(tmp_path_factory, _inductor_cache):
+    """``(tuned model, package)``: the stack's MLPs compiled by Inductor, once per run (compiling is slow).
+
+    Tests must not change the package; copy it first.
+    """
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    root = xpupack.save(model, tmp_path_factory.mktemp("inductor") / "pkg")
+    return model, root
 
 
 @pytest.fixture(autouse=True)

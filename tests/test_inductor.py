@@ -14,14 +14,6 @@ from xpupack.source import Source
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def inductor_package(tmp_path_factory):
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.InductorBackend()))
-    root = xpupack.save(model, tmp_path_factory.mktemp("inductor") / "pkg")
-    return model, root
-
-
 def test_compiled_modules_match_eager(inductor_package):
     model, root = inductor_package
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}

@@ -1,4 +1,3 @@
-import json
 import sys
 
 import pytest
@@ -6,6 +5,7 @@ import torch
 
 import xpupack
 from models import make_stack, stack_samples
+from package_tools import assert_unchanged, rewrite_manifest, snapshot
 from xpupack.errors import IntegrityError, ModelMismatchError, PackageFormatError, UnknownConfigError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 
@@ -16,21 +16,6 @@ EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 def package(tmp_path):
     model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER)
     return xpupack.save(model, tmp_path / "pkg")
-
-
-def snapshot(model):
-    """Everything a failed load must leave unchanged."""
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            [m.training for m in model.modules()],
-            [("forward" in m.__dict__) for m in model.modules()],
-            [id(p) for p in model.parameters()])
-
-
-def assert_unchanged(model, before):
-    after = snapshot(model)
-    assert before[0].keys() == after[0].keys()
-    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0])
-    assert before[1:] == after[1:]
 
 
 def test_load_restores_the_package_weights_over_other_weights(package):
@@ -129,12 +114,6 @@ def test_failed_load_keeps_an_earlier_tuning_active(package):
         xpupack.load(model, package)
     assert xpupack.stats(model)["layers.0.mlp"]["active"]
     assert "forward" in model.layers[0]["mlp"].__dict__
-
-
-def rewrite_manifest(package, change):
-    manifest = json.loads((package / "xpupack.json").read_text())
-    change(manifest)
-    (package / "xpupack.json").write_text(json.dumps(manifest))
 
 
 def test_future_format_version_says_upgrade(package):

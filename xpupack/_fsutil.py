@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+#: ``.NAME.xpupack-tmp-PID-RANDOM`` (a save in progress) and ``.NAME.xpupack-old-PID`` (a package moved aside)
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.xpupack-(?P<kind>tmp|old)-(?P<pid>\d+)(-[0-9a-f]+)?$")
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -28,32 +31,72 @@ def _exchange(a: Path, b: Path) -> bool:
 def replace_dir(new: Path, destination: Path) -> None:
     """Puts the complete directory ``new`` at ``destination``.
 
-    An existing destination is swapped out in one atomic step where the OS
-    allows it, so there is no moment without a complete package; elsewhere it
-    is renamed aside first. The old directory is deleted only afterwards.
+    ``new`` is flushed to disk first, so that a power cut after the swap
+    cannot leave empty files behind. An existing destination is swapped out
+    in one atomic step where the OS allows it (Linux ``renameat2``), so there
+    is no moment without a complete package; elsewhere it is renamed aside
+    first, and a save killed in between leaves it at ``.NAME.xpupack-old-PID``,
+    where the next save (`temporary_sibling`) puts it back. The old directory
+    is deleted only afterwards.
     """
+    _sync_tree(new)
     if not destination.exists():
         os.rename(new, destination)
-        return
-    if _exchange(new, destination):
+    elif _exchange(new, destination):
         shutil.rmtree(new)  # ``new`` now holds the old package
-        return
-    aside = destination.with_name(f".{destination.name}.xpupack-old-{os.getpid()}")
-    os.rename(destination, aside)
-    os.rename(new, destination)
-    shutil.rmtree(aside)
+    else:
+        aside = destination.with_name(f".{destination.name}.xpupack-old-{os.getpid()}")
+        os.rename(destination, aside)
+        os.rename(new, destination)
+        shutil.rmtree(aside)
+    _sync(destination.parent)
 
 
 def temporary_sibling(destination: Path) -> Path:
-    """A fresh hidden directory next to ``destination``; stale ones of dead savers are removed."""
-    prefix = f".{destination.name}.xpupack-tmp-"
-    for stale in destination.parent.glob(prefix + "*"):
-        pid = stale.name[len(prefix):].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+    """A fresh hidden directory next to ``destination``.
+
+    Leftovers of dead savers are cleared first: their temporary directories
+    are removed, and a package one of them had moved aside is put back at
+    ``destination`` if nothing took its place.
+    """
+    for stale in destination.parent.glob(f".{destination.name}.xpupack-*"):
+        match = _TEMPORARY.match(stale.name)
+        if match is None or match["name"] != destination.name or _alive(int(match["pid"])):
+            continue
+        if match["kind"] == "old" and not destination.exists() and not destination.is_symlink():
+            os.rename(stale, destination)
+        else:
             shutil.rmtree(stale, ignore_errors=True)
-    path = destination.parent / f"{prefix}{os.getpid()}-{os.urandom(4).hex()}"
+    path = destination.parent / f".{destination.name}.xpupack-tmp-{os.getpid()}-{os.urandom(4).hex()}"
     path.mkdir(parents=True)
     return path
+
+
+def moved_aside(destination: Path) -> list[Path]:
+    """Packages that interrupted saves moved aside from ``destination`` (see `replace_dir`)."""
+    return sorted(p for p in destination.parent.glob(f".{destination.name}.xpupack-old-*")
+                  if (m := _TEMPORARY.match(p.name)) and m["name"] == destination.name)
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            _sync(Path(folder) / name)
+        _sync(Path(folder))
+
+
+def _sync(path: Path) -> None:
+    """``fsync`` of a file or directory; a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) * path.is_dir())
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -64,3 +107,9 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def interrupted_save_of(path: Path) -> Path | None:
+    """The package a save's temporary directory ``path`` belongs to; None for any other path."""
+    match = _TEMPORARY.match(path.name)
+    return path.with_name(match["name"]) if match else None

@@ -17,12 +17,14 @@ import torch
 from torch import nn
 
 from . import _device
-from .backends.base import Backend, ModuleSpec, Target, backend_from_json
+from ._compare import mismatch
+from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .backends.eager import EagerBackend
 from .environment import differences, environment
-from .errors import IncompatiblePackageError, IntegrityError, ModelMismatchError, PackageFormatError
-from .manifest import check_files, read_json, read_manifest
-from .signature import Signature, dtype_name
+from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
+                     OutputMismatchError, PackageFormatError, XpupackError)
+from .manifest import MANIFEST, check_files, read_json, read_manifest
+from .signature import Signature, device_from_name, dtype_name, flatten
 from .source import Source, resolve_source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
@@ -88,19 +90,21 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     check_architecture(model, manifest, source.root)
     device = _device.resolve(device, default=_device.model_device(model))
     here = environment(device)
-    build_device = torch.device(manifest["device"])
+    build_device = manifest_device(manifest, source.root)
     plans = [_plan(model, module, source, manifest, build_device, device, here, on_mismatch)
              for module in manifest["modules"]]
     weights = _read_weights(source.root, manifest, device)
+    if weights is not None:
+        _check_ties(model, weights, manifest, source.root)
 
-    edit = _ModelEdit()
+    edit = _ModelEdit(model)
     previous = find_session(model)
     try:
         if previous is not None:  # loading again replaces the earlier tuning
             previous.deactivate()
             detach(model)
-        edit.set_tensors(model, weights, device)
-        edit.set_eval(model)
+        _install_tensors(model, weights, device)
+        model.eval()
         _restore_shared(manifest, source, plans)
         modules = {}
         for number, plan in enumerate(plans, 1):
@@ -143,16 +147,39 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
             expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
 
 
+def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
+    """The recorded signatures of the manifest's module ``entry`` (tensor leaves on the build device).
+
+    Raises:
+        PackageFormatError: the spec file is not JSON, fails its schema, belongs to
+            another module, or holds a signature that does not parse.
+    """
+    where = root / entry["spec"]
+    data = read_json(root, entry["spec"], "spec")
+    if data["path"] != entry["path"]:
+        raise PackageFormatError(f"{where} describes the module {data['path']!r}, but {root / MANIFEST} lists it "
+                                 f"for {entry['path']!r}; the package is damaged — rebuild it", path=entry["spec"])
+    try:
+        signatures = [Signature.from_json(s) for s in data["signatures"]]
+    except ValueError as exc:
+        raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
+    return ModuleSpec(signatures, calls=data["calls"], unrecordable=data["unrecordable"])
+
+
+def manifest_device(manifest: dict, root: Path) -> torch.device:
+    """The device the package was built on (tensor leaves of its specs are on it)."""
+    try:
+        return device_from_name(manifest["device"])
+    except ValueError as exc:
+        raise PackageFormatError(f"{root / MANIFEST}: {exc}; the package is damaged — rebuild it",
+                                 path=MANIFEST) from None
+
+
 def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_device: torch.device,
           device: torch.device, here: dict, on_mismatch: str) -> _ModulePlan:
     path = entry["path"]
-    spec_data = read_json(source.root, entry["spec"], "spec")
-    try:
-        signatures = [Signature.from_json(s).on_device({build_device: device}) for s in spec_data["signatures"]]
-    except ValueError as exc:
-        raise PackageFormatError(f"{source.root / entry['spec']}: {exc}; rebuild the package",
-                                 path=entry["spec"]) from None
-    spec = ModuleSpec(signatures, calls=spec_data["calls"], unrecordable=spec_data["unrecordable"])
+    spec = read_module_spec(source.root, entry)
+    spec.signatures = [signature.on_device({build_device: device}) for signature in spec.signatures]
     backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
     module = model.get_submodule(path)
     plan = _ModulePlan(path, module, spec, backend, entry["backend"]["config"],
@@ -212,6 +239,27 @@ def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str,
     return tensors
 
 
+def _check_ties(model: nn.Module, weights: dict[str, torch.Tensor], manifest: dict, root: Path) -> None:
+    """Names that share one tensor in the model (tied weights) must get one value from the package.
+
+    Otherwise installing the weights would keep whichever came last, and the
+    model would compute something the packaged model never did.
+    """
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    for names in groups.values():
+        stored = [name for name in names if name in weights]
+        first = stored[0] if stored else None
+        for name in stored[1:]:
+            if weights[name] is not weights[first] and not torch.equal(weights[name], weights[first]):
+                raise ModelMismatchError(
+                    f"{type(model).__name__} ties {first} and {name} (one tensor), but the package at {root} "
+                    f"stores different values for them (built from {manifest['model']['class']}, which does not "
+                    "tie them) — build the model with the same weight tying as the package",
+                    expected="untied", actual="tied")
+
+
 def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan]) -> None:
     for name, shared in manifest["backends"].items():
         users = [plan for plan in plans if plan.backend.name == name]
@@ -226,9 +274,15 @@ def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> Tuned
     try:
         runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, device,
                                       use_artifacts=plan.use_artifacts)
+        if plan.backend.name != "eager":
+            _check_against_eager(target, plan.spec, plan.backend, runner)
     except Exception as exc:
         if on_mismatch == "error":
-            raise
+            if isinstance(exc, XpupackError):
+                raise
+            raise BackendError(f"{plan.path or '<model>'}: restoring the {plan.backend.name} backend failed "
+                               f"({type(exc).__name__}: {exc}); load with on_mismatch='fallback' to run the "
+                               "original module instead, or rebuild the package on this machine") from exc
         # serving beats crashing: the original module still gives eager's answers
         log.warning("%s: restoring %s failed (%s: %s); running the original module",
                     plan.path or "<model>", plan.backend.name, type(exc).__name__, exc)
@@ -239,38 +293,62 @@ def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> Tuned
     return TunedModule(target, plan.spec, plan.backend, runner, report)
 
 
+def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, runner: Runner) -> None:
+    """Runs every restored signature once through the backend and once through the original module.
+
+    The inputs are synthesised from the signature with another seed than the
+    recording's, so a replay that ignored its inputs would show. A package's
+    backends were checked against eager when it was built; this catches what
+    changed since: a damaged or hostile package that still passes its digests,
+    artifacts that do not fit this machine.
+    """
+    with torch.no_grad():
+        for index in sorted(runner.supported):
+            args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
+            expected = target.forward(*args, **kwargs)
+            leaves, _ = flatten(args, kwargs)
+            problem = mismatch(runner.run(index, args, kwargs, leaves), expected, backend.tolerances())
+            if problem:
+                raise OutputMismatchError(f"{target.path or '<model>'}: the restored {backend.name} backend "
+                                          f"differs from the original module on {spec.signatures[index].describe()}"
+                                          f" ({problem})")
+
+
 class _ModelEdit:
-    """Changes to a model that can all be undone: tensor swaps, training flags, sessions."""
+    """What a load may change in a model, kept to put back if the load fails.
 
-    def __init__(self):
-        self._undo: list[Callable[[], None]] = []
+    Each module's parameter, buffer and submodule entries, each parameter's
+    data and each training flag: also what a backend's `restore` replaces.
+    """
 
-    def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
-                    device: torch.device) -> None:
-        """Installs ``weights`` and moves every tensor to ``device``, keeping the Parameter objects."""
-        for module, state_name, name, tensor in _named_tensors(model):
-            new = weights.get(state_name, tensor) if weights is not None else tensor
-            if new.device != device:
-                new = new.to(device)
-            if new is tensor:
-                continue
-            if name in module._parameters:
-                old = tensor.data
-                tensor.data = new
-                self._undo.append(lambda p=tensor, old=old: setattr(p, "data", old))
-            else:
-                module._buffers[name] = new
-                self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
-
-    def set_eval(self, model: nn.Module) -> None:
-        flags = [(m, m.training) for m in model.modules()]
-        model.eval()
-        self._undo.append(lambda: [setattr(m, "training", flag) for m, flag in flags])
+    def __init__(self, model: nn.Module):
+        self._modules = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), m.training)
+                         for m in model.modules()]
+        self._data = [(p, p.data) for p in model.parameters()]
 
     def rollback(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
+        for module, parameters, buffers, submodules, training in self._modules:
+            for table, saved in ((module._parameters, parameters), (module._buffers, buffers),
+                                 (module._modules, submodules)):
+                table.clear()
+                table.update(saved)
+            module.training = training
+        for parameter, data in self._data:
+            parameter.data = data
+
+
+def _install_tensors(model: nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Installs ``weights`` and moves every tensor to ``device``, keeping the Parameter objects."""
+    for module, state_name, name, tensor in _named_tensors(model):
+        new = weights.get(state_name, tensor) if weights is not None else tensor
+        if new.device != device:
+            new = new.to(device)
+        if new is tensor:
+            continue
+        if name in module._parameters:
+            tensor.data = new
+        else:
+            module._buffers[name] = new
 
 
 def _named_tensors(model: nn.Module):

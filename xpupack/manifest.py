@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ._fsutil import interrupted_save_of, moved_aside
 from .errors import IntegrityError, PackageFormatError
 
 FORMAT_VERSION = 1
@@ -49,20 +50,22 @@ def validate(data: Any, name: str, where: str) -> None:
 def read_json(root: Path, relative: str, schema_name: str) -> dict:
     """Reads and validates one JSON file of a package (manifest or spec)."""
     where = str(root / relative)
+    if not (root / relative).is_file():  # never open a FIFO or device a hostile package put there
+        raise IntegrityError(f"{where} is missing or not a regular file; the package is incomplete — "
+                             "rebuild or re-download it", path=where)
     try:
         text = (root / relative).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise IntegrityError(f"{where} is missing; the package is incomplete — rebuild or re-download it",
-                             path=where) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise PackageFormatError(f"cannot read {where}: {exc}", path=where) from None
+        raise PackageFormatError(f"cannot read {where} ({exc}); the package is damaged — "
+                                 "rebuild or re-download it", path=where) from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PackageFormatError(f"{where} is not valid JSON ({exc}); the package is damaged — "
+    except (ValueError, RecursionError) as exc:  # also integers too long to convert, nesting too deep
+        raise PackageFormatError(f"{where} is not valid JSON ({str(exc)[:200]}); the package is damaged — "
                                  "rebuild it with `xpupack build`", path=where) from None
     if not isinstance(data, dict):
-        raise PackageFormatError(f"{where} must hold a JSON object", path=where)
+        raise PackageFormatError(f"{where} must hold a JSON object; the package is damaged — "
+                                 "rebuild it with `xpupack build`", path=where)
     version = data.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_VERSIONS:
         newest = max(SUPPORTED_VERSIONS)
@@ -74,31 +77,90 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
 
 
 def read_manifest(root: Path) -> dict:
-    """The validated manifest of the package at ``root``, every path in it checked."""
+    """The validated manifest of the package at ``root``, every path and module path in it checked."""
+    destination = interrupted_save_of(root)
+    if destination is not None:
+        raise PackageFormatError(f"{root} is the temporary directory of a running or interrupted "
+                                 f"`xpupack save` of {destination}, not a package; load {destination} — "
+                                 "the next save there removes this directory", path=str(root))
     if not root.is_dir():
-        raise PackageFormatError(f"{root} is not a directory; pass the folder `xpupack build` wrote",
-                                 path=str(root))
+        aside = moved_aside(root)
+        fix = (f"{aside[-1]} holds the package an interrupted save moved aside: rename it to {root.name}, "
+               f"or save again there" if aside and not root.exists() else "pass the folder `xpupack build` wrote")
+        raise PackageFormatError(f"{root} is not a directory; {fix}", path=str(root))
     if not (root / MANIFEST).is_file():
-        raise PackageFormatError(f"{root} is not an xpupack package: it has no {MANIFEST}",
-                                 path=str(root))
+        raise PackageFormatError(f"{root} is not an xpupack package: it has no {MANIFEST} — pass the folder "
+                                 "`xpupack build` wrote, or rebuild or re-download the package", path=str(root))
     manifest = read_json(root, MANIFEST, "manifest")
+    where = str(root / MANIFEST)
     paths = list(manifest["files"])
     paths += [m[k] for m in manifest["modules"] for k in ("folder", "spec")]
     paths += [b["folder"] for b in manifest["backends"].values()]
     if manifest["model"]["weights"]:
         paths.append(manifest["model"]["weights"])
     for relative in paths:
-        check_relative(relative, root)
+        check_relative(relative, where)
+    for relative in [m["spec"] for m in manifest["modules"]] + [manifest["model"]["weights"] or MANIFEST]:
+        if relative != MANIFEST and relative not in manifest["files"]:
+            raise PackageFormatError(f"{where} names {relative!r} but does not list it under files, so its "
+                                     "digest cannot be checked; the package is damaged — rebuild it", path=relative)
+    _check_module_paths(manifest["modules"], where)
     return manifest
 
 
-def check_relative(relative: str, root: Path) -> None:
-    """Refuses a path that is absolute, has ``..`` or a backslash, or escapes ``root``."""
+def _check_module_paths(modules: list[dict], where: str) -> None:
+    """Each module once, and never a module together with one of its submodules (`tune` refuses both)."""
+    paths = [m["path"] for m in modules]
+    listed: set[str] = set()
+    for path in paths:
+        if path in listed:
+            raise PackageFormatError(f"{where} lists the module {path or '<model>'!r} twice; the package is "
+                                     "damaged — rebuild it", path=where)
+        listed.add(path)
+    for path in paths:
+        parts = path.split(".") if path else []
+        other = next((a for a in (".".join(parts[:i]) for i in range(len(parts))) if a in listed), None)
+        if other is not None:
+            raise PackageFormatError(f"{where} lists the modules {other or '<model>'!r} and {path or '<model>'!r}, "
+                                     "which overlap; the package is damaged — rebuild it", path=where)
+
+
+def check_relative(relative: str, where: str) -> None:
+    """Refuses a path that is absolute, has ``..`` or a backslash, is not in canonical form
+    (``./a``, ``a//b``, ``.``), or lies in a folder packages may not use.
+
+    ``where`` names what holds the path (for the message).
+    """
     pure = PurePosixPath(relative)
     if (pure.is_absolute() or "\\" in relative or ".." in pure.parts or re.match(r"^[A-Za-z]:", relative)
-            or not relative or relative.startswith("~")):
-        raise PackageFormatError(f"{root / MANIFEST} names the path {relative!r}, which escapes the package; "
-                                 "refusing to load it", path=relative)
+            or relative.startswith("~") or "\0" in relative):
+        raise PackageFormatError(f"{where} names the path {relative!r}, which escapes the package; refusing "
+                                 "to load it — rebuild the package, or get it from a source you trust",
+                                 path=relative)
+    if not pure.parts or pure.as_posix() != relative:
+        raise PackageFormatError(f"{where} names the path {relative!r}, which is not a plain relative path "
+                                 "like 'modules/x/spec.json'; the package is damaged — rebuild it", path=relative)
+    if pure.parts[0] in UNLISTED_DIRS_OK:
+        raise PackageFormatError(f"{where} names the path {relative!r} in {pure.parts[0]}/, which holds "
+                                 "unchecked files; refusing to load it — rebuild the package", path=relative)
+
+
+def artifact_file(folder: Path, name: Any) -> Path:
+    """The file ``name`` that a backend config names inside the backend's ``folder``.
+
+    Backends call this for every file their config names: the name cannot
+    leave the package, and the file must be one `check_files` verified.
+    """
+    where = f"the backend config for {folder}"
+    if not isinstance(name, str):
+        raise PackageFormatError(f"{where} names the file {name!r}, which is not a path; the package is "
+                                 "damaged — rebuild it", path=str(folder))
+    check_relative(name, where)
+    path = folder / name
+    if not path.is_file():  # a regular file here is listed and verified (symlinks only into the Hub cache)
+        raise IntegrityError(f"{where} names {name!r}, which is not a file of the package; the package is "
+                             "incomplete — rebuild or re-download it", path=str(path))
+    return path
 
 
 def sha256_of(path: Path) -> str:
@@ -148,7 +210,8 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None)
             continue
         if path.is_symlink() and relative.as_posix() not in listed:
             _refuse_link(path, root, links_within)
-        if path.is_file() and relative.as_posix() not in listed and relative.as_posix() not in UNLISTED_OK:
+        # anything but a folder counts: a FIFO or socket has no business in a package either
+        if not path.is_dir() and relative.as_posix() not in listed and relative.as_posix() not in UNLISTED_OK:
             raise IntegrityError(f"{path} is not listed in the manifest; something added it after the "
                                  "build — remove it or rebuild the package", path=relative.as_posix())
 
@@ -161,8 +224,9 @@ def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
             continue
         if links_within is not None and current.resolve().is_relative_to(links_within.resolve()):
             continue
-        raise IntegrityError(f"{current} is a symbolic link; packages must hold plain files — "
-                             "refusing to follow it", path=current.relative_to(root).as_posix())
+        raise IntegrityError(f"{current} is a symbolic link; packages must hold plain files, so xpupack "
+                             "refuses to follow it — replace the link by the file itself, or rebuild the package",
+                             path=current.relative_to(root).as_posix())
 
 
 def module_folder(path: str) -> str:

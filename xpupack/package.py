@@ -47,18 +47,23 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
     """
     session = session_of(model)
     root = Path(path)
+    if root.is_symlink():  # replace the package the link points to, not the link
+        root = root.resolve()
     if root.exists() and not (root / MANIFEST).is_file() and (not root.is_dir() or any(root.iterdir())):
         raise SaveError(f"{root} exists and is not an xpupack package; refusing to replace it — "
                         "choose another --out or remove it")
-    staging = _fsutil.temporary_sibling(root)
+    staging = None
     try:
+        staging = _fsutil.temporary_sibling(root)
         manifest = _write_package(model, session, staging, weights)
         described = {path: [sig.describe() for sig in tuned.spec.signatures]
                      for path, tuned in session.modules.items()}
         (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
+        _write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
         _fsutil.replace_dir(staging, root)
     except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, XpupackError) or not isinstance(exc, Exception):
             raise
         raise SaveError(f"writing {root} failed: {type(exc).__name__}: {exc}; "
@@ -113,7 +118,6 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         "files": describe_files(staging),
     }
     validate(manifest, "manifest", MANIFEST)
-    _write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
     return manifest
 
 

@@ -84,12 +84,19 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
     from . import _device
     from .backends.base import backend_from_json
     from .environment import differences, environment
+    from .load import manifest_device, read_module_spec
 
     here = environment(_device.resolve(device))
     result["environment_here"] = here
+    try:
+        manifest_device(manifest, source.root)
+    except XpupackError as exc:
+        result["ok"] = False
+        result["problems"].append(str(exc))
     for entry in manifest["modules"]:
         path = entry["path"] or "<model>"
-        try:
+        try:  # what load parses before it touches a model
+            read_module_spec(source.root, entry)
             backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
         except XpupackError as exc:
             result["ok"] = False

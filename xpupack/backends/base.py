@@ -132,11 +132,29 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
 
 
 def backend_from_json(name: str, options: dict) -> Backend:
-    """The backend a manifest names; only registered backends resolve."""
+    """The backend a manifest names; only registered backends resolve.
+
+    The options must be ones the backend itself would write (`Backend.options`
+    round-trips), so a damaged or hostile manifest cannot configure a backend
+    in a way no build ever did.
+    """
     try:
         cls = BACKENDS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise UnknownConfigError(
             f"unknown backend {name!r}; this xpupack knows {', '.join(sorted(BACKENDS))} "
             "— upgrade xpupack if the package was built by a newer one") from None
-    return cls(**options)
+    try:
+        backend = cls(**options)
+        canonical = backend.options()
+    except UnknownConfigError:
+        raise
+    except Exception as exc:  # whatever a constructor raises on options it cannot take
+        raise UnknownConfigError(
+            f"the {name} backend cannot take the options {options!r} ({type(exc).__name__}: {exc}) — "
+            "upgrade xpupack if the package was built by a newer one, or rebuild the package") from None
+    if canonical != options:
+        raise UnknownConfigError(
+            f"the {name} backend does not write the options {options!r} (it would write {canonical!r}) — "
+            "the package is damaged or was built by another xpupack; rebuild the package")
+    return backend

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..manifest import artifact_file
 from .base import Backend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
@@ -76,5 +77,7 @@ class InductorBackend(Backend):
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
         if use_artifacts and "cache" in config:
-            torch.compiler.load_cache_artifacts((folder / config["cache"]).read_bytes())
+            # checked even from a trusted source: the name must not reach outside the package
+            blob = artifact_file(folder, config["cache"]).read_bytes()
+            torch.compiler.load_cache_artifacts(blob)
             log.info("loaded Inductor cache artifacts from %s", folder)
