@@ -38,6 +38,10 @@ def environment(device: torch.device) -> dict:
         props = torch.xpu.get_device_properties(device)
         env["architecture"] = getattr(props, "architecture", None) and str(props.architecture)
         env["driver"] = getattr(props, "driver_version", None)
+    elif device.type == "cpu":
+        # compiled CPU kernels use the vector instructions of the machine that built them (AVX-512
+        # code dies of SIGILL on an AVX2 machine); the device name (e.g. x86_64) does not say which
+        env["architecture"] = torch.backends.cpu.get_cpu_capability()
     return env
 
 

@@ -44,7 +44,7 @@ class InductorBackend(Backend):
     """
 
     name = "inductor"
-    depends_on = ("torch", "triton", "python", "device_type", "device_name")
+    depends_on = ("torch", "triton", "python", "device_type", "device_name", "architecture")
     compiled_artifacts = True
     supports_autograd = True
 

@@ -1,0 +1,193 @@
+"""Environment mismatch: a package built with other library versions or on another device (DESIGN §5).
+
+``ArtifactBackend`` (tests/backends_for_tests.py) stands in for any backend
+whose saved artifacts depend on the environment; the Inductor cases use the
+real backend (tests/test_inductor.py has the compiling ones).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import xpupack
+from backends_for_tests import ArtifactBackend
+from models import make_stack, stack_samples
+from package_tools import assert_unchanged, copy_package, redigest, rewrite_manifest, snapshot
+from xpupack.cli import main
+from xpupack.environment import environment
+from xpupack.errors import IncompatiblePackageError
+
+HERE = environment(torch.device("cpu"))
+OTHER = {"torch": "2.9.0", "torchao": "0.1.0", "triton": "3.0.0", "device_type": "cuda",
+         "device_name": "NVIDIA H200", "architecture": "sm_90"}
+KEYS = ["torch", "torchao", "triton", "device_type", "device_name"]
+
+
+def build(tmp_path, backend):
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(backend))
+    return xpupack.save(model, tmp_path / "pkg")
+
+
+def built_elsewhere(root, **changes):
+    """Rewrites the package as if built in another environment; ``device=...`` also moves the specs there."""
+    device = changes.pop("device", None)
+    rewrite_manifest(root, lambda m: m["environment"].update(changes))
+    if device is not None:
+        rewrite_manifest(root, lambda m: m.update(device=device))
+        for spec in root.glob("modules/*/spec.json"):
+            data = json.loads(spec.read_text())
+            for signature in data["signatures"]:
+                for leaf in signature["leaves"]:
+                    if leaf["kind"] == "tensor":
+                        leaf["device"] = device
+            spec.write_text(json.dumps(data))
+        redigest(root)
+    return root
+
+
+def reasons(model):
+    return [tuned.report[0]["reason"] for tuned in xpupack.tuned.session_of(model).modules.values()]
+
+
+def runners(model):
+    return [tuned.runner for tuned in xpupack.tuned.session_of(model).modules.values()]
+
+
+@pytest.fixture
+def artifact_package(tmp_path):
+    return build(tmp_path, ArtifactBackend())
+
+
+def test_same_environment_uses_the_artifacts(artifact_package):
+    model = xpupack.load(make_stack(), artifact_package, on_mismatch="error")
+    assert all(runner.from_artifacts for runner in runners(model))
+    assert reasons(model) == ["from package", "from package"]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_rebuild_rebuilds_what_the_difference_invalidates(artifact_package, key):
+    built_elsewhere(artifact_package, **{key: OTHER[key]})
+    model = xpupack.load(make_stack(), artifact_package, on_mismatch="rebuild")
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"artifact"}
+    assert not any(runner.from_artifacts for runner in runners(model))
+    assert all(f"rebuilt here ({key}: built {OTHER[key]}, here {HERE[key]})" in r for r in reasons(model))
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_fallback_runs_the_original_modules(artifact_package, key):
+    built_elsewhere(artifact_package, **{key: OTHER[key]})
+    model = xpupack.load(make_stack(), artifact_package, on_mismatch="fallback")
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"eager"}
+    assert all(f"artifact -> original module ({key}: built {OTHER[key]}" in r for r in reasons(model))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), make_stack()(x))
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_error_names_what_differs_and_changes_nothing(artifact_package, key):
+    built_elsewhere(artifact_package, **{key: OTHER[key]})
+    model = make_stack(seed=4).train()
+    before = snapshot(model)
+    with pytest.raises(IncompatiblePackageError) as error:
+        xpupack.load(model, artifact_package, on_mismatch="error")
+    assert error.value.differences == {key: (OTHER[key], HERE[key])}
+    assert f"{key}: built {OTHER[key]}, here {HERE[key]}" in str(error.value)
+    assert "on_mismatch='rebuild'" in str(error.value)
+    assert_unchanged(model, before)
+
+
+def test_every_difference_is_named(artifact_package):
+    built_elsewhere(artifact_package, **{key: OTHER[key] for key in KEYS})
+    with pytest.raises(IncompatiblePackageError) as error:
+        xpupack.load(make_stack(), artifact_package, on_mismatch="error")
+    assert set(error.value.differences) == set(KEYS)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_verify_reports_the_same(artifact_package, key):
+    built_elsewhere(artifact_package, **{key: OTHER[key]})
+    result = CliRunner().invoke(main, ["verify", str(artifact_package), "--json"])
+    assert result.exit_code == 2, result.output
+    report = json.loads(result.output)
+    assert report["ok"]
+    for entry in report["compatibility"].values():
+        assert entry == {"backend": "artifact", "compatible": False,
+                         "status": f"rebuilt on load: {key} built {OTHER[key]}, here {HERE[key]}"}
+    text = CliRunner().invoke(main, ["verify", str(artifact_package)])
+    assert text.exit_code == 2 and f"{key} built {OTHER[key]}" in text.output
+
+
+def test_verify_says_compatible_when_nothing_differs(artifact_package):
+    result = CliRunner().invoke(main, ["verify", str(artifact_package)])
+    assert result.exit_code == 0, result.output
+    assert "compatible" in result.output and "intact" in result.output
+
+
+@pytest.mark.parametrize("kind", ["eager", "graph"])
+def test_backends_without_artifacts_ignore_version_differences(kind, tmp_path, request):
+    """Eager keeps nothing compiled and graphs are recorded again on load: other versions change nothing."""
+    if kind == "graph":
+        request.getfixturevalue("emulated_graphs")
+    backend = xpupack.EagerBackend() if kind == "eager" else xpupack.GraphBackend()
+    root = built_elsewhere(build(tmp_path, backend), torch="2.9.0", torchao="0.1.0", triton="3.0.0",
+                           device_name="another CPU", architecture="AVX2")
+    model = xpupack.load(make_stack(), root, on_mismatch="error")
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {kind}
+    assert CliRunner().invoke(main, ["verify", str(root)]).exit_code == 0
+
+
+def test_graph_package_from_a_gpu_records_again_here(emulated_graphs, tmp_path):
+    root = built_elsewhere(build(tmp_path, xpupack.GraphBackend()), device="cuda:0",
+                           device_type="cuda", device_name="NVIDIA H200")
+    captures = emulated_graphs.captures
+    model = xpupack.load(make_stack(), root, device="cpu", on_mismatch="error")
+    assert emulated_graphs.captures == captures + 4  # both batch sizes of both modules, on this device
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), make_stack()(x), atol=1e-6)
+    assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "graph"
+
+
+@pytest.mark.parametrize("mode", ["rebuild", "fallback", "error"])
+def test_graph_package_on_a_machine_without_device_graphs(mode, tmp_path, request):
+    emulation = request.getfixturevalue("emulated_graphs")  # to build it
+    root = build(tmp_path, xpupack.GraphBackend())
+    request.getfixturevalue("monkeypatch").delitem(xpupack._device.GRAPH_APIS, "cpu")
+    assert emulation.captures
+    if mode == "error":
+        with pytest.raises(IncompatiblePackageError, match="no device graphs on cpu.*on_mismatch"):
+            xpupack.load(make_stack(), root, on_mismatch=mode)
+        return
+    model = xpupack.load(make_stack(), root, on_mismatch=mode)
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"eager"}
+    assert all("no device graphs on cpu" in r for r in reasons(model))
+    result = CliRunner().invoke(main, ["verify", str(root)])
+    assert result.exit_code == 2 and "no device graphs on cpu: runs the original module" in result.output
+
+
+@pytest.mark.parametrize("key", ["torch", "triton", "python", "device_name", "architecture"])
+def test_inductor_verify_names_what_invalidates_its_artifacts(inductor_package, tmp_path, key):
+    root = built_elsewhere(copy_package(inductor_package[1], tmp_path / "pkg"), **{key: "other"})
+    result = CliRunner().invoke(main, ["verify", str(root), "--json"])
+    assert result.exit_code == 2
+    statuses = {e["status"] for e in json.loads(result.output)["compatibility"].values()}
+    assert statuses == {f"rebuilt on load: {key} built other, here {HERE[key]}"}
+
+
+def test_inductor_error_on_another_cpu_instruction_set(inductor_package, tmp_path):
+    """Compiled CPU kernels for AVX-512 die of SIGILL on an AVX2 machine: the instruction set is compared."""
+    other = "AVX2" if HERE["architecture"] != "AVX2" else "AVX512"
+    root = built_elsewhere(copy_package(inductor_package[1], tmp_path / "pkg"), architecture=other)
+    with pytest.raises(IncompatiblePackageError, match=f"architecture: built {other}"):
+        xpupack.load(make_stack(), root, on_mismatch="error")
+
+
+def test_the_environment_records_the_cpu_instruction_set():
+    assert HERE["architecture"] == torch.backends.cpu.get_cpu_capability()
+    assert "architecture" in xpupack.InductorBackend.depends_on
+    assert ArtifactBackend.depends_on == tuple(KEYS)
