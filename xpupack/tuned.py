@@ -24,6 +24,10 @@ from .signature import call_key, flatten
 
 log = logging.getLogger("xpupack")
 
+#: one call that says whether autocast is on for any device type (public: torch.is_autocast_enabled(type))
+_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda", "xpu")))
+
 
 @dataclass(frozen=True)
 class FallbackEvent:
@@ -59,6 +63,7 @@ class TunedModule:
         self._logged: set = set()
         self._params = list(target.module.parameters())
         self._check_grad = not backend.supports_autograd
+        self._check_autocast = not backend.supports_autocast
         self._table = {signature.key: index for index, signature in enumerate(spec.signatures)
                        if index in runner.supported}
 
@@ -76,6 +81,8 @@ class TunedModule:
             return self._fallback(args, kwargs, "training mode", leaves, treespec)
         if self._check_grad and torch.is_grad_enabled() and self._needs_grad(leaves):
             return self._fallback(args, kwargs, "autograd needed", leaves, treespec)
+        if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
+            return self._fallback(args, kwargs, "autocast enabled", leaves, treespec)
         try:
             return self.runner.run(index, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back

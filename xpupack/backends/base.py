@@ -87,6 +87,9 @@ class Backend:
     compiled_artifacts: ClassVar[bool] = False
     #: True when the runner's outputs carry autograd history like eager's (device graphs do not)
     supports_autograd: ClassVar[bool] = False
+    #: True when the runner follows ``torch.autocast`` like eager (a device graph replays the
+    #: precision it recorded, so calls under autocast fall back)
+    supports_autocast: ClassVar[bool] = False
 
     def available(self, device: torch.device) -> bool:
         return True

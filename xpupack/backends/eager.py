@@ -24,6 +24,7 @@ class EagerBackend(Backend):
 
     name = "eager"
     supports_autograd = True
+    supports_autocast = True
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         return EagerRunner(target.forward, set(range(len(spec.signatures))))

@@ -47,6 +47,7 @@ class InductorBackend(Backend):
     depends_on = ("torch", "triton", "python", "device_type", "device_name", "architecture")
     compiled_artifacts = True
     supports_autograd = True
+    supports_autocast = True  # Dynamo guards on the autocast state and compiles again
 
     def __init__(self, mode: str | None = None):
         if mode not in (None, "default", "max-autotune-no-cudagraphs"):
