@@ -272,7 +272,7 @@ def test_the_temporary_directory_of_a_save_is_not_a_package(package, tmp_path):
     litter = tmp_path / ".pkg.xpupack-tmp-12345-0a1b2c3d"
     copy_package(package, litter)  # a complete copy: still refused by its name
     error = refused(litter, PackageFormatError)
-    assert "temporary directory" in str(error) and str(tmp_path / "pkg") in str(error)
+    assert "temporary directory of `xpupack save`" in str(error) and f"load {tmp_path / 'pkg'}" in str(error)
 
 
 # -- no pickle, and compiled artifacts only under the trust rule ------------------------------------

@@ -80,9 +80,10 @@ def read_manifest(root: Path) -> dict:
     """The validated manifest of the package at ``root``, every path and module path in it checked."""
     destination = interrupted_save_of(root)
     if destination is not None:
-        raise PackageFormatError(f"{root} is the temporary directory of a running or interrupted "
-                                 f"`xpupack save` of {destination}, not a package; load {destination} — "
-                                 "the next save there removes this directory", path=str(root))
+        raise PackageFormatError(f"{root} is a temporary directory of `xpupack save` (a package being written, "
+                                 f"or one moved aside to replace it), not a package: load {destination} — if that "
+                                 "is missing, save again there, which puts back what was moved aside",
+                                 path=str(root))
     if not root.is_dir():
         aside = moved_aside(root)
         fix = (f"{aside[-1]} holds the package an interrupted save moved aside: rename it to {root.name}, "
