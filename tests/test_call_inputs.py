@@ -16,8 +16,8 @@ import torch
 
 import xpupack
 from backends_for_tests import CountingBackend
+from compare_calls import assert_same_outcome, outcome
 from models import make_stack, stack_samples
-from xpupack._compare import DEFAULT_TOLERANCES
 
 
 def _tuned(backend, samples=None):
@@ -90,34 +90,18 @@ def _run(module, case, grad, autocast):
     args, kwargs = CASES[case]()
     grad_mode = torch.enable_grad() if grad else torch.no_grad()
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
-    try:
+
+    def call():
         with grad_mode, cast:
-            return "ok", module(*args, **kwargs)
-    except Exception as exc:
-        return "error", (type(exc), str(exc))
+            return module(*args, **kwargs)
 
-
-def _assert_same(got, expected):
-    """The same error, or the same tensor: dtype, shape, device, autograd, NaN/inf places, signs of zeros,
-    values within the tolerance backends are accepted with (a transposed input may round differently)."""
-    assert got[0] == expected[0], (got, expected)
-    if got[0] == "error":
-        assert got[1] == expected[1]
-        return
-    a, e = got[1], expected[1]
-    assert (a.shape, a.dtype, a.device, a.requires_grad) == (e.shape, e.dtype, e.device, e.requires_grad)
-    if a.device.type == "meta":
-        return
-    rtol, atol = DEFAULT_TOLERANCES[e.dtype]
-    assert torch.allclose(a.detach(), e.detach(), rtol=rtol, atol=atol, equal_nan=True)
-    zeros = e == 0
-    assert torch.equal(a.detach()[zeros].signbit(), e.detach()[zeros].signbit())
+    return outcome(call)
 
 
 def _assert_eager_result(tuned, reference, case, grad=False, autocast=False):
     expected = _run(reference, case, grad, autocast)
     got = _run(tuned, case, grad, autocast)
-    _assert_same(got, expected)
+    assert_same_outcome(got, expected)
 
 
 @pytest.mark.parametrize("case", CASES)
