@@ -39,6 +39,7 @@ from xpupack import _device
 from xpupack.errors import IntegrityError, XpupackError
 from xpupack.load import read_module_spec
 from xpupack.manifest import MANIFEST, read_manifest
+from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature
 
 SCALE = int(os.environ.get("XPUPACK_FUZZ_SCALE", "1"))
@@ -267,7 +268,11 @@ def test_loading_a_mutated_manifest(packages, fallback_calls, kind, data):
     try:
         (root / MANIFEST).write_text(json.dumps(data.draw(mutations(manifest))))
         with emulated_graphs():
-            _load_and_check(root, fallback_calls)
+            verified = verify_package(root)  # `xpupack verify` and `inspect` take it too
+            with contextlib.suppress(XpupackError):
+                package_report(root)
+            if _load_and_check(root, fallback_calls) == "loaded":
+                assert verified["ok"], verified
     finally:
         shutil.rmtree(root.parent)
 

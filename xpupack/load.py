@@ -1,8 +1,8 @@
 """`xpupack.load`: verify a package, restore weights and backends, activate (DESIGN §2, §5).
 
-Everything that can be checked is checked before the model is touched. The
-changes that follow (weights, device, backends, activation) go through one
-`_ModelEdit`, which puts every tensor and flag back if anything fails, so a
+Everything that can be checked is checked before the model is touched. For
+the changes that follow (weights, device, backends, activation) a `_ModelEdit`
+snapshot puts every tensor, module entry and flag back if anything fails, so a
 failed load leaves the model exactly as it was.
 """
 
@@ -54,8 +54,11 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     checked, and the model's architecture (state-dict names, shapes, dtypes) is
     compared with the package's before anything changes. Then the package's
     weights replace the model's (in the same Parameter objects), every backend
-    is rebuilt on ``device`` (device graphs are recorded again there), and the
-    tuned modules are activated. The model is put in eval mode.
+    is rebuilt on ``device`` (device graphs are recorded again there) and run
+    once per recorded signature beside the original module (a backend that
+    answers differently is not used), and the tuned modules are activated.
+    The model is put in eval mode. If anything fails, the model is put back
+    exactly as it was.
 
     Args:
         model: a freshly built model of the architecture the package was built from.
@@ -76,8 +79,11 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     Raises:
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
-        ModelMismatchError: the model's architecture differs from the package's.
+        ModelMismatchError: the model's architecture or weight tying differs from the package's.
+        UnknownConfigError: a backend or backend option this xpupack does not know.
         IncompatiblePackageError: with ``on_mismatch="error"``, what differs.
+        BackendError: with ``on_mismatch="error"``, a backend that failed to restore
+            (`OutputMismatchError`: one that answers differently from the original module).
 
     Example:
         >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
