@@ -10,6 +10,7 @@ Example:
 from .backends.eager import EagerBackend
 from .backends.graph import GraphBackend
 from .backends.inductor import InductorBackend
+from .backends.torchao import TorchAOBackend
 from .environment import __version__
 from .errors import (BackendError, BackendUnavailableError, HubError, IncompatiblePackageError,
                      IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
@@ -32,7 +33,7 @@ def push(path, repo_id, revision=None, private=None, token=None):
 __all__ = [
     "tune", "save", "load", "stats", "activate", "deactivate", "push",
     "FirstWins", "Fastest", "Only", "Strategy",
-    "GraphBackend", "InductorBackend", "EagerBackend",
+    "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
     "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
     "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "UnknownConfigError", "HubError",

@@ -9,7 +9,7 @@ failed load leaves the model exactly as it was.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import _device
-from .backends.base import Backend, ModuleSpec, Target, backend_from_json
+from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .backends.eager import EagerBackend
 from .environment import differences, environment
 from .errors import IncompatiblePackageError, IntegrityError, ModelMismatchError, PackageFormatError
@@ -40,6 +40,8 @@ class _ModulePlan:
     config: dict
     folder: Path
     use_artifacts: bool
+    #: state-dict names (relative to the module) that only the backend's files hold
+    owned: tuple[str, ...] = ()
     note: str = ""
 
 
@@ -99,6 +101,8 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         if previous is not None:  # loading again replaces the earlier tuning
             previous.deactivate()
             detach(model)
+            for tuned in previous.modules.values():
+                edit.undo_runner(tuned.runner)
         edit.set_tensors(model, weights, device)
         edit.set_eval(model)
         _restore_shared(manifest, source, plans)
@@ -107,6 +111,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             if progress:
                 progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
             modules[plan.path] = _restore(plan, device, on_mismatch)
+            edit.keep_runner(modules[plan.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"])
         attach(model, session)
@@ -156,7 +161,8 @@ def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_d
     backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
     module = model.get_submodule(path)
     plan = _ModulePlan(path, module, spec, backend, entry["backend"]["config"],
-                       source.root / entry["folder"] / backend.name, use_artifacts=True)
+                       source.root / entry["folder"] / backend.name, use_artifacts=True,
+                       owned=tuple(entry.get("owned_tensors", ())))
 
     changed = differences(manifest["environment"], here, backend.depends_on)
     unavailable = not backend.available(device)
@@ -169,7 +175,7 @@ def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_d
                 "load with on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
                 differences=changed)
         if on_mismatch == "fallback" or unavailable:
-            plan.backend, plan.note = EagerBackend(), f"{backend.name} -> original module ({what})"
+            plan = _fallback_plan(plan, device, what, changed)
         else:
             plan.use_artifacts, plan.note = False, f"{backend.name} rebuilt here ({what})"
         log.warning("%s: %s", path or "<model>", plan.note)
@@ -179,6 +185,29 @@ def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_d
                      "(pass trust_compiled=True to use its compiled artifacts)")
         log.warning("%s: %s", path or "<model>", plan.note)
     return plan
+
+
+def _fallback_plan(plan: _ModulePlan, device: torch.device, why: str,
+                   changed: dict | None = None) -> _ModulePlan:
+    """What runs when ``plan``'s backend cannot: the base of a composed backend where it can run
+    (``graph+torchao`` on CPU runs the quantized module), else the original module.
+
+    A module whose weights only the backend's files hold (quantized weights) has
+    no original module to fall back to: that raises `IncompatiblePackageError`.
+    """
+    name = plan.backend.name
+    base = getattr(plan.backend, "base", None)
+    if (base is not None and base.available(device)
+            and not set(changed or {}) & set(base.depends_on)):
+        return replace(plan, backend=base, config=plan.config.get("base", {}), folder=plan.folder / base.name,
+                       note=f"{name} -> {base.name} ({why})")
+    if plan.owned:
+        raise IncompatiblePackageError(
+            f"{plan.path or '<model>'}: the {name} backend cannot run here ({why}), and the package holds "
+            f"{', '.join(plan.owned[:3])} only in that backend's form, so the original module cannot take "
+            "over — load on a device where it runs, or rebuild the package here from the original weights",
+            differences=changed)
+    return replace(plan, backend=EagerBackend(), note=f"{name} -> original module ({why})")
 
 
 def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor] | None:
@@ -230,12 +259,17 @@ def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> Tuned
         if on_mismatch == "error":
             raise
         # serving beats crashing: the original module still gives eager's answers
-        log.warning("%s: restoring %s failed (%s: %s); running the original module",
-                    plan.path or "<model>", plan.backend.name, type(exc).__name__, exc)
-        eager = EagerBackend()
-        report = [{"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"},
-                  {"backend": "eager", "status": "chosen", "reason": "fallback after restore failure"}]
-        return TunedModule(target, plan.spec, eager, eager.build(target, plan.spec, device), report)
+        # (a failed restore has undone its own changes to the module)
+        try:
+            fallback = _fallback_plan(plan, device, f"restore failed: {exc}")
+        except IncompatiblePackageError:
+            raise exc from None  # nothing can run this module without the backend: its own error says why
+        log.warning("%s: restoring %s failed (%s: %s); %s",
+                    plan.path or "<model>", plan.backend.name, type(exc).__name__, exc, fallback.note)
+        tuned = _restore(fallback, device, on_mismatch)
+        tuned.report.insert(0, {"backend": plan.backend.name, "status": "rejected",
+                                "reason": f"restore failed: {exc}"})
+        return tuned
     return TunedModule(target, plan.spec, plan.backend, runner, report)
 
 
@@ -261,6 +295,15 @@ class _ModelEdit:
             else:
                 module._buffers[name] = new
                 self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
+
+    def keep_runner(self, runner: Runner) -> None:
+        """A restored runner: rollback undoes what it changed in its module (e.g. quantized weights)."""
+        self._undo.append(runner.undo)
+
+    def undo_runner(self, runner: Runner) -> None:
+        """An earlier tuning's runner: its changes are undone now and redone on rollback."""
+        runner.undo()
+        self._undo.append(runner.redo)
 
     def set_eval(self, model: nn.Module) -> None:
         flags = [(m, m.training) for m in model.modules()]

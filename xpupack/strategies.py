@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from . import _timing
-from ._compare import mismatch
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NoCandidateError
 from .signature import flatten
@@ -35,6 +34,15 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
         runner = backend.build(target, spec, device)
     except Exception as exc:
         raise Rejected(f"build failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+    try:
+        _check_outputs(backend, runner, spec, references)
+    except Rejected:
+        runner.undo()  # a refused candidate must not leave the module changed
+        raise
+    return runner
+
+
+def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, references: list[list[Any]]) -> None:
     if not runner.supported:
         raise Rejected("no recorded signature could be built")
     with torch.no_grad():
@@ -47,10 +55,9 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
                 except Exception as exc:
                     raise Rejected(f"running {spec.signatures[index].describe()} failed: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
-                problem = mismatch(actual, expected, backend.tolerances())
+                problem = backend.compare(actual, expected)
                 if problem:
                     raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
-    return runner
 
 
 def _first_line(exc: BaseException) -> str:
@@ -110,14 +117,15 @@ class Fastest(Strategy):
                 report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
                 continue
             total = self._time(runner, spec, device)
-            timed.append((total, backend, runner))
-            report.append({"backend": backend.name, "status": "accepted", "median_us": round(total, 2)})
+            runner.undo()  # the next candidate starts from the original module
+            entry = {"backend": backend.name, "status": "accepted", "median_us": round(total, 2)}
+            timed.append((total, backend, runner, entry))
+            report.append(entry)
         if not timed:
             raise NoCandidateError(_explain(target, report))
-        total, backend, runner = min(timed, key=lambda item: item[0])
-        for entry in report:
-            if entry["backend"] == backend.name and entry["status"] == "accepted":
-                entry["status"], entry["reason"] = "chosen", "fastest"
+        total, backend, runner, entry = min(timed, key=lambda item: item[0])
+        runner.redo()
+        entry["status"], entry["reason"] = "chosen", "fastest"
         return backend, runner, report
 
     def _time(self, runner: Runner, spec: ModuleSpec, device: torch.device) -> float:

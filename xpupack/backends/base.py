@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from .._compare import DEFAULT_TOLERANCES
+from .._compare import DEFAULT_TOLERANCES, mismatch
 from ..errors import UnknownConfigError
 from ..signature import Signature
 
@@ -68,6 +68,18 @@ class Runner:
         """
         return set()
 
+    def undo(self) -> None:
+        """Puts back whatever building or restoring this runner changed in the module.
+
+        Most runners change nothing. A backend that transforms the module in
+        place (TorchAO swaps in quantized parameters) undoes that here, so a
+        rejected candidate, a candidate `Fastest` did not keep, or a failed
+        load leaves the module as it was. The runner must not run until `redo`.
+        """
+
+    def redo(self) -> None:
+        """Applies the changes that `undo` took back, the same objects again."""
+
     def memory_bytes(self) -> int:
         """Device memory this runner holds beyond the module's own weights."""
         return 0
@@ -87,6 +99,9 @@ class Backend:
     compiled_artifacts: ClassVar[bool] = False
     #: True when the runner's outputs carry autograd history like eager's (device graphs do not)
     supports_autograd: ClassVar[bool] = False
+    #: True when build/restore change the module itself and the runner runs the module's own
+    #: forward (TorchAO quantizes in place): another backend can then compile it (``base=``)
+    transforms_module: ClassVar[bool] = False
 
     def available(self, device: torch.device) -> bool:
         return True
@@ -112,6 +127,14 @@ class Backend:
 
     def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
         return DEFAULT_TOLERANCES
+
+    def compare(self, actual: Any, expected: Any) -> str | None:
+        """Why the candidate's output ``actual`` is not acceptable against eager's ``expected``, or None.
+
+        Elementwise within `tolerances` by default; a backend that changes
+        numerics on purpose overrides this with a measure suited to it.
+        """
+        return mismatch(actual, expected, self.tolerances())
 
     def options(self) -> dict:
         """Constructor options as JSON, so that a loader can rebuild the same backend."""

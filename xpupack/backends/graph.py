@@ -144,6 +144,18 @@ class GraphRunner(Runner):
         copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in recording.output_leaves]
         return unflatten(copies, recording.output_spec)[0][0]
 
+    def undo(self) -> None:
+        if self.base_runner is not None:
+            self.base_runner.undo()
+
+    def redo(self) -> None:
+        # the base puts back the very tensors it swapped out, so the recordings stay valid
+        if self.base_runner is not None:
+            self.base_runner.redo()
+
+    def owned_tensors(self) -> set[str]:
+        return self.base_runner.owned_tensors() if self.base_runner else set()
+
     def memory_bytes(self) -> int:
         return self._memory
 
@@ -209,6 +221,9 @@ class GraphBackend(Backend):
     def tolerances(self):
         return self.base.tolerances() if self.base else super().tolerances()
 
+    def compare(self, actual, expected):
+        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
+
     def _runner(self, target: Target, spec: ModuleSpec, device: torch.device,
                 base_runner: Runner | None) -> GraphRunner:
         api = _device.graphs_for(device)
@@ -223,8 +238,12 @@ class GraphBackend(Backend):
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         base_runner = self.base.build(target, spec, device) if self.base else None
         runner = self._runner(target, spec, device, base_runner)
-        with _device.on_device(device):
-            runner.record_all(strict=True)
+        try:
+            with _device.on_device(device):
+                runner.record_all(strict=True)
+        except BaseException:
+            runner.undo()
+            raise
         return runner
 
     def save(self, runner: Runner, folder: Path) -> dict:
@@ -239,10 +258,14 @@ class GraphBackend(Backend):
             base_runner = self.base.restore(target, spec, config.get("base", {}), folder / self.base.name,
                                             device, use_artifacts=use_artifacts)
         runner = self._runner(target, spec, device, base_runner)
-        with _device.on_device(device):
-            runner.record_all(strict=False)
-        if not runner.supported:
-            raise RuntimeError("no signature could be recorded: " + "; ".join(runner.failures.values()))
+        try:
+            with _device.on_device(device):
+                runner.record_all(strict=False)
+            if not runner.supported:
+                raise RuntimeError("no signature could be recorded: " + "; ".join(runner.failures.values()))
+        except BaseException:
+            runner.undo()
+            raise
         return runner
 
     def save_shared(self, folder: Path) -> dict:
