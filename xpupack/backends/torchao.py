@@ -17,8 +17,8 @@ reconstructs anything; configs round-trip through
 ``torchao.core.config.config_to_dict``/``config_from_dict``, checked the same way.
 
 A quantized candidate is accepted by its signal-to-quantization-noise ratio
-against eager (`NAMED_CONFIGS` documents each config's minimum), not by the
-elementwise tolerances of the exact backends.
+against eager (`CONFIG_CLASSES` holds each config class's minimum), not by
+the elementwise tolerances of the exact backends.
 """
 
 from __future__ import annotations
@@ -270,8 +270,9 @@ class TorchAOBackend(Backend):
         self._instance = None
         if isinstance(config, str):
             if config not in NAMED_CONFIGS:
-                raise UnknownConfigError(f"unknown torchao config {config!r}; known names: "
-                                         f"{', '.join(NAMED_CONFIGS)} (or pass a torchao AOBaseConfig)")
+                known = "; ".join(f"{name} ({named.devices})" for name, named in NAMED_CONFIGS.items())
+                raise UnknownConfigError(f"unknown torchao config {config!r}; known names: {known} "
+                                         "— or pass a torchao AOBaseConfig")
             self._named, self.label, config_class = NAMED_CONFIGS[config], config, NAMED_CONFIGS[config].config_class
         elif isinstance(config, dict):
             self._instance = config_from_json(config, "TorchAOBackend(config=...)")
