@@ -145,6 +145,7 @@ class Session:
             module = tuned.target.module
             if module.__dict__.get("forward") is tuned:
                 del module.forward
+            tuned.runner.release()
         self.active = False
 
 
