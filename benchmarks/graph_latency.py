@@ -26,7 +26,7 @@ import torch
 import xpupack
 from xpupack import _device, _timing
 from xpupack.examples import TinyTransformer
-from xpupack.signature import call_key, flatten
+from xpupack.signature import fit_key
 
 SIZES = [  # DESIGN §7 anchors: hidden × layers, batch, sequence
     {"name": "h512x6_b1_s16", "hidden": 512, "layers": 6, "batch": 1, "seq": 16},
@@ -91,13 +91,10 @@ def fresh_process_load(package: Path, size: dict, dtype: str, device: str) -> di
 
 
 def fit_check_us(ids, iterations=20000) -> float:
-    table = {}
-    leaves, spec = flatten((ids,), {})
-    table[call_key(spec, leaves)] = 0
+    table = {fit_key((ids,), {})[0]: 0}
     start = time.perf_counter()
     for _ in range(iterations):
-        leaves, spec = flatten((ids,), {})
-        table.get(call_key(spec, leaves))
+        table.get(fit_key((ids,), {})[0])
     return (time.perf_counter() - start) / iterations * 1e6
 
 
