@@ -18,6 +18,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .card import package_card
@@ -25,6 +26,9 @@ from .errors import (HubError, IntegrityError, OfflineNotCachedError, PackageFor
                      RevisionNotFoundError)
 from .manifest import MANIFEST, MODEL_CARD, UNLISTED_OK, check_package, read_manifest
 from .source import Source
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
 
 log = logging.getLogger("xpupack")
 
@@ -99,7 +103,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
 
 
 def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
-         token: str | bool | None = None):
+         token: str | bool | None = None) -> CommitInfo:
     """Verifies the package at ``path`` and uploads it to Hub repo ``repo_id`` in one commit.
 
     The repo is created if needed. The commit holds ``xpupack.json``, every file
