@@ -92,6 +92,18 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
+def check_package(root: Path, *, links_within: Path | None = None) -> dict:
+    """The manifest of an intact package: schema, paths, every file's size and sha256, every spec.
+
+    Raises `PackageFormatError` or `IntegrityError` naming the first problem.
+    """
+    manifest = read_manifest(root)
+    check_files(root, manifest, links_within=links_within)
+    for entry in manifest["modules"]:
+        read_json(root, entry["spec"], "spec")
+    return manifest
+
+
 def check_relative(relative: str, root: Path) -> None:
     """Refuses a path that is absolute, has ``..`` or a backslash, or escapes ``root``."""
     pure = PurePosixPath(relative)

@@ -61,6 +61,9 @@ class Runner:
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Frees what the runner holds on the device (called on deactivate); `run` must still work after."""
+
     def owned_tensors(self) -> set[str]:
         """State-dict names (relative to the module) whose values the backend saves itself.
 

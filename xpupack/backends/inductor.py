@@ -4,24 +4,46 @@ At save, PyTorch's portable cache artifacts ("mega-cache",
 ``torch.compiler.save_cache_artifacts``) go into ``backends/inductor/``; at
 load, ``torch.compiler.load_cache_artifacts`` puts them back into the local
 Inductor caches before the modules are compiled again from synthesised
-inputs, so compilation hits the caches instead of starting from scratch. The
-artifacts are pickles and compiled code: they load only when trusted
+inputs, so compilation hits the caches instead of starting from scratch.
+
+The mega-cache holds generated source, not the C++ libraries Inductor builds
+from it on CPU (nor the results of its vector-ISA probe, about 7 s on a fresh
+cache); so the libraries built while tuning are carried too
+(``backends/inductor/kernels/``) and put back into the local cache, where
+Inductor finds them by the hash of their source.
+
+All of these are pickles and native code: they load only when trusted
 (DESIGN §5); otherwise the module is compiled locally.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..manifest import check_relative
 from .base import Backend, ModuleSpec, Runner, Target, backend_from_json, register_backend
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "cache.bin"
+KERNELS = "kernels"
+#: files of Inductor's local cache that hold compiled code (not locks or in-flight temporaries)
+_KERNEL_SUFFIXES = (".so", ".cpp", ".h", ".json")
+#: when this process first compiled through the backend: kernels built since belong to packages
+_first_build: list[float] = []
+
+
+def _inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
 
 
 class InductorRunner(Runner):
@@ -58,8 +80,7 @@ class InductorBackend(Backend):
     """
 
     name = "inductor"
-    compiled_artifacts = True
-    supports_autograd = True
+    compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
 
     def __init__(self, mode: str | None = None, *, base: Backend | dict | None = None):
         if mode not in (None, "default", "max-autotune-no-cudagraphs"):
@@ -103,6 +124,8 @@ class InductorBackend(Backend):
             raise
 
     def _compile(self, target: Target, spec: ModuleSpec, base_runner: Runner | None) -> Runner:
+        if not _first_build:
+            _first_build.append(time.time() - 1.0)  # file times can be a little coarse
         # a base transforms the module in place, so its own forward is what gets compiled
         compiled = torch.compile(target.forward, dynamic=False, mode=self.mode)
         with torch.no_grad():
@@ -136,9 +159,37 @@ class InductorBackend(Backend):
         blob, _info = saved
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CACHE_FILE).write_bytes(blob)
-        return {"cache": CACHE_FILE}
+        return {"cache": CACHE_FILE, KERNELS: self._save_kernels(folder / KERNELS)}
+
+    def _save_kernels(self, folder: Path) -> list[str]:
+        """Copies the compiled libraries built since this process first compiled through the backend."""
+        if not _first_build:
+            return []
+        root = _inductor_cache_dir()
+        saved = []
+        for path in sorted(root.rglob("*")):
+            if (path.suffix in _KERNEL_SUFFIXES and path.is_file() and not path.is_symlink()
+                    and path.stat().st_mtime >= _first_build[0]
+                    and path.relative_to(root).parts[0] not in ("locks", "fxgraph", "aotautograd")):
+                relative = path.relative_to(root).as_posix()
+                (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, folder / relative)
+                saved.append(relative)
+        return saved
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
-        if use_artifacts and "cache" in config:
+        if not use_artifacts:
+            return
+        if "cache" in config:
             torch.compiler.load_cache_artifacts((folder / config["cache"]).read_bytes())
-            log.info("loaded Inductor cache artifacts from %s", folder)
+        root = _inductor_cache_dir()
+        for relative in config.get(KERNELS, []):
+            check_relative(relative, folder)
+            destination = root / relative
+            if not destination.exists():  # never overwrite what this machine built itself
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                temporary = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
+                shutil.copy2(folder / KERNELS / relative, temporary)
+                os.replace(temporary, destination)
+        log.info("loaded Inductor cache artifacts and %d compiled kernels from %s",
+                 len(config.get(KERNELS, [])), folder)

@@ -64,6 +64,9 @@ def echo_json(data: Any) -> None:
 
 
 def console(stderr: bool = False):
+    """A rich console; wide when not on a terminal, so piped output and logs do not wrap mid-word."""
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 160
+    return Console(file=stream, width=width, highlight=False)

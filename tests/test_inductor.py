@@ -1,0 +1,113 @@
+"""The Inductor backend: compile, carry the compiled artifacts, load without compiling from scratch."""
+
+import json
+import sys
+
+import pytest
+import torch
+
+import xpupack
+from models import make_stack, stack_samples
+from xpupack.errors import IncompatiblePackageError
+from xpupack.source import Source
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def inductor_package(tmp_path_factory):
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    root = xpupack.save(model, tmp_path_factory.mktemp("inductor") / "pkg")
+    return model, root
+
+
+def test_compiled_modules_match_eager(inductor_package):
+    model, root = inductor_package
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), make_stack()(x), atol=1e-5)
+    manifest = json.loads((root / "xpupack.json").read_text())
+    assert manifest["backends"]["inductor"] == {"folder": "backends/inductor", "config": {"cache": "cache.bin"}}
+    assert "backends/inductor/cache.bin" in manifest["files"]
+
+
+def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_python, tmp_path):
+    """A fresh process with an empty Inductor cache hits the package's artifacts: nothing compiles from scratch."""
+    _, root = inductor_package
+    result = run_python(f"""
+        import json, torch, xpupack
+        from torch._dynamo.utils import counters
+        from models import make_stack
+        model = xpupack.load(make_stack(seed=4), {str(root)!r})
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            close = torch.allclose(model(x), make_stack()(x), atol=1e-5)
+        print(json.dumps({{"close": close, "stats": xpupack.stats(model), **counters["inductor"]}}))
+    """, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh-cache")})
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["close"]
+    assert report.get("fxgraph_cache_hit", 0) >= 1
+    assert report.get("fxgraph_cache_miss", 0) == 0
+    assert report["stats"]["layers.0.mlp"]["fallbacks"] == 0
+
+
+def _forbid_artifacts(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled artifacts must not be loaded here")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", refuse)
+
+
+def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog):
+    _, root = inductor_package
+    _forbid_artifacts(monkeypatch)
+    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source",
+                        lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
+    model = xpupack.load(make_stack(), "org/name")
+    tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]
+    assert tuned.backend_name == "inductor"
+    assert "not pinned by commit hash" in tuned.report[0]["reason"]
+    assert "trust_compiled=True" in caplog.text
+
+
+def _with_other_torch(root, tmp_path):
+    copy = tmp_path / "pkg"
+    import shutil
+
+    shutil.copytree(root, copy)
+    manifest = json.loads((copy / "xpupack.json").read_text())
+    manifest["environment"]["torch"] = "1.0.0"
+    (copy / "xpupack.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_environment_mismatch_error_names_what_differs(inductor_package, tmp_path):
+    root = _with_other_torch(inductor_package[1], tmp_path)
+    model = make_stack()
+    with pytest.raises(IncompatiblePackageError, match="torch: built 1.0.0") as error:
+        xpupack.load(model, root, on_mismatch="error")
+    assert error.value.differences == {"torch": ("1.0.0", torch.__version__)}
+    assert "forward" not in model.layers[0]["mlp"].__dict__
+
+
+def test_environment_mismatch_fallback_runs_originals(inductor_package, tmp_path):
+    root = _with_other_torch(inductor_package[1], tmp_path)
+    model = xpupack.load(make_stack(), root, on_mismatch="fallback")
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"eager"}
+
+
+def test_environment_mismatch_rebuild_compiles_here(inductor_package, tmp_path, monkeypatch):
+    root = _with_other_torch(inductor_package[1], tmp_path)
+    _forbid_artifacts(monkeypatch)
+    model = xpupack.load(make_stack(), root, on_mismatch="rebuild")
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), make_stack()(x), atol=1e-5)
+
+
+def test_cudagraph_modes_are_refused():
+    with pytest.raises(ValueError, match="GraphBackend"):
+        xpupack.InductorBackend(mode="reduce-overhead")

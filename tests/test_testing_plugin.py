@@ -1,0 +1,43 @@
+"""The pytest plugin that users' deploy-after-load tests rely on."""
+
+pytest_plugins = ["pytester"]
+
+CONFTEST = """
+import sys
+sys.path.insert(0, {tests!r})
+import pytest, torch, xpupack
+from models import make_stack, stack_samples
+
+@pytest.fixture
+def model():
+    return xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                        strategy=xpupack.Only(xpupack.EagerBackend()))
+"""
+
+
+def test_fallback_without_the_fixture_fails_and_with_it_is_recorded(pytester, fallback_calls):
+    """(This test takes ``fallback_calls`` itself because pytester runs the inner session in-process.)"""
+    import os
+
+    pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__)))
+    pytester.makepyfile(test_user="""
+        import torch
+
+        def test_recorded_batch(model):
+            with torch.no_grad():
+                model(torch.randn(2, 8))
+
+        def test_unexpected_fallback(model):
+            with torch.no_grad():
+                model(torch.randn(16, 8))
+
+        def test_expected_fallback(model, fallback_calls):
+            with torch.no_grad():
+                model(torch.randn(16, 8))
+            assert [e.path for e in fallback_calls] == ["layers.0.mlp", "layers.1.mlp"]
+            assert "f32" in fallback_calls[0].reason or "float32" in fallback_calls[0].reason
+    """)
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*2 call(s) of tuned modules ran the original module*",
+                                 "*layers.0.mlp: no recorded signature fits*"])
