@@ -80,6 +80,17 @@ class Runner:
         return {}
 
 
+class CallableRunner(Runner):
+    """A runner that calls one function for every signature (eager, compiled...)."""
+
+    def __init__(self, function: Callable[..., Any], supported: set[int]):
+        super().__init__(supported)
+        self.function = function
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        return self.function(*args, **kwargs)
+
+
 class Backend:
     """Base class of backends; see the module docstring and DESIGN §3."""
 
@@ -112,6 +123,11 @@ class Backend:
         (untrusted source or environment mismatch): rebuild from portable parts.
         """
         return self.build(target, spec, device)
+
+    @property
+    def label(self) -> str:
+        """How reports name this candidate (``graph+torchao`` for a composition)."""
+        return self.name
 
     def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
         return DEFAULT_TOLERANCES

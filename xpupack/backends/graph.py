@@ -221,6 +221,10 @@ class GraphBackend(Backend):
         return self.base.depends_on if self.base else ()
 
     @property
+    def label(self) -> str:
+        return f"graph+{self.base.label}" if self.base else self.name
+
+    @property
     def compiled_artifacts(self) -> bool:  # type: ignore[override]
         return bool(self.base and self.base.compiled_artifacts)
 

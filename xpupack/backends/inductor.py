@@ -23,12 +23,11 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
 from ..manifest import check_relative
-from .base import Backend, ModuleSpec, Runner, Target, register_backend
+from .base import Backend, CallableRunner, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +43,6 @@ def _inductor_cache_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir())
-
-
-class InductorRunner(Runner):
-    def __init__(self, compiled: Callable[..., Any], supported: set[int]):
-        super().__init__(supported)
-        self._compiled = compiled
-
-    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
-        return self._compiled(*args, **kwargs)
 
 
 @register_backend
@@ -85,7 +75,7 @@ class InductorBackend(Backend):
             for index in range(len(spec.signatures)):
                 args, kwargs = spec.example(index)
                 compiled(*args, **kwargs)  # compile now, not on the user's first call
-        return InductorRunner(compiled, set(range(len(spec.signatures))))
+        return CallableRunner(compiled, set(range(len(spec.signatures))))
 
     def save_shared(self, folder: Path) -> dict:
         """Writes the process's Inductor cache artifacts (all modules share one blob)."""
