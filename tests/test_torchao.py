@@ -261,7 +261,7 @@ def test_an_impossible_tolerance_rejects_the_candidate_with_the_reason():
 
 
 def test_only_raises_the_accuracy_reason():
-    with pytest.raises(NoCandidateError, match=r"torchao backend rejected: .*SQNR \d+\.\d dB"):
+    with pytest.raises(NoCandidateError, match=r"torchao:float8-weight-only backend rejected: .*SQNR \d+\.\d dB"):
         tune_quantized(strategy=xpupack.Only(xpupack.TorchAOBackend("float8-weight-only", min_sqnr_db=90)))
 
 
@@ -335,9 +335,9 @@ def test_cli_builds_quantized_packages(tmp_path):
     from xpupack.cli.build import parse_backends
 
     graph, inductor, plain = parse_backends("graph+torchao:int8-dynamic,inductor+torchao,torchao:float8-weight-only")
-    assert (graph.name, graph.base.label) == ("graph", "int8-dynamic")
-    assert (inductor.name, inductor.base.label) == ("inductor", "int8-weight-only")
-    assert plain.label == "float8-weight-only"
+    assert (graph.name, graph.label) == ("graph", "graph+torchao:int8-dynamic")
+    assert (inductor.name, inductor.label) == ("inductor", "inductor+torchao:int8-weight-only")
+    assert plain.label == "torchao:float8-weight-only"
 
     out = tmp_path / "pkg"
     result = CliRunner().invoke(main, ["build", "xpupack.examples:tiny_transformer", "--samples",

@@ -60,6 +60,16 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
                     raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
 
 
+def _attempt(backend: Backend, target: Target, spec: ModuleSpec, references: list[list[Any]],
+             device: torch.device, report: list[dict]) -> Runner | None:
+    """`check_candidate`, with a refusal recorded in ``report`` instead of raised."""
+    try:
+        return check_candidate(backend, target, spec, references, device)
+    except Rejected as exc:
+        report.append({"backend": backend.label, "status": "rejected", "reason": str(exc)})
+        return None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else ""
@@ -89,15 +99,12 @@ class FirstWins(Strategy):
     """
 
     def choose(self, target, spec, references, device):
-        report = []
+        report: list[dict] = []
         for backend in self.backends:
-            try:
-                runner = check_candidate(backend, target, spec, references, device)
-            except Rejected as exc:
-                report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
-                continue
-            report.append({"backend": backend.name, "status": "chosen", "reason": "first to pass"})
-            return backend, runner, report
+            runner = _attempt(backend, target, spec, references, device, report)
+            if runner is not None:
+                report.append({"backend": backend.label, "status": "chosen", "reason": "first to pass"})
+                return backend, runner, report
         raise NoCandidateError(_explain(target, report))
 
 
@@ -109,21 +116,19 @@ class Fastest(Strategy):
         self.iterations = iterations
 
     def choose(self, target, spec, references, device):
-        report, timed = [], []
+        report: list[dict] = []
+        timed = []
         for backend in self.backends:
-            try:
-                runner = check_candidate(backend, target, spec, references, device)
-            except Rejected as exc:
-                report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
-                continue
-            total = self._time(runner, spec, device)
-            runner.undo()  # the next candidate starts from the original module
-            entry = {"backend": backend.name, "status": "accepted", "median_us": round(total, 2)}
-            timed.append((total, backend, runner, entry))
-            report.append(entry)
+            runner = _attempt(backend, target, spec, references, device, report)
+            if runner is not None:
+                entry = {"backend": backend.label, "status": "accepted",
+                         "median_us": round(self._time(runner, spec, device), 2)}
+                runner.undo()  # the next candidate starts from the original module
+                report.append(entry)
+                timed.append((entry, backend, runner))
         if not timed:
             raise NoCandidateError(_explain(target, report))
-        total, backend, runner, entry = min(timed, key=lambda item: item[0])
+        entry, backend, runner = min(timed, key=lambda item: item[0]["median_us"])
         runner.redo()
         entry["status"], entry["reason"] = "chosen", "fastest"
         return backend, runner, report
@@ -150,8 +155,8 @@ class Only(Strategy):
         try:
             runner = check_candidate(backend, target, spec, references, device)
         except Rejected as exc:
-            raise NoCandidateError(f"{target.path or '<model>'}: {backend.name} backend rejected: {exc}") from exc
-        return backend, runner, [{"backend": backend.name, "status": "chosen", "reason": "only candidate"}]
+            raise NoCandidateError(f"{target.path or '<model>'}: {backend.label} backend rejected: {exc}") from exc
+        return backend, runner, [{"backend": backend.label, "status": "chosen", "reason": "only candidate"}]
 
 
 def _explain(target: Target, report: list[dict]) -> str:

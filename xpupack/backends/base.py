@@ -54,6 +54,9 @@ class Runner:
 
     #: indices of signatures this runner can execute (others fall back)
     supported: set[int]
+    #: the runner of the backend this one builds on (``GraphBackend(base=...)``); what it owns
+    #: and what it changed in the module are this runner's too
+    base_runner: Runner | None = None
 
     def __init__(self, supported: set[int]):
         self.supported = set(supported)
@@ -69,7 +72,7 @@ class Runner:
 
         They are left out of ``model.safetensors`` (e.g. quantized weights).
         """
-        return set()
+        return self.base_runner.owned_tensors() if self.base_runner else set()
 
     def undo(self) -> None:
         """Puts back whatever building or restoring this runner changed in the module.
@@ -79,9 +82,13 @@ class Runner:
         rejected candidate, a candidate `Fastest` did not keep, or a failed
         load leaves the module as it was. The runner must not run until `redo`.
         """
+        if self.base_runner is not None:
+            self.base_runner.undo()
 
     def redo(self) -> None:
         """Applies the changes that `undo` took back, the same objects again."""
+        if self.base_runner is not None:
+            self.base_runner.redo()
 
     def memory_bytes(self) -> int:
         """Device memory this runner holds beyond the module's own weights."""
@@ -90,6 +97,17 @@ class Runner:
     def describe(self) -> dict:
         """Extra facts for `stats` and `inspect`."""
         return {}
+
+
+class CallableRunner(Runner):
+    """A runner that calls one function for every signature (eager, compiled...)."""
+
+    def __init__(self, function: Callable[..., Any], supported: set[int]):
+        super().__init__(supported)
+        self.function = function
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        return self.function(*args, **kwargs)
 
 
 class Backend:
@@ -127,6 +145,11 @@ class Backend:
         (untrusted source or environment mismatch): rebuild from portable parts.
         """
         return self.build(target, spec, device)
+
+    @property
+    def label(self) -> str:
+        """How reports name this candidate (``graph+torchao`` for a composition)."""
+        return self.name
 
     def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
         return DEFAULT_TOLERANCES

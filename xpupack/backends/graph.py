@@ -180,18 +180,6 @@ class GraphRunner(Runner):
         copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in recording.output_leaves]
         return unflatten(copies, recording.output_spec)[0][0]
 
-    def undo(self) -> None:
-        if self.base_runner is not None:
-            self.base_runner.undo()
-
-    def redo(self) -> None:
-        # the base puts back the very tensors it swapped out, so the recordings stay valid
-        if self.base_runner is not None:
-            self.base_runner.redo()
-
-    def owned_tensors(self) -> set[str]:
-        return self.base_runner.owned_tensors() if self.base_runner else set()
-
     def memory_bytes(self) -> int:
         return self._memory
 
@@ -231,6 +219,10 @@ class GraphBackend(Backend):
     @property
     def depends_on(self) -> tuple[str, ...]:
         return self.base.depends_on if self.base else ()
+
+    @property
+    def label(self) -> str:
+        return f"graph+{self.base.label}" if self.base else self.name
 
     @property
     def compiled_artifacts(self) -> bool:  # type: ignore[override]

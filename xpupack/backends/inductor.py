@@ -23,12 +23,11 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
 from ..manifest import check_relative
-from .base import Backend, ModuleSpec, Runner, Target, backend_from_json, register_backend
+from .base import Backend, CallableRunner, ModuleSpec, Runner, Target, backend_from_json, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +43,6 @@ def _inductor_cache_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir())
-
-
-class InductorRunner(Runner):
-    def __init__(self, compiled: Callable[..., Any], supported: set[int], base_runner: Runner | None = None):
-        super().__init__(supported)
-        self._compiled = compiled
-        self.base_runner = base_runner
-
-    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
-        return self._compiled(*args, **kwargs)
-
-    def owned_tensors(self) -> set[str]:
-        return self.base_runner.owned_tensors() if self.base_runner else set()
-
-    def undo(self) -> None:
-        if self.base_runner is not None:
-            self.base_runner.undo()
-
-    def redo(self) -> None:
-        if self.base_runner is not None:
-            self.base_runner.redo()
 
 
 @register_backend
@@ -99,6 +77,10 @@ class InductorBackend(Backend):
         own = ("torch", "triton", "python", "device_type", "device_name")
         return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
 
+    @property
+    def label(self) -> str:
+        return f"inductor+{self.base.label}" if self.base else self.name
+
     def options(self) -> dict:
         options: dict = {"mode": self.mode} if self.mode else {}
         if self.base is not None:
@@ -132,7 +114,9 @@ class InductorBackend(Backend):
             for index in range(len(spec.signatures)):
                 args, kwargs = spec.example(index)
                 compiled(*args, **kwargs)  # compile now, not on the user's first call
-        return InductorRunner(compiled, set(range(len(spec.signatures))), base_runner)
+        runner = CallableRunner(compiled, set(range(len(spec.signatures))))
+        runner.base_runner = base_runner
+        return runner
 
     def save(self, runner: Runner, folder: Path) -> dict:
         if self.base is None:

@@ -273,16 +273,17 @@ class TorchAOBackend(Backend):
                 known = "; ".join(f"{name} ({named.devices})" for name, named in NAMED_CONFIGS.items())
                 raise UnknownConfigError(f"unknown torchao config {config!r}; known names: {known} "
                                          "— or pass a torchao AOBaseConfig")
-            self._named, self.label, config_class = NAMED_CONFIGS[config], config, NAMED_CONFIGS[config].config_class
+            self._named, self.config_name = NAMED_CONFIGS[config], config
+            config_class = self._named.config_class
         elif isinstance(config, dict):
             self._instance = config_from_json(config, "TorchAOBackend(config=...)")
-            self.label = config_class = config["_type"]
+            self.config_name = config_class = config["_type"]
         else:
             config_class = type(config).__name__
             if config_class not in CONFIG_CLASSES:
                 raise UnknownConfigError(f"TorchAOBackend cannot package a {config_class}; known config classes: "
                                          f"{', '.join(sorted(CONFIG_CLASSES))}")
-            self._instance, self.label = config, config_class
+            self._instance, self.config_name = config, config_class
         self._explicit_sqnr = min_sqnr_db
         self.min_sqnr_db = CONFIG_CLASSES[config_class] if min_sqnr_db is None else float(min_sqnr_db)
 
@@ -294,7 +295,7 @@ class TorchAOBackend(Backend):
 
     def options(self) -> dict:
         if self._named is not None:
-            options: dict = {"config": self.label}
+            options: dict = {"config": self.config_name}
         else:
             from torchao.core.config import config_to_dict
 
@@ -303,8 +304,12 @@ class TorchAOBackend(Backend):
             options["min_sqnr_db"] = self._explicit_sqnr
         return options
 
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.config_name}"  # as --backends spells it
+
     def __repr__(self) -> str:
-        return f"TorchAOBackend({self.label!r})"
+        return f"TorchAOBackend({self.config_name!r})"
 
     def available(self, device: torch.device) -> bool:
         return self._unavailable(device) is None
@@ -317,11 +322,11 @@ class TorchAOBackend(Backend):
         if missing:
             return missing
         why = self._named.unsupported(device) if self._named else None  # instances: let the build say
-        return f"{self.label} {why}" if why else None
+        return f"{self.config_name} {why}" if why else None
 
     def compare(self, actual: Any, expected: Any) -> str | None:
         problem = mismatch(actual, expected, self.tolerances(), min_sqnr_db=self.min_sqnr_db)
-        return problem and f"{problem} for {self.label} (min_sqnr_db={self.min_sqnr_db:g})"
+        return problem and f"{problem} for {self.config_name} (min_sqnr_db={self.min_sqnr_db:g})"
 
     # -- tune time -----------------------------------------------------------------
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
