@@ -1,6 +1,7 @@
 """A loader process for tests/test_concurrency.py.
 
-Usage: ``python concurrent_loader.py PACKAGE [--hub-cache REPO_DIR] [--emulated-graphs] [--repeat N]``.
+Usage: ``python concurrent_loader.py PACKAGE [--revision REV] [--hub-cache REPO_DIR] [--emulated-graphs]
+[--repeat N]``; PACKAGE is a directory or a Hub repo id (``HF_ENDPOINT``, ``HF_HOME`` from the environment).
 It imports everything and builds its model, prints ``ready``, waits for a
 line on stdin (so that several loaders start at the same moment), loads the
 package and prints one JSON line: which model's outputs it got, the
@@ -24,6 +25,7 @@ from xpupack.source import Source
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("package")
+    parser.add_argument("--revision", default=None, help="Hub revision: branch, tag or commit hash")
     parser.add_argument("--hub-cache", default=None, help="the repo folder of a Hugging Face cache")
     parser.add_argument("--emulated-graphs", action="store_true")
     parser.add_argument("--repeat", type=int, default=1)
@@ -43,7 +45,8 @@ def main() -> None:
     results = []
     for _ in range(options.repeat):
         try:
-            model = xpupack.load(make_stack(seed=9), "org/name" if options.hub_cache else options.package)
+            model = xpupack.load(make_stack(seed=9), "org/name" if options.hub_cache else options.package,
+                                 revision=options.revision)
             with torch.no_grad():
                 out = model(x)
                 seeds = [seed for seed, ref in references.items() if torch.allclose(out, ref(x), atol=1e-5)]

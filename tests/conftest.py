@@ -1,4 +1,4 @@
-"""Shared fixtures: isolated caches, the emulated graph device, hardware markers."""
+"""Shared fixtures: isolated caches, the emulated graph device, hardware markers, a Hub on loopback."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 import xpupack
 from emulated_graph import EmulatedGraphs
+from hub_server import OlahHub
 from models import make_stack, stack_samples
 from xpupack import _device
 
@@ -87,3 +88,27 @@ def run_python(tmp_path):
         return result
 
     return run
+
+
+@pytest.fixture(scope="session")
+def olah_server(tmp_path_factory):
+    """olah on 127.0.0.1, offline, serving git repos: a real Hub-compatible HTTP server for the session.
+
+    Skipped only when olah cannot start here; in CI (``CI`` set) that fails instead.
+    """
+    server = OlahHub(tmp_path_factory.mktemp("olah"))
+    problem = server.start()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the Hub tests need olah in CI: {problem}")
+        pytest.skip(f"cannot start olah: {problem}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hub(olah_server, monkeypatch):
+    """The olah server as this test's Hub (``HF_ENDPOINT``), online."""
+    monkeypatch.setenv("HF_ENDPOINT", olah_server.endpoint)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return olah_server

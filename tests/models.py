@@ -32,9 +32,9 @@ class Stack(nn.Module):
         return x
 
 
-def make_stack(seed: int = 0) -> Stack:
+def make_stack(seed: int = 0, width: int = 8) -> Stack:
     torch.manual_seed(seed)
-    return Stack().eval()
+    return Stack(width).eval()
 
 
 def stack_samples() -> list:

@@ -1,4 +1,4 @@
-"""Several processes loading one package at once (and a Hub-cache snapshot), and loading while saving."""
+"""Several processes loading one package at once (local, Hub cache, over HTTP), and loading while saving."""
 
 from __future__ import annotations
 
@@ -113,6 +113,18 @@ def test_two_processes_load_one_hub_revision_at_once(tmp_path):
     package = _tuned_package(tmp_path, xpupack.Only(xpupack.EagerBackend()))
     repo, snapshot = hub_cache_layout(package, tmp_path / "hub")
     results = load_at_once([snapshot, "--hub-cache", repo], [snapshot, "--hub-cache", repo])
+    assert results == [[{"seeds": [0], "backends": ["eager"], "fallbacks": 0}]] * 2
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_two_processes_load_one_hub_revision_over_http_at_once(pinned, hub, tmp_path):
+    """Both download the same revision (a branch, or a commit hash) into one empty Hugging Face cache at the
+    same moment, from a Hub-compatible server (olah on loopback)."""
+    root = _tuned_package(tmp_path, xpupack.Only(xpupack.EagerBackend()))
+    commit = hub.publish(root, "xpupack-tests/concurrent")
+    revision = ["--revision", commit] if pinned else []
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "shared-hf-home")}
+    results = load_at_once(["xpupack-tests/concurrent", *revision], ["xpupack-tests/concurrent", *revision], env=env)
     assert results == [[{"seeds": [0], "backends": ["eager"], "fallbacks": 0}]] * 2
 
 

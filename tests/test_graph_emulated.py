@@ -200,3 +200,25 @@ def test_graph_records_another_backends_runner(emulated_graphs, tmp_path):
     assert entry["options"] == {"base": {"name": "counting", "options": {"offset": 0.0, "fail": False}}}
     loaded = xpupack.load(make_stack(), root)
     assert runner(loaded).base_runner is not None
+
+
+def test_deactivate_releases_recordings_and_activate_records_again(emulated_graphs):
+    model, reference = tune_stack()
+    xpupack.deactivate(model)
+    assert runner(model).recordings == {}
+    xpupack.activate(model)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), atol=1e-6)
+    assert runner(model).rerecordings == 1 and len(runner(model).recordings) == 2
+
+
+def test_storage_watch_sees_replaced_submodules(emulated_graphs):
+    model, reference = tune_stack()
+    mlp = model.layers[0]["mlp"]
+    mlp.up = nn.Linear(8, 16)
+    reference.layers[0]["mlp"].up = copy.deepcopy(mlp.up)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.allclose(model(x), reference(x), atol=1e-6)
+    assert runner(model).rerecordings == 1

@@ -21,8 +21,12 @@ def test_compiled_modules_match_eager(inductor_package):
     with torch.no_grad():
         assert torch.allclose(model(x), make_stack()(x), atol=1e-5)
     manifest = json.loads((root / "xpupack.json").read_text())
-    assert manifest["backends"]["inductor"] == {"folder": "backends/inductor", "config": {"cache": "cache.bin"}}
+    shared = manifest["backends"]["inductor"]
+    assert shared["folder"] == "backends/inductor" and shared["config"]["cache"] == "cache.bin"
     assert "backends/inductor/cache.bin" in manifest["files"]
+    kernels = shared["config"]["kernels"]
+    assert any(k.endswith(".so") for k in kernels)  # the compiled CPU libraries travel too
+    assert all(f"backends/inductor/kernels/{k}" in manifest["files"] for k in kernels)
 
 
 def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_python, tmp_path):
@@ -43,6 +47,9 @@ def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_py
     assert report.get("fxgraph_cache_hit", 0) >= 1
     assert report.get("fxgraph_cache_miss", 0) == 0
     assert report["stats"]["layers.0.mlp"]["fallbacks"] == 0
+    built = {p.relative_to(tmp_path / "fresh-cache").as_posix() for p in (tmp_path / "fresh-cache").rglob("*.so")}
+    carried = set(json.loads((root / "xpupack.json").read_text())["backends"]["inductor"]["config"]["kernels"])
+    assert built <= carried  # every library the load needed came from the package: nothing was compiled
 
 
 def _forbid_artifacts(monkeypatch):

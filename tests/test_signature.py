@@ -3,12 +3,11 @@ import json
 import pytest
 import torch
 
-from xpupack.signature import ConstantLeaf, Signature, TensorLeaf, Unrecordable, call_key, flatten
+from xpupack.signature import ConstantLeaf, Signature, TensorLeaf, Unrecordable, fit_key
 
 
 def key_of(*args, **kwargs):
-    leaves, spec = flatten(args, kwargs)
-    return call_key(spec, leaves)
+    return fit_key(args, kwargs)[0]
 
 
 def test_signature_key_equals_call_key():
@@ -31,6 +30,19 @@ def test_any_static_difference_changes_the_key(other):
     base = key_of(x, scale=2.0, mask=None)
     args, kwargs = other(x)
     assert key_of(*args, **kwargs) != base
+
+
+def test_nested_calls_use_the_tree_key():
+    x = torch.randn(2, 3)
+    signature = Signature.of_call(([x, x], {"inner": (x, 1.0)}), {"scale": 2.0})
+    assert signature.flat_layout is None
+    assert signature.key == key_of([x, x], {"inner": (x, 1.0)}, scale=2.0)
+    assert signature.key != key_of([x, x], {"inner": [x, 1.0]}, scale=2.0)  # list vs tuple
+
+
+def test_flat_and_tree_keys_never_collide():
+    x = torch.randn(2, 3)
+    assert key_of(x, x) != key_of((x, x))
 
 
 def test_kwargs_order_does_not_matter():

@@ -10,11 +10,12 @@ Example:
 from .backends.eager import EagerBackend
 from .backends.graph import GraphBackend
 from .backends.inductor import InductorBackend
+from .backends.torchao import TorchAOBackend
 from .environment import __version__
 from .errors import (BackendError, BackendUnavailableError, HubError, IncompatiblePackageError,
                      IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
-                     OutputMismatchError, PackageFormatError, SaveError, TuningError,
-                     UnknownConfigError, XpupackError)
+                     OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
+                     RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
 from .load import load
 from .package import save
 from .strategies import Fastest, FirstWins, Only, Strategy
@@ -23,7 +24,10 @@ from .tuned import activate, deactivate, stats
 
 
 def push(path, repo_id, revision=None, private=None, token=None):
-    """Uploads the package at ``path`` to the Hub repo ``repo_id``; see `xpupack.hub.push`."""
+    """Verifies the package at ``path`` and uploads it to the Hub repo ``repo_id`` in one commit.
+
+    Returns the commit URL; see `xpupack.hub.push` for the details.
+    """
     from .hub import push as _push
 
     return _push(path, repo_id, revision=revision, private=private, token=token)
@@ -32,9 +36,10 @@ def push(path, repo_id, revision=None, private=None, token=None):
 __all__ = [
     "tune", "save", "load", "stats", "activate", "deactivate", "push",
     "FirstWins", "Fastest", "Only", "Strategy",
-    "GraphBackend", "InductorBackend", "EagerBackend",
+    "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
     "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
     "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "UnknownConfigError", "HubError",
+    "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError",
     "__version__",
 ]

@@ -1,7 +1,14 @@
-"""Output comparison with dtype-aware tolerances: how a candidate earns acceptance."""
+"""Output comparison with dtype-aware tolerances: how a candidate earns acceptance.
+
+Exact backends (graph, inductor) are held to elementwise tolerances per dtype.
+Backends that change numerics on purpose (quantization) are held to a
+signal-to-quantization-noise ratio instead: elementwise tolerances would
+either refuse every quantized model or accept broken ones.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,11 +28,13 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def mismatch(actual: Any, expected: Any,
-             tolerances: dict[torch.dtype, tuple[float, float]] | None = None) -> str | None:
+             tolerances: dict[torch.dtype, tuple[float, float]] | None = None, *,
+             min_sqnr_db: float | None = None) -> str | None:
     """Why ``actual`` differs from ``expected`` (trees of tensors and constants), or None if they match.
 
     Integer and boolean tensors must be equal; floating ones equal within the
-    dtype's tolerance, NaNs in the same places.
+    dtype's tolerance, NaNs in the same places. With ``min_sqnr_db``, floating
+    tensors are compared by `sqnr_db` instead of elementwise.
     """
     tolerances = tolerances or DEFAULT_TOLERANCES
     actual_leaves, actual_spec = flatten((actual,), {})
@@ -41,7 +50,11 @@ def mismatch(actual: Any, expected: Any,
                 return (f"{where}: eager gives {e.dtype} {tuple(e.shape)}, "
                         f"candidate {a.dtype} {tuple(a.shape)}")
             a, e = a.detach(), e.detach().to(a.device)
-            if e.dtype.is_floating_point or e.dtype.is_complex:
+            if (e.dtype.is_floating_point or e.dtype.is_complex) and min_sqnr_db is not None:
+                problem = _sqnr_problem(a, e, min_sqnr_db)
+                if problem:
+                    return f"{where}: {problem}"
+            elif e.dtype.is_floating_point or e.dtype.is_complex:
                 rtol, atol = tolerances.get(e.dtype, (1e-4, 1e-4))
                 if not torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
                     worst = (a.double() - e.double()).abs().nan_to_num(float("inf")).max().item()
@@ -50,4 +63,27 @@ def mismatch(actual: Any, expected: Any,
                 return f"{where}: values differ from eager"
         elif a != e:
             return f"{where}: eager gives {e!r}, candidate {a!r}"
+    return None
+
+
+def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Signal-to-noise ratio of ``actual`` against ``expected`` in dB: ``20·log10(‖expected‖ / ‖actual − expected‖)``.
+
+    ``inf`` when they are equal; 30 dB means a relative RMS error of about 3%.
+    """
+    expected = expected.double()
+    noise = (actual.double() - expected).norm().item()
+    if noise == 0:
+        return math.inf
+    signal = expected.norm().item()
+    return 20 * math.log10(signal / noise) if signal else -math.inf
+
+
+def _sqnr_problem(actual: torch.Tensor, expected: torch.Tensor, min_sqnr_db: float) -> str | None:
+    nan = expected.isnan()
+    if not torch.equal(actual.isnan(), nan):
+        return "NaNs in other places than eager's"
+    ratio = sqnr_db(actual[~nan], expected[~nan])
+    if ratio < min_sqnr_db:
+        return f"SQNR {ratio:.1f} dB against eager, below the {min_sqnr_db:g} dB required"
     return None

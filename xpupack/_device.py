@@ -71,10 +71,19 @@ class DeviceGraphs:
         self._module = _device_module(device_type)
         self._graph_class = graph_class
         self._pools: dict[torch.device, Any] = {}
+        self._streams: dict[torch.device, Any] = {}
 
     def available(self) -> bool:
         return (self._module.is_available() and hasattr(self._module, self._graph_class)
                 and hasattr(self._module, "graph"))
+
+    def _side_stream(self, device: torch.device) -> Any:
+        """One warm-up and capture stream per device: libraries such as cuBLAS keep a
+        workspace per stream, so a new stream per recording would hold a new workspace each."""
+        if device not in self._streams:
+            with on_device(device):
+                self._streams[device] = self._module.Stream()
+        return self._streams[device]
 
     def shared_pool(self, device: torch.device) -> Any:
         """The one memory pool all recordings on ``device`` share."""
@@ -88,23 +97,65 @@ class DeviceGraphs:
         """Warms ``fn`` up on a side stream, records it once, returns ``(replay, outputs)``.
 
         Warm-up runs first because lazy initialisation (cuBLAS/oneDNN handles,
-        autotuning) must not happen during capture.
+        autotuning) must not happen during capture. The last warm-up run raises
+        on any host synchronisation (``.item()``, data-dependent shapes) where the
+        device supports that check, so most unrecordable modules are refused
+        before a capture starts. A capture that fails anyway leaves the device's
+        random generator and current stream as they were before it.
         """
         module = self._module
         with module.device(device):
-            stream = module.Stream()
+            stream = self._side_stream(device)
             stream.wait_stream(module.current_stream())
             with module.stream(stream), torch.no_grad():
-                for _ in range(warmup):
-                    fn()
+                for run in range(warmup):
+                    with _host_syncs_raise(module, enabled=run == warmup - 1):
+                        fn()
             module.current_stream().wait_stream(stream)
             graph = getattr(module, self._graph_class)()
-            with torch.no_grad(), module.graph(graph, pool=pool):
-                outputs = fn()
+            generator_states = _generator_states(module, device)
+            previous_stream = module.current_stream()
+            try:
+                with torch.no_grad(), module.graph(graph, pool=pool, stream=stream):
+                    outputs = fn()
+            except BaseException:
+                _restore_after_failed_capture(module, previous_stream, generator_states)
+                raise
         return graph.replay, outputs
 
     def memory_in_use(self, device: torch.device) -> int:
         return int(self._module.memory_allocated(device))
+
+
+@contextlib.contextmanager
+def _host_syncs_raise(module: Any, *, enabled: bool):
+    """Makes synchronising operations raise (CUDA's sync debug mode) inside the block."""
+    if not enabled or not hasattr(module, "set_sync_debug_mode"):
+        yield
+        return
+    previous = module.get_sync_debug_mode()
+    module.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        module.set_sync_debug_mode(previous)
+
+
+def _generator_states(module: Any, device: torch.device) -> list:
+    """Copies of the device's default random generator state, taken before a capture."""
+    generators = getattr(module, "default_generators", ())
+    index = device.index or 0
+    if index >= len(generators) or not hasattr(generators[index], "graphsafe_get_state"):
+        return []
+    generator = generators[index]
+    return [(generator, generator.graphsafe_get_state().clone_state())]
+
+
+def _restore_after_failed_capture(module: Any, stream: Any, generator_states: list) -> None:
+    """A capture that raised leaves its stream current and the generator in capture mode: undo both."""
+    module.set_stream(stream)
+    for generator, state in generator_states:
+        generator.graphsafe_set_state(state)
 
 
 # device type -> graph API. Tests register an emulated one for "cpu".

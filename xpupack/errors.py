@@ -80,4 +80,26 @@ class UnknownConfigError(XpupackError, ValueError):
 
 
 class HubError(XpupackError):
-    """A Hugging Face Hub operation failed (repo or revision not found, offline with nothing cached...)."""
+    """A Hugging Face Hub operation failed; the subclasses below name the failures a user can fix."""
+
+    def __init__(self, message: str, *, repo_id: str | None = None, revision: str | None = None):
+        super().__init__(message)
+        self.repo_id = repo_id
+        self.revision = revision
+
+
+class RepoNotFoundError(HubError):
+    """No Hub repo of that id exists, or it is private or gated and the token cannot read it."""
+
+
+class RevisionNotFoundError(HubError):
+    """The Hub repo exists but has no such branch, tag or commit."""
+
+    def __init__(self, message: str, *, repo_id: str | None = None, revision: str | None = None,
+                 available: list[str] | None = None):
+        super().__init__(message, repo_id=repo_id, revision=revision)
+        self.available = available or []
+
+
+class OfflineNotCachedError(HubError):
+    """The Hub cannot be reached (``HF_HUB_OFFLINE`` or no network) and the package is not in the local cache."""

@@ -9,15 +9,14 @@ failed load leaves the model exactly as it was.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
 
 from . import _device
-from ._compare import mismatch
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .backends.eager import EagerBackend
 from .environment import differences, environment
@@ -42,6 +41,8 @@ class _ModulePlan:
     config: dict
     folder: Path
     use_artifacts: bool
+    #: state-dict names (relative to the module) that only the backend's files hold
+    owned: tuple[str, ...] = ()
     note: str = ""
 
 
@@ -109,14 +110,17 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         if previous is not None:  # loading again replaces the earlier tuning
             previous.deactivate()
             detach(model)
-        _install_tensors(model, weights, device)
-        model.eval()
+            for tuned in previous.modules.values():
+                edit.undo_runner(tuned.runner)
+        edit.set_tensors(model, weights, device)
+        edit.set_eval(model)
         _restore_shared(manifest, source, plans)
         modules = {}
         for number, plan in enumerate(plans, 1):
             if progress:
                 progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
             modules[plan.path] = _restore(plan, device, on_mismatch)
+            edit.keep_runner(modules[plan.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"])
         attach(model, session)
@@ -189,7 +193,8 @@ def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_d
     backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
     module = model.get_submodule(path)
     plan = _ModulePlan(path, module, spec, backend, entry["backend"]["config"],
-                       source.root / entry["folder"] / backend.name, use_artifacts=True)
+                       source.root / entry["folder"] / backend.name, use_artifacts=True,
+                       owned=tuple(entry.get("owned_tensors", ())))
 
     changed = differences(manifest["environment"], here, backend.depends_on)
     unavailable = not backend.available(device)
@@ -202,7 +207,7 @@ def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_d
                 "load with on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
                 differences=changed)
         if on_mismatch == "fallback" or unavailable:
-            plan.backend, plan.note = EagerBackend(), f"{backend.name} -> original module ({what})"
+            plan = _fallback_plan(plan, device, what, changed)
         else:
             plan.use_artifacts, plan.note = False, f"{backend.name} rebuilt here ({what})"
         log.warning("%s: %s", path or "<model>", plan.note)
@@ -212,6 +217,29 @@ def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_d
                      "(pass trust_compiled=True to use its compiled artifacts)")
         log.warning("%s: %s", path or "<model>", plan.note)
     return plan
+
+
+def _fallback_plan(plan: _ModulePlan, device: torch.device, why: str,
+                   changed: dict | None = None) -> _ModulePlan:
+    """What runs when ``plan``'s backend cannot: the base of a composed backend where it can run
+    (``graph+torchao`` on CPU runs the quantized module), else the original module.
+
+    A module whose weights only the backend's files hold (quantized weights) has
+    no original module to fall back to: that raises `IncompatiblePackageError`.
+    """
+    name = plan.backend.name
+    base = getattr(plan.backend, "base", None)
+    if (base is not None and base.available(device)
+            and not set(changed or {}) & set(base.depends_on)):
+        return replace(plan, backend=base, config=plan.config.get("base", {}), folder=plan.folder / base.name,
+                       note=f"{name} -> {base.name} ({why})")
+    if plan.owned:
+        raise IncompatiblePackageError(
+            f"{plan.path or '<model>'}: the {name} backend cannot run here ({why}), and the package holds "
+            f"{', '.join(plan.owned[:3])} only in that backend's form, so the original module cannot take "
+            "over — load on a device where it runs, or rebuild the package here from the original weights",
+            differences=changed)
+    return replace(plan, backend=EagerBackend(), note=f"{name} -> original module ({why})")
 
 
 def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor] | None:
@@ -280,23 +308,37 @@ def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> Tuned
     try:
         runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, device,
                                       use_artifacts=plan.use_artifacts)
-        if plan.backend.name != "eager":
+    except Exception as exc:  # a failed restore has undone its own changes to the module
+        return _restore_failed(plan, device, on_mismatch, exc)
+    try:
+        # eager, and a backend that transforms the module in place (TorchAO), run the module's own
+        # forward: there is no other original to compare with
+        if plan.backend.name != "eager" and not plan.backend.transforms_module:
             _check_against_eager(target, plan.spec, plan.backend, runner)
     except Exception as exc:
-        if on_mismatch == "error":
-            if isinstance(exc, XpupackError):
-                raise
-            raise BackendError(f"{plan.path or '<model>'}: restoring the {plan.backend.name} backend failed "
-                               f"({type(exc).__name__}: {exc}); load with on_mismatch='fallback' to run the "
-                               "original module instead, or rebuild the package on this machine") from exc
-        # serving beats crashing: the original module still gives eager's answers
-        log.warning("%s: restoring %s failed (%s: %s); running the original module",
-                    plan.path or "<model>", plan.backend.name, type(exc).__name__, exc)
-        eager = EagerBackend()
-        report = [{"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"},
-                  {"backend": "eager", "status": "chosen", "reason": "fallback after restore failure"}]
-        return TunedModule(target, plan.spec, eager, eager.build(target, plan.spec, device), report)
+        runner.undo()
+        return _restore_failed(plan, device, on_mismatch, exc)
     return TunedModule(target, plan.spec, plan.backend, runner, report)
+
+
+def _restore_failed(plan: _ModulePlan, device: torch.device, on_mismatch: str, exc: Exception) -> TunedModule:
+    """What runs a module whose backend failed to restore or answers differently from the original module."""
+    if on_mismatch == "error":
+        if isinstance(exc, XpupackError):
+            raise exc
+        raise BackendError(f"{plan.path or '<model>'}: restoring the {plan.backend.name} backend failed "
+                           f"({type(exc).__name__}: {exc}); load with on_mismatch='fallback' to run the "
+                           "original module instead, or rebuild the package on this machine") from exc
+    # serving beats crashing: the original module still gives eager's answers
+    try:
+        fallback = _fallback_plan(plan, device, f"restore failed: {exc}")
+    except IncompatiblePackageError:
+        raise exc from None  # nothing can run this module without the backend: its own error says why
+    log.warning("%s: restoring %s failed (%s: %s); %s",
+                plan.path or "<model>", plan.backend.name, type(exc).__name__, exc, fallback.note)
+    tuned = _restore(fallback, device, on_mismatch)
+    tuned.report.insert(0, {"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"})
+    return tuned
 
 
 def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, runner: Runner) -> None:
@@ -313,7 +355,7 @@ def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, run
             args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
             expected = target.forward(*args, **kwargs)
             leaves, _ = flatten(args, kwargs)
-            problem = mismatch(runner.run(index, args, kwargs, leaves), expected, backend.tolerances())
+            problem = backend.compare(runner.run(index, args, kwargs, leaves), expected)
             if problem:
                 raise OutputMismatchError(f"{target.path or '<model>'}: the restored {backend.name} backend "
                                           f"differs from the original module on {spec.signatures[index].describe()}"
@@ -321,40 +363,57 @@ def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, run
 
 
 class _ModelEdit:
-    """What a load may change in a model, kept to put back if the load fails.
+    """Changes to a model that can all be undone: tensor swaps, training flags, runners' changes.
 
-    Each module's parameter, buffer and submodule entries, each parameter's
-    data and each training flag: also what a backend's `restore` replaces.
+    It also keeps each module's parameter, buffer and submodule entries as they
+    were, for whatever a backend's `restore` replaced without undoing it.
     """
 
     def __init__(self, model: nn.Module):
-        self._modules = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules), m.training)
-                         for m in model.modules()]
-        self._data = [(p, p.data) for p in model.parameters()]
+        self._undo: list[Callable[[], None]] = []
+        self._entries = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+
+    def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
+                    device: torch.device) -> None:
+        """Installs ``weights`` and moves every tensor to ``device``, keeping the Parameter objects."""
+        for module, state_name, name, tensor in _named_tensors(model):
+            new = weights.get(state_name, tensor) if weights is not None else tensor
+            if new.device != device:
+                new = new.to(device)
+            if new is tensor:
+                continue
+            if name in module._parameters:
+                old = tensor.data
+                tensor.data = new
+                self._undo.append(lambda p=tensor, old=old: setattr(p, "data", old))
+            else:
+                module._buffers[name] = new
+                self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
+
+    def keep_runner(self, runner: Runner) -> None:
+        """A restored runner: rollback undoes what it changed in its module (e.g. quantized weights)."""
+        self._undo.append(runner.undo)
+
+    def undo_runner(self, runner: Runner) -> None:
+        """An earlier tuning's runner: its changes are undone now and redone on rollback."""
+        runner.undo()
+        self._undo.append(runner.redo)
+
+    def set_eval(self, model: nn.Module) -> None:
+        flags = [(m, m.training) for m in model.modules()]
+        model.eval()
+        self._undo.append(lambda: [setattr(m, "training", flag) for m, flag in flags])
 
     def rollback(self) -> None:
-        for module, parameters, buffers, submodules, training in self._modules:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        # and whatever a backend's restore replaced in a module without undoing it
+        for module, parameters, buffers, submodules in self._entries:
             for table, saved in ((module._parameters, parameters), (module._buffers, buffers),
                                  (module._modules, submodules)):
                 table.clear()
                 table.update(saved)
-            module.training = training
-        for parameter, data in self._data:
-            parameter.data = data
-
-
-def _install_tensors(model: nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device) -> None:
-    """Installs ``weights`` and moves every tensor to ``device``, keeping the Parameter objects."""
-    for module, state_name, name, tensor in _named_tensors(model):
-        new = weights.get(state_name, tensor) if weights is not None else tensor
-        if new.device != device:
-            new = new.to(device)
-        if new is tensor:
-            continue
-        if name in module._parameters:
-            tensor.data = new
-        else:
-            module._buffers[name] = new
 
 
 def _named_tensors(model: nn.Module):

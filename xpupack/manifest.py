@@ -126,6 +126,18 @@ def _check_module_paths(modules: list[dict], where: str) -> None:
                                      "which overlap; the package is damaged — rebuild it", path=where)
 
 
+def check_package(root: Path, *, links_within: Path | None = None) -> dict:
+    """The manifest of an intact package: schema, paths, every file's size and sha256, every spec.
+
+    Raises `PackageFormatError` or `IntegrityError` naming the first problem.
+    """
+    manifest = read_manifest(root)
+    check_files(root, manifest, links_within=links_within)
+    for entry in manifest["modules"]:
+        read_json(root, entry["spec"], "spec")
+    return manifest
+
+
 def check_relative(relative: str, where: str) -> None:
     """Refuses a path that is absolute, has ``..`` or a backslash, is not in canonical form
     (``./a``, ``a//b``, ``.``), or lies in a folder packages may not use.

@@ -1,7 +1,8 @@
 """What `xpupack inspect` and `xpupack verify` report about a package.
 
-`package_report` reads JSON only (no torch import); `verify_package` also
-compares the build environment with this machine.
+`package_report` reads the package's JSON (and asks the backend registry
+which modules carry compiled code); `verify_package` also checks every digest
+and compares the build environment with this machine.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import XpupackError
-from .manifest import check_files, read_json, read_manifest
+from .manifest import check_package, read_json, read_manifest
 from .source import Source
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
@@ -27,12 +28,31 @@ def describe_signature(data: dict) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def compiled_backends(manifest: dict) -> dict[str, str]:
+    """``{module path: backend name}`` for the modules whose artifacts are compiled code (DESIGN §5).
+
+    The backend registry decides (``Backend.compiled_artifacts``); a backend
+    this xpupack does not know is left out here and reported by `verify_package`.
+    """
+    from .backends.base import backend_from_json
+
+    compiled = {}
+    for entry in manifest["modules"]:
+        try:
+            backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+        except (XpupackError, ValueError):
+            continue
+        if backend.compiled_artifacts:
+            compiled[entry["path"]] = backend.name
+    return compiled
+
+
 def package_report(source: Source | str | Path) -> dict:
-    """Modules, backends, candidates and reasons, signatures, environment and sizes of a package."""
-    source = source if isinstance(source, Source) else Source(Path(source), trusted=True,
-                                                             description=str(source))
+    """Modules, backends, candidates and reasons, signatures, environment, sizes and trust of a package."""
+    source = source if isinstance(source, Source) else _local(source)
     root = source.root
     manifest = read_manifest(root)
+    compiled = compiled_backends(manifest)
     modules = []
     for entry in manifest["modules"]:
         spec = read_json(root, entry["spec"], "spec")
@@ -46,6 +66,7 @@ def package_report(source: Source | str | Path) -> dict:
             "calls_recorded": spec["calls"],
             "unrecordable": spec["unrecordable"],
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
+            "compiled_artifacts": entry["path"] in compiled,
         })
     return {
         "package": source.description or str(root),
@@ -60,20 +81,17 @@ def package_report(source: Source | str | Path) -> dict:
         "files": {name: f["size"] for name, f in manifest["files"].items()},
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "trusted": source.trusted,
+        "trust_reason": source.trust_reason,
     }
 
 
 def verify_package(source: Source | str | Path, device: str | None = None) -> dict:
     """Schema, digests, specs and compatibility with this machine; ``ok`` is False on any problem."""
-    source = source if isinstance(source, Source) else Source(Path(source), trusted=True,
-                                                             description=str(source))
+    source = source if isinstance(source, Source) else _local(source)
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [],
                     "compatibility": {}}
     try:
-        manifest = read_manifest(source.root)
-        check_files(source.root, manifest, links_within=source.links_within)
-        for entry in manifest["modules"]:
-            read_json(source.root, entry["spec"], "spec")
+        manifest = check_package(source.root, links_within=source.links_within)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
@@ -115,3 +133,7 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
         result["compatibility"][path] = {"backend": backend.name, "status": status,
                                          "compatible": status == "compatible"}
     return result
+
+
+def _local(path: str | Path) -> Source:
+    return Source(Path(path), trusted=True, description=str(path), trust_reason="local directory")

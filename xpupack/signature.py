@@ -47,6 +47,33 @@ def unflatten(leaves: list, spec: Any) -> tuple[tuple, dict]:
     return pytree.tree_unflatten(leaves, spec)
 
 
+_FLAT_CONSTANTS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})
+
+
+def flat_key(args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
+    """The fit key and leaves of a call without containers, or None (then use `flatten` + `call_key`).
+
+    This is the hot path of every tuned call: no pytree, one tuple. Its key
+    form is ``(number of positional args, keyword names, *leaf keys)``, which
+    `Signature.key` reproduces for flat signatures.
+    """
+    if kwargs:
+        names = tuple(sorted(kwargs)) if len(kwargs) > 1 else tuple(kwargs)
+        leaves = [*args, *[kwargs[name] for name in names]]
+    else:
+        names = ()
+        leaves = list(args)
+    key: list = [len(args), names]
+    for x in leaves:
+        if isinstance(x, _Tensor):
+            key.append((x.shape, x.dtype, x.device))
+        elif type(x) in _FLAT_CONSTANTS:
+            key.append(_constant_key(x))
+        else:
+            return None
+    return tuple(key), leaves
+
+
 def call_key(spec: Any, leaves: list) -> tuple:
     """The hashable fit key of a flattened call.
 
@@ -63,6 +90,18 @@ def _constant_key(value: Any) -> tuple:
     if type(value) is float and not value:
         return (float, value, math.copysign(1.0, value))
     return (type(value), value)
+
+
+def fit_key(args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """The fit key and flattened leaves of a call: `flat_key` when it applies, else `call_key`.
+
+    The key may hold unhashable constants; looking it up then raises ``TypeError`` (no fit).
+    """
+    fast = flat_key(args, kwargs)
+    if fast is not None:
+        return fast
+    leaves, spec = flatten(args, kwargs)
+    return call_key(spec, leaves), leaves
 
 
 @dataclass(frozen=True)
@@ -99,9 +138,24 @@ class Signature:
 
     @property
     def key(self) -> tuple:
-        """Equal to `call_key` of any call this signature describes."""
-        return (self.spec, *[(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, TensorLeaf)
-                             else _constant_key(leaf.value) for leaf in self.leaves])
+        """The fit key of any call this signature describes: `flat_key`'s form for flat calls,
+        `call_key`'s otherwise."""
+        leaf_keys = [(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, TensorLeaf)
+                     else _constant_key(leaf.value) for leaf in self.leaves]
+        layout = self.flat_layout
+        if layout is not None:
+            return (*layout, *leaf_keys)
+        return (self.spec, *leaf_keys)
+
+    @property
+    def flat_layout(self) -> tuple[int, tuple[str, ...]] | None:
+        """``(number of positional args, sorted keyword names)`` if no argument is a container."""
+        args, kwargs = unflatten([_Placeholder()] * len(self.leaves), self.spec)
+        if not all(isinstance(x, _Placeholder) for x in (*args, *kwargs.values())):
+            return None
+        if not all(type(leaf.value) in _FLAT_CONSTANTS for leaf in self.leaves if isinstance(leaf, ConstantLeaf)):
+            return None
+        return len(args), tuple(sorted(kwargs))
 
     @property
     def tensor_leaves(self) -> list[TensorLeaf]:
@@ -164,6 +218,10 @@ class Signature:
         if spec.num_leaves != len(leaves):
             raise ValueError(f"tree has {spec.num_leaves} leaves but {len(leaves)} are described")
         return cls(spec, leaves)
+
+
+class _Placeholder:
+    """Stands for a leaf when only the tree structure matters."""
 
 
 def _leaf_of(x: Any) -> TensorLeaf | ConstantLeaf:

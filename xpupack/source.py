@@ -14,6 +14,8 @@ class Source:
     trusted: bool
     links_within: Path | None = None
     description: str = ""
+    #: why the compiled artifacts may (or may not) run, shown by `inspect`
+    trust_reason: str = ""
 
 
 def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
@@ -23,7 +25,7 @@ def resolve_source(path: str | Path, *, revision: str | None = None, trust_compi
     if local.exists() or revision is None and _looks_local(str(path)):
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
-        return Source(local, trusted=True, description=str(local))
+        return Source(local, trusted=True, description=str(local), trust_reason="local directory")
     from .hub import download
 
     return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from . import _timing
-from ._compare import mismatch
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NoCandidateError
 from .signature import flatten
@@ -35,6 +34,15 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
         runner = backend.build(target, spec, device)
     except Exception as exc:
         raise Rejected(f"build failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+    try:
+        _check_outputs(backend, runner, spec, references)
+    except Rejected:
+        runner.undo()  # a refused candidate must not leave the module changed
+        raise
+    return runner
+
+
+def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, references: list[list[Any]]) -> None:
     if not runner.supported:
         raise Rejected("no recorded signature could be built")
     with torch.no_grad():
@@ -47,10 +55,19 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
                 except Exception as exc:
                     raise Rejected(f"running {spec.signatures[index].describe()} failed: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
-                problem = mismatch(actual, expected, backend.tolerances())
+                problem = backend.compare(actual, expected)
                 if problem:
                     raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
-    return runner
+
+
+def _attempt(backend: Backend, target: Target, spec: ModuleSpec, references: list[list[Any]],
+             device: torch.device, report: list[dict]) -> Runner | None:
+    """`check_candidate`, with a refusal recorded in ``report`` instead of raised."""
+    try:
+        return check_candidate(backend, target, spec, references, device)
+    except Rejected as exc:
+        report.append({"backend": backend.label, "status": "rejected", "reason": str(exc)})
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -82,15 +99,12 @@ class FirstWins(Strategy):
     """
 
     def choose(self, target, spec, references, device):
-        report = []
+        report: list[dict] = []
         for backend in self.backends:
-            try:
-                runner = check_candidate(backend, target, spec, references, device)
-            except Rejected as exc:
-                report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
-                continue
-            report.append({"backend": backend.name, "status": "chosen", "reason": "first to pass"})
-            return backend, runner, report
+            runner = _attempt(backend, target, spec, references, device, report)
+            if runner is not None:
+                report.append({"backend": backend.label, "status": "chosen", "reason": "first to pass"})
+                return backend, runner, report
         raise NoCandidateError(_explain(target, report))
 
 
@@ -102,22 +116,21 @@ class Fastest(Strategy):
         self.iterations = iterations
 
     def choose(self, target, spec, references, device):
-        report, timed = [], []
+        report: list[dict] = []
+        timed = []
         for backend in self.backends:
-            try:
-                runner = check_candidate(backend, target, spec, references, device)
-            except Rejected as exc:
-                report.append({"backend": backend.name, "status": "rejected", "reason": str(exc)})
-                continue
-            total = self._time(runner, spec, device)
-            timed.append((total, backend, runner))
-            report.append({"backend": backend.name, "status": "accepted", "median_us": round(total, 2)})
+            runner = _attempt(backend, target, spec, references, device, report)
+            if runner is not None:
+                entry = {"backend": backend.label, "status": "accepted",
+                         "median_us": round(self._time(runner, spec, device), 2)}
+                runner.undo()  # the next candidate starts from the original module
+                report.append(entry)
+                timed.append((entry, backend, runner))
         if not timed:
             raise NoCandidateError(_explain(target, report))
-        total, backend, runner = min(timed, key=lambda item: item[0])
-        for entry in report:
-            if entry["backend"] == backend.name and entry["status"] == "accepted":
-                entry["status"], entry["reason"] = "chosen", "fastest"
+        entry, backend, runner = min(timed, key=lambda item: item[0]["median_us"])
+        runner.redo()
+        entry["status"], entry["reason"] = "chosen", "fastest"
         return backend, runner, report
 
     def _time(self, runner: Runner, spec: ModuleSpec, device: torch.device) -> float:
@@ -142,8 +155,8 @@ class Only(Strategy):
         try:
             runner = check_candidate(backend, target, spec, references, device)
         except Rejected as exc:
-            raise NoCandidateError(f"{target.path or '<model>'}: {backend.name} backend rejected: {exc}") from exc
-        return backend, runner, [{"backend": backend.name, "status": "chosen", "reason": "only candidate"}]
+            raise NoCandidateError(f"{target.path or '<model>'}: {backend.label} backend rejected: {exc}") from exc
+        return backend, runner, [{"backend": backend.label, "status": "chosen", "reason": "only candidate"}]
 
 
 def _explain(target: Target, report: list[dict]) -> str:

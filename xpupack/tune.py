@@ -56,8 +56,10 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     strategy = strategy or default_strategy()
     device = _device.resolve(device, default=_device.model_device(model))
     previous = find_session(model)
-    if previous is not None:  # re-tuning replaces the earlier tuning
+    if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
         previous.deactivate()
+        for tuned_module in previous.modules.values():
+            tuned_module.runner.undo()
         detach(model)
     model.to(device)
     model.eval()

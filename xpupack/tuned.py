@@ -20,7 +20,7 @@ from torch import nn
 
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
-from .signature import call_key, flatten
+from .signature import fit_key
 
 log = logging.getLogger("xpupack")
 
@@ -70,19 +70,19 @@ class TunedModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         module = self.target.module
-        leaves, treespec = flatten(args, kwargs)
+        key, leaves = fit_key(args, kwargs)
         try:
-            index = self._table.get(call_key(treespec, leaves))
-        except TypeError:  # an unhashable leaf never fits
+            index = self._table.get(key)
+        except TypeError:  # an unhashable constant never fits
             index = None
         if index is None:
-            return self._fallback(args, kwargs, "signature", leaves, treespec)
+            return self._fallback(args, kwargs, "signature", leaves)
         if module.training:
-            return self._fallback(args, kwargs, "training mode", leaves, treespec)
+            return self._fallback(args, kwargs, "training mode", leaves)
         if self._check_grad and torch.is_grad_enabled() and self._needs_grad(leaves):
-            return self._fallback(args, kwargs, "autograd needed", leaves, treespec)
+            return self._fallback(args, kwargs, "autograd needed", leaves)
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
-            return self._fallback(args, kwargs, "autocast enabled", leaves, treespec)
+            return self._fallback(args, kwargs, "autocast enabled", leaves)
         try:
             return self.runner.run(index, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
@@ -90,13 +90,13 @@ class TunedModule:
             self._table = {k: i for k, i in self._table.items() if i != index}
             log.warning("%s: %s backend failed (%s); this signature now runs the original module",
                         self.target.path or "<model>", self.backend_name, exc)
-            return self._fallback(args, kwargs, "backend error", leaves, treespec)
+            return self._fallback(args, kwargs, "backend error", leaves)
 
     def _needs_grad(self, leaves: list) -> bool:
         return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
                 or any(p.requires_grad for p in self._params))
 
-    def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list, treespec: Any) -> Any:
+    def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list) -> Any:
         self.fallbacks += 1
         if reason == "signature":
             reason = "no recorded signature fits " + _describe_call(leaves)
@@ -152,6 +152,7 @@ class Session:
             module = tuned.target.module
             if module.__dict__.get("forward") is tuned:
                 del module.forward
+            tuned.runner.release()
         self.active = False
 
 

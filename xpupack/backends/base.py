@@ -15,7 +15,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from .._compare import DEFAULT_TOLERANCES
+from .._compare import DEFAULT_TOLERANCES, mismatch
 from ..errors import UnknownConfigError
 from ..signature import Signature
 
@@ -54,6 +54,9 @@ class Runner:
 
     #: indices of signatures this runner can execute (others fall back)
     supported: set[int]
+    #: the runner of the backend this one builds on (``GraphBackend(base=...)``); what it owns
+    #: and what it changed in the module are this runner's too
+    base_runner: Runner | None = None
 
     def __init__(self, supported: set[int]):
         self.supported = set(supported)
@@ -61,12 +64,31 @@ class Runner:
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Frees what the runner holds on the device (called on deactivate); `run` must still work after."""
+
     def owned_tensors(self) -> set[str]:
         """State-dict names (relative to the module) whose values the backend saves itself.
 
         They are left out of ``model.safetensors`` (e.g. quantized weights).
         """
-        return set()
+        return self.base_runner.owned_tensors() if self.base_runner else set()
+
+    def undo(self) -> None:
+        """Puts back whatever building or restoring this runner changed in the module.
+
+        Most runners change nothing. A backend that transforms the module in
+        place (TorchAO swaps in quantized parameters) undoes that here, so a
+        rejected candidate, a candidate `Fastest` did not keep, or a failed
+        load leaves the module as it was. The runner must not run until `redo`.
+        """
+        if self.base_runner is not None:
+            self.base_runner.undo()
+
+    def redo(self) -> None:
+        """Applies the changes that `undo` took back, the same objects again."""
+        if self.base_runner is not None:
+            self.base_runner.redo()
 
     def memory_bytes(self) -> int:
         """Device memory this runner holds beyond the module's own weights."""
@@ -75,6 +97,17 @@ class Runner:
     def describe(self) -> dict:
         """Extra facts for `stats` and `inspect`."""
         return {}
+
+
+class CallableRunner(Runner):
+    """A runner that calls one function for every signature (eager, compiled...)."""
+
+    def __init__(self, function: Callable[..., Any], supported: set[int]):
+        super().__init__(supported)
+        self.function = function
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        return self.function(*args, **kwargs)
 
 
 class Backend:
@@ -90,6 +123,9 @@ class Backend:
     #: True when the runner follows ``torch.autocast`` like eager (a device graph replays the
     #: precision it recorded, so calls under autocast fall back)
     supports_autocast: ClassVar[bool] = False
+    #: True when build/restore change the module itself and the runner runs the module's own
+    #: forward (TorchAO quantizes in place): another backend can then compile it (``base=``)
+    transforms_module: ClassVar[bool] = False
 
     def available(self, device: torch.device) -> bool:
         return True
@@ -113,8 +149,21 @@ class Backend:
         """
         return self.build(target, spec, device)
 
+    @property
+    def label(self) -> str:
+        """How reports name this candidate (``graph+torchao`` for a composition)."""
+        return self.name
+
     def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
         return DEFAULT_TOLERANCES
+
+    def compare(self, actual: Any, expected: Any) -> str | None:
+        """Why the candidate's output ``actual`` is not acceptable against eager's ``expected``, or None.
+
+        Elementwise within `tolerances` by default; a backend that changes
+        numerics on purpose overrides this with a measure suited to it.
+        """
+        return mismatch(actual, expected, self.tolerances())
 
     def options(self) -> dict:
         """Constructor options as JSON, so that a loader can rebuild the same backend."""

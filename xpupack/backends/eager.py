@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
-from .base import Backend, ModuleSpec, Runner, Target, register_backend
-
-
-class EagerRunner(Runner):
-    def __init__(self, forward: Callable[..., Any], supported: set[int]):
-        super().__init__(supported)
-        self._forward = forward
-
-    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
-        return self._forward(*args, **kwargs)
+from .base import Backend, CallableRunner, ModuleSpec, Runner, Target, register_backend
 
 
 @register_backend
@@ -27,4 +16,4 @@ class EagerBackend(Backend):
     supports_autocast = True
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
-        return EagerRunner(target.forward, set(range(len(spec.signatures))))
+        return CallableRunner(target.forward, set(range(len(spec.signatures))))

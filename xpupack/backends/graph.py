@@ -46,15 +46,53 @@ class _Recording:
         self.single_output = outputs if isinstance(outputs, torch.Tensor) else None
 
 
-def _storage_watch(module: nn.Module) -> list[tuple[dict, str, Any, int]]:
-    """What a recording depends on: each parameter/buffer object and its storage address."""
-    watch = []
-    for submodule in module.modules():
-        for table in (submodule._parameters, submodule._buffers):
-            for name, tensor in table.items():
-                if tensor is not None:
-                    watch.append((table, name, tensor, tensor.data_ptr()))
-    return watch
+# Bumped whenever any module anywhere registers a parameter, buffer or submodule
+# (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``...):
+# the cheap signal that an identity check is due.
+_registrations = [0]
+
+
+def _bump(*_args: Any) -> None:
+    _registrations[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_bump)
+nn.modules.module.register_module_buffer_registration_hook(_bump)
+nn.modules.module.register_module_module_registration_hook(_bump)
+
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+class _StorageWatch:
+    """Tells, in about a microsecond, whether a module still holds the storage a recording reads.
+
+    Two kinds of change make a recording stale: a parameter, buffer or submodule
+    object replaced (caught by the registration counter, then an identity check),
+    and a tensor's storage swapped (``.to()``, ``.half()``, ``param.data = ...``),
+    caught by comparing storage addresses. The watch keeps the recorded storages
+    alive, so no new tensor can ever reuse one of those addresses: an unchanged
+    address really is the recorded memory, with the recorded dtype and shape.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.generation = _registrations[0]
+        self.entries: list[tuple[dict, str, Any]] = []
+        for submodule in module.modules():
+            for table in (submodule._parameters, submodule._buffers, submodule._modules):
+                self.entries += [(table, name, value) for name, value in table.items() if value is not None]
+        self.tensors = [value for _, _, value in self.entries if isinstance(value, torch.Tensor)]
+        self.pinned = [tensor.detach() for tensor in self.tensors]
+        self.addresses = [tensor.data_ptr() for tensor in self.tensors]
+        self.indices = list(range(len(self.tensors)))
+
+    def changed(self) -> bool:
+        if self.generation != _registrations[0]:
+            if any(table.get(name) is not value for table, name, value in self.entries):
+                return True
+            self.generation = _registrations[0]
+        if _ptrs_equal is not None:
+            return not _ptrs_equal(self.tensors, self.addresses, self.indices)
+        return any(t.data_ptr() != a for t, a in zip(self.tensors, self.addresses))
 
 
 class GraphRunner(Runner):
@@ -74,7 +112,7 @@ class GraphRunner(Runner):
         self.failures: dict[int, str] = {}
         self.rerecordings = 0
         self._memory = 0
-        self._watch: list = []
+        self._watch: _StorageWatch | None = None
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -95,7 +133,7 @@ class GraphRunner(Runner):
                 log.warning("%s: recording %s failed (%s); those calls run the original module",
                             self.target.path or "<model>", self.spec.signatures[index].describe(), reason)
         self._memory = max(0, self.api.memory_in_use(self.device) - before)
-        self._watch = _storage_watch(self.target.module)
+        self._watch = _StorageWatch(self.target.module)
 
     def record(self, index: int, args: tuple, kwargs: dict) -> None:
         leaves, treespec = flatten(args, kwargs)
@@ -110,25 +148,23 @@ class GraphRunner(Runner):
         self.supported.add(index)
         self.failures.pop(index, None)
 
-    def _storage_changed(self) -> bool:
-        for table, name, tensor, address in self._watch:
-            current = table.get(name)
-            if current is not tensor or current.data_ptr() != address:
-                return True
-        return False
+    def release(self) -> None:
+        """Drops every recording and the storages they read; the next call records again."""
+        self.recordings.clear()
+        self._watch = None
 
     def _rerecord(self) -> None:
-        """The module's storage moved: drop every recording and record again from the signatures."""
-        log.info("%s: parameters or buffers changed storage since recording; recording again",
+        """The module's storage moved (or was released): record again from the signatures."""
+        log.info("%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
                  self.target.path or "<model>")
-        self.recordings.clear()
+        self.release()
         self.supported.clear()
         self.rerecordings += 1
         self.record_all(strict=False)
 
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
-        if self._storage_changed():
+        if self._watch is None or self._watch.changed():
             self._rerecord()
         recording = self.recordings.get(index)
         if recording is None:
@@ -185,6 +221,10 @@ class GraphBackend(Backend):
         return self.base.depends_on if self.base else ()
 
     @property
+    def label(self) -> str:
+        return f"graph+{self.base.label}" if self.base else self.name
+
+    @property
     def compiled_artifacts(self) -> bool:  # type: ignore[override]
         return bool(self.base and self.base.compiled_artifacts)
 
@@ -209,6 +249,9 @@ class GraphBackend(Backend):
     def tolerances(self):
         return self.base.tolerances() if self.base else super().tolerances()
 
+    def compare(self, actual, expected):
+        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
+
     def _runner(self, target: Target, spec: ModuleSpec, device: torch.device,
                 base_runner: Runner | None) -> GraphRunner:
         api = _device.graphs_for(device)
@@ -223,8 +266,12 @@ class GraphBackend(Backend):
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         base_runner = self.base.build(target, spec, device) if self.base else None
         runner = self._runner(target, spec, device, base_runner)
-        with _device.on_device(device):
-            runner.record_all(strict=True)
+        try:
+            with _device.on_device(device):
+                runner.record_all(strict=True)
+        except BaseException:
+            runner.undo()
+            raise
         return runner
 
     def save(self, runner: Runner, folder: Path) -> dict:
@@ -239,10 +286,14 @@ class GraphBackend(Backend):
             base_runner = self.base.restore(target, spec, config.get("base", {}), folder / self.base.name,
                                             device, use_artifacts=use_artifacts)
         runner = self._runner(target, spec, device, base_runner)
-        with _device.on_device(device):
-            runner.record_all(strict=False)
-        if not runner.supported:
-            raise RuntimeError("no signature could be recorded: " + "; ".join(runner.failures.values()))
+        try:
+            with _device.on_device(device):
+                runner.record_all(strict=False)
+            if not runner.supported:
+                raise RuntimeError("no signature could be recorded: " + "; ".join(runner.failures.values()))
+        except BaseException:
+            runner.undo()
+            raise
         return runner
 
     def save_shared(self, folder: Path) -> dict:

@@ -8,6 +8,7 @@ from ..environment import __version__
 from .bench import bench
 from .build import build
 from .inspect import inspect, verify
+from .push import push
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -21,6 +22,7 @@ def main() -> None:
           --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
       xpupack inspect tiny-pkg
       xpupack bench tiny-pkg --model xpupack.examples:tiny_transformer
+      xpupack push tiny-pkg ORG/NAME
     """
 
 
@@ -28,3 +30,4 @@ main.add_command(build)
 main.add_command(inspect)
 main.add_command(verify)
 main.add_command(bench)
+main.add_command(push)

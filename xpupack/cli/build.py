@@ -9,11 +9,16 @@ import click
 from ._common import console, handle_errors, import_object
 
 
+#: backends that take another as ``base=``: ``graph+torchao:int8-weight-only`` records the quantized
+#: module as a device graph, ``inductor+torchao:int8-weight-only`` compiles it
+_COMPOSERS = ("graph", "inductor")
+
+
 def parse_backends(text: str):
     """``"graph,inductor,eager"`` -> backend instances; ``name:argument`` passes one argument
-    (``torchao:int8-weight-only``); ``graph+name:argument`` records that backend as a device graph."""
+    (``torchao:int8-weight-only``); ``graph+name:argument`` records that backend as a device graph,
+    ``inductor+name:argument`` compiles it."""
     from ..backends.base import BACKENDS
-    from ..backends.graph import GraphBackend
 
     def one(item: str):
         name, _, argument = item.partition(":")
@@ -24,8 +29,9 @@ def parse_backends(text: str):
 
     backends = []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        if item.startswith("graph+"):
-            backends.append(GraphBackend(base=one(item.removeprefix("graph+"))))
+        outer, plus, inner = item.partition("+")
+        if plus and outer in _COMPOSERS:
+            backends.append(BACKENDS[outer](base=one(inner)))
         else:
             backends.append(one(item))
     if not backends:
@@ -44,7 +50,9 @@ def parse_backends(text: str):
                    "Default: the whole model as one unit.")
 @click.option("--device", default=None, help="xpu, cuda, cuda:1 or cpu. Default: the best device here.")
 @click.option("--backends", "backends", default="graph,inductor,eager", show_default=True,
-              help="Candidate backends in order of preference, comma-separated.")
+              help="Candidate backends in order of preference, comma-separated; NAME:ARG passes one "
+                   "argument (torchao:int8-weight-only), graph+NAME / inductor+NAME record or compile "
+                   "that backend's module (graph+torchao:int8-weight-only).")
 @click.option("--strategy", type=click.Choice(["first-wins", "fastest"]), default="first-wins",
               show_default=True, help="first-wins keeps the first backend that matches eager; "
                                       "fastest times all that match and keeps the fastest.")

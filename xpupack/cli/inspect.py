@@ -38,6 +38,7 @@ def print_report(report: dict, out) -> None:
     out.print(f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
               f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
               f"package {_size(report['total_bytes'])}")
+    out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "size")
     for module in report["modules"]:
         candidates = "\n".join(
@@ -51,6 +52,20 @@ def print_report(report: dict, out) -> None:
     out.print(table)
 
 
+def _trust_line(report: dict) -> str:
+    """Whether the package's compiled artifacts may run here (DESIGN §5)."""
+    compiled = ", ".join(f"{m['path'] or '<model>'} ({m['backend']})" for m in report["modules"]
+                         if m["compiled_artifacts"])
+    if report["trusted"]:
+        return (f"trust: {report['trust_reason']} — " + (f"compiled artifacts of {compiled} are trusted"
+                                                         if compiled else "no compiled artifacts"))
+    if not compiled:
+        return f"trust: {report['trust_reason']}; the package has no compiled artifacts, so nothing is rebuilt"
+    return (f"[yellow]trust: compiled artifacts of {compiled} will be rebuilt on load: {report['trust_reason']} — "
+            "pin that commit (--revision, or revision= in xpupack.load) or pass trust_compiled=True to "
+            "xpupack.load to run them[/yellow]")
+
+
 @click.command()
 @click.argument("package", metavar="DIR|ORG/NAME")
 @_revision
@@ -58,7 +73,7 @@ def print_report(report: dict, out) -> None:
 @handle_errors
 def inspect(package, revision, as_json):
     """Show a package's modules, chosen backends, rejected candidates and why, recorded signatures,
-    build environment and file sizes."""
+    build environment, file sizes, and whether its compiled artifacts are trusted."""
     from ..report import package_report
 
     report = package_report(_source(package, revision))

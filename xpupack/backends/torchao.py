@@ -1,0 +1,482 @@
+"""The TorchAO backend: quantized weights in the package, no re-quantization on load (DESIGN §3).
+
+At tune time `build` runs ``torchao.quantization.quantize_`` on the module:
+its Linear weights become torchao tensor subclasses (``Int8Tensor``,
+``Float8Tensor``...) *in place*, so the original module (the fallback) runs
+the quantized weights too — that is what quantizing a model means. `save`
+flattens those tensors with torchao's own safetensors support
+(``torchao.prototype.safetensors``): plain tensors in
+``modules/<path>/torchao/weights.safetensors`` and each tensor's type and
+attributes as JSON in that file's header. They replace the fp32 weights:
+``model.safetensors`` does not hold them (``owned_tensors``).
+
+`restore` reads that file and puts the quantized tensors back into the
+module, without ``quantize_`` and without pickle. Every ``_type`` named in
+the header or in a config must be on this module's allow-lists before torchao
+reconstructs anything; configs round-trip through
+``torchao.core.config.config_to_dict``/``config_from_dict``, checked the same way.
+
+A quantized candidate is accepted by its signal-to-quantization-noise ratio
+against eager (`CONFIG_CLASSES` holds each config class's minimum), not by
+the elementwise tolerances of the exact backends.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from .._compare import mismatch
+from ..errors import BackendError, BackendUnavailableError, PackageFormatError, UnknownConfigError
+from ..signature import dtype_name
+from .base import Backend, ModuleSpec, Runner, Target, register_backend
+
+WEIGHTS_FILE = "weights.safetensors"
+#: torchao's flattening splits names at the last dot, so names in the file get a root segment
+_ROOT = "module"
+_INSTALL = "pip install 'xpupack[torchao]'"
+
+#: AOBaseConfig classes a package may name, with the SQNR (dB) their outputs must reach against eager
+CONFIG_CLASSES: dict[str, float] = {
+    "Int8WeightOnlyConfig": 30.0,
+    "Int8DynamicActivationInt8WeightConfig": 25.0,
+    "Float8WeightOnlyConfig": 20.0,
+    "Float8DynamicActivationFloat8WeightConfig": 20.0,
+    "Int4WeightOnlyConfig": 15.0,
+    "IntxWeightOnlyConfig": 15.0,
+}
+#: types that may appear inside those configs (granularities, enums, dtypes)
+_CONFIG_PARTS = frozenset({
+    "torch.dtype", "PerRow", "PerTensor", "PerAxis", "PerGroup", "MappingType", "KernelPreference",
+    "Float8MMConfig", "Float8PackingFormat", "Int4PackingFormat", "Int4ChooseQParamsAlgorithm",
+    "IntxPackingFormat", "IntxChooseQParamsAlgorithm",
+})
+#: torchao tensor subclasses a package may hold (those the configs above produce)
+TENSOR_CLASSES = frozenset({
+    "Int8Tensor", "Float8Tensor", "Int4Tensor", "Int4TilePackedTo4dTensor", "Int4PlainInt32Tensor",
+    "IntxUnpackedToInt8Tensor",
+})
+#: types that may appear inside those tensors' attributes
+_TENSOR_PARTS = frozenset({
+    "torch.dtype", "PerRow", "PerTensor", "MappingType", "KernelPreference", "Float8MMConfig",
+    "QuantizeTensorToInt8Kwargs", "QuantizeTensorToFloat8Kwargs",
+})
+
+
+@dataclass(frozen=True)
+class NamedConfig:
+    """A config by name: how to make it, and where it can run."""
+
+    config_class: str
+    make: Callable[[], Any]
+    devices: str
+    #: why it cannot run on a device, or None where it can
+    unsupported: Callable[[torch.device], str | None]
+
+    @property
+    def min_sqnr_db(self) -> float:
+        return CONFIG_CLASSES[self.config_class]
+
+
+def _cuda_only(device: torch.device) -> str | None:
+    return None if device.type == "cuda" else f"needs CUDA (torchao's tinygemm int4 kernels), not {device.type}"
+
+
+def _float8_device(device: torch.device) -> str | None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"needs CUDA compute capability 8.9 or newer, {torch.cuda.get_device_name(device)} has {major}.{minor}"
+    return None
+
+
+def _anywhere(device: torch.device) -> str | None:
+    return None
+
+
+def _int8_weight_only():
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    return Int8WeightOnlyConfig(set_inductor_config=False)
+
+
+def _int8_dynamic():
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+
+    return Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
+
+
+def _int4_weight_only():
+    from torchao.quantization import Int4WeightOnlyConfig
+    from torchao.quantization.quantize_.workflows import Int4PackingFormat
+
+    return Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
+                                set_inductor_config=False)
+
+
+def _float8_weight_only():
+    from torchao.quantization import Float8WeightOnlyConfig
+
+    return Float8WeightOnlyConfig(set_inductor_config=False)
+
+
+# ``set_inductor_config=False`` everywhere: torchao's setting changes the whole
+# process's Inductor options at quantize time, which a loader (that never
+# quantizes) would not reproduce.
+NAMED_CONFIGS: dict[str, NamedConfig] = {
+    "int8-weight-only": NamedConfig("Int8WeightOnlyConfig", _int8_weight_only, "cpu, cuda", _anywhere),
+    "int8-dynamic": NamedConfig("Int8DynamicActivationInt8WeightConfig", _int8_dynamic, "cpu, cuda", _anywhere),
+    "int4-weight-only": NamedConfig("Int4WeightOnlyConfig", _int4_weight_only, "cuda (bfloat16 models)",
+                                    _cuda_only),
+    "float8-weight-only": NamedConfig("Float8WeightOnlyConfig", _float8_weight_only,
+                                      "cpu, cuda (compute capability 8.9+)", _float8_device),
+}
+
+
+def torchao_missing() -> str | None:
+    """Why torchao cannot be used here, or None when it can."""
+    try:
+        import torchao.quantization  # noqa: F401
+    except ImportError as exc:
+        return f"torchao is not installed ({exc}); {_INSTALL}"
+    return None
+
+
+def _require_torchao() -> None:
+    missing = torchao_missing()
+    if missing:
+        raise BackendUnavailableError(missing)
+
+
+def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> None:
+    """Raises `UnknownConfigError` if a ``_type`` anywhere in the JSON ``tree`` is not in ``allowed``.
+
+    This runs before torchao turns JSON into objects, so a package can only
+    name the classes xpupack knows (and ``torch.dtype`` only a dtype).
+    """
+    if isinstance(tree, dict):
+        kind = tree.get("_type")
+        if kind is not None:
+            if kind not in allowed:
+                raise UnknownConfigError(
+                    f"{where} names the type {kind!r}, which xpupack does not load; known: "
+                    f"{', '.join(sorted(allowed))} — upgrade xpupack if a newer one built the package")
+            if kind == "torch.dtype" and not isinstance(getattr(torch, str(tree.get("_data")), None), torch.dtype):
+                raise UnknownConfigError(f"{where} names {tree.get('_data')!r}, which is not a torch dtype")
+        for value in tree.values():
+            check_types(value, allowed, where)
+    elif isinstance(tree, list):
+        for value in tree:
+            check_types(value, allowed, where)
+
+
+def config_from_json(data: Any, where: str = "the torchao config") -> Any:
+    """The ``AOBaseConfig`` of a ``config_to_dict`` dict, resolving only `CONFIG_CLASSES`."""
+    if not isinstance(data, dict) or data.get("_type") not in CONFIG_CLASSES:
+        kind = data.get("_type") if isinstance(data, dict) else type(data).__name__
+        raise UnknownConfigError(f"{where} names the config class {kind!r}, which xpupack does not load; "
+                                 f"known: {', '.join(sorted(CONFIG_CLASSES))}")
+    check_types(data.get("_data"), _CONFIG_PARTS, where)
+    _require_torchao()
+    from torchao.core.config import config_from_dict
+
+    return config_from_dict(data)
+
+
+class _Swap(NamedTuple):
+    """One parameter replaced in a module: undo puts ``original`` back, redo ``replacement``."""
+
+    name: str  # state-dict name relative to the tuned module
+    module: nn.Module
+    attribute: str
+    original: nn.Parameter
+    replacement: nn.Parameter
+
+
+class TorchAORunner(Runner):
+    """Runs the module's own forward over its quantized parameters; owns those parameters."""
+
+    def __init__(self, forward: Callable[..., Any], supported: set[int], swaps: list[_Swap],
+                 added: dict[nn.Module, dict[str, Any]] | None = None, config: dict | None = None):
+        super().__init__(supported)
+        self._forward = forward
+        self.swaps = swaps
+        self._added = added or {}  # instance attributes quantize_ set (its extra_repr)
+        self.config = config or {}
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        return self._forward(*args, **kwargs)
+
+    def owned_tensors(self) -> set[str]:
+        return {swap.name for swap in self.swaps}
+
+    def quantized(self) -> dict[str, torch.Tensor]:
+        return {swap.name: swap.replacement for swap in self.swaps}
+
+    def undo(self) -> None:
+        for swap in reversed(self.swaps):
+            swap.module._parameters[swap.attribute] = swap.original
+        for module, attributes in self._added.items():
+            for name in attributes:
+                module.__dict__.pop(name, None)
+
+    def redo(self) -> None:
+        for swap in self.swaps:
+            swap.module._parameters[swap.attribute] = swap.replacement
+        for module, attributes in self._added.items():
+            module.__dict__.update(attributes)
+
+    def describe(self) -> dict:
+        types = sorted({type(swap.replacement).__name__ for swap in self.swaps})
+        return {"quantized_tensors": len(self.swaps), "tensor_types": types}
+
+
+@register_backend
+class TorchAOBackend(Backend):
+    """Quantizes the module's Linear weights with TorchAO; the package stores the quantized weights.
+
+    Args:
+        config: a name from `NAMED_CONFIGS` (``"int8-weight-only"``, ``"int8-dynamic"``,
+            ``"int4-weight-only"``, ``"float8-weight-only"``), a torchao ``AOBaseConfig``
+            of one of the `CONFIG_CLASSES`, or its ``config_to_dict`` form.
+        min_sqnr_db: accept the candidate only if each floating output's
+            signal-to-quantization-noise ratio against eager reaches this (dB).
+            Default: the config class's value in `CONFIG_CLASSES`.
+
+    Quantizing changes the module's parameters in place: calls that fall back
+    run the quantized module too. The module's original parameters are kept
+    (not freed), so a rejected candidate or a failed load can put them back.
+
+    Example:
+        >>> xpupack.tune(model, samples, modules=["layers.*.mlp"],
+        ...              strategy=xpupack.FirstWins([xpupack.TorchAOBackend("int8-weight-only")]))
+    """
+
+    name = "torchao"
+    # the quantized tensors are the weights themselves, not a compiled artifact;
+    # a torchao upgrade is reported (on_mismatch="error" refuses it), and a
+    # torchao that cannot read them fails the restore with a reason
+    depends_on = ("torchao",)
+    # the runner is the module's own forward, exactly what a fallback would run
+    supports_autograd = True
+    transforms_module = True
+
+    def __init__(self, config: str | Any | dict = "int8-weight-only", *, min_sqnr_db: float | None = None):
+        self._named: NamedConfig | None = None
+        self._instance = None
+        if isinstance(config, str):
+            if config not in NAMED_CONFIGS:
+                known = "; ".join(f"{name} ({named.devices})" for name, named in NAMED_CONFIGS.items())
+                raise UnknownConfigError(f"unknown torchao config {config!r}; known names: {known} "
+                                         "— or pass a torchao AOBaseConfig")
+            self._named, self.config_name = NAMED_CONFIGS[config], config
+            config_class = self._named.config_class
+        elif isinstance(config, dict):
+            self._instance = config_from_json(config, "TorchAOBackend(config=...)")
+            self.config_name = config_class = config["_type"]
+        else:
+            config_class = type(config).__name__
+            if config_class not in CONFIG_CLASSES:
+                raise UnknownConfigError(f"TorchAOBackend cannot package a {config_class}; known config classes: "
+                                         f"{', '.join(sorted(CONFIG_CLASSES))}")
+            self._instance, self.config_name = config, config_class
+        self._explicit_sqnr = min_sqnr_db
+        self.min_sqnr_db = CONFIG_CLASSES[config_class] if min_sqnr_db is None else float(min_sqnr_db)
+
+    @property
+    def config(self) -> Any:
+        """The torchao ``AOBaseConfig`` (imports torchao)."""
+        _require_torchao()
+        return self._named.make() if self._named else self._instance
+
+    def options(self) -> dict:
+        if self._named is not None:
+            options: dict = {"config": self.config_name}
+        else:
+            from torchao.core.config import config_to_dict
+
+            options = {"config": config_to_dict(self._instance)}
+        if self._explicit_sqnr is not None:
+            options["min_sqnr_db"] = self._explicit_sqnr
+        return options
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.config_name}"  # as --backends spells it
+
+    def __repr__(self) -> str:
+        return f"TorchAOBackend({self.config_name!r})"
+
+    def available(self, device: torch.device) -> bool:
+        return self._unavailable(device) is None
+
+    def why_unavailable(self, device: torch.device) -> str:
+        return self._unavailable(device) or super().why_unavailable(device)
+
+    def _unavailable(self, device: torch.device) -> str | None:
+        missing = torchao_missing()
+        if missing:
+            return missing
+        why = self._named.unsupported(device) if self._named else None  # instances: let the build say
+        return f"{self.config_name} {why}" if why else None
+
+    def compare(self, actual: Any, expected: Any) -> str | None:
+        problem = mismatch(actual, expected, self.tolerances(), min_sqnr_db=self.min_sqnr_db)
+        return problem and f"{problem} for {self.config_name} (min_sqnr_db={self.min_sqnr_db:g})"
+
+    # -- tune time -----------------------------------------------------------------
+    def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        _require_torchao()
+        from torchao.quantization import quantize_
+
+        config = self.config
+        module = target.module
+        parameters = _parameter_table(module)
+        children = {(parent, name): child for parent in module.modules() for name, child in parent._modules.items()}
+        attributes = {m: set(m.__dict__) for m in module.modules()}
+        try:
+            quantize_(module, config)
+            swaps = [_Swap(name, owner, attribute, original, owner._parameters[attribute])
+                     for name, (owner, attribute, original) in parameters.items()
+                     if owner._parameters.get(attribute) is not original]
+            added = {m: {k: m.__dict__[k] for k in set(m.__dict__) - known}
+                     for m, known in attributes.items() if set(m.__dict__) - known}
+            runner = TorchAORunner(target.forward, set(range(len(spec.signatures))), swaps, added,
+                                   _config_dict(config))
+            _check_quantized(runner, module, children)
+        except BaseException:
+            for (parent, name), child in children.items():
+                parent._modules[name] = child
+            for owner, attribute, original in parameters.values():
+                owner._parameters[attribute] = original
+            for m, known in attributes.items():
+                for extra in set(m.__dict__) - known:
+                    del m.__dict__[extra]
+            raise
+        return runner
+
+    def save(self, runner: Runner, folder: Path) -> dict:
+        from safetensors.torch import save_file
+        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+        assert isinstance(runner, TorchAORunner)
+        quantized = runner.quantized()
+        data, metadata = flatten_tensor_state_dict({f"{_ROOT}.{name}": t for name, t in quantized.items()})
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({key: value.detach().to("cpu").contiguous() for key, value in data.items()},
+                  str(folder / WEIGHTS_FILE), metadata=metadata)
+        return {"config": runner.config, "weights": WEIGHTS_FILE,
+                "tensors": {name: {"type": type(t).__name__, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+                            for name, t in sorted(quantized.items())}}
+
+    # -- load time -----------------------------------------------------------------
+    def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
+                device: torch.device, *, use_artifacts: bool) -> Runner:
+        """Puts the stored quantized tensors into the module; never calls ``quantize_``.
+
+        ``use_artifacts`` does not apply: the stored tensors are the weights, and
+        the package holds no other form of them to rebuild from.
+        """
+        _require_torchao()
+        where = str(folder / WEIGHTS_FILE)
+        if "config" in config:
+            config_from_json(config["config"], f"{folder} (torchao config)")
+        expected = config.get("tensors")
+        if not isinstance(expected, dict) or not expected:
+            raise PackageFormatError(f"the torchao config of {folder} lists no tensors; rebuild the package",
+                                     path=where)
+        tensors = read_quantized(folder / WEIGHTS_FILE, device)
+        if set(tensors) != set(expected):
+            raise PackageFormatError(f"{where} holds {sorted(tensors)}, the manifest lists {sorted(expected)}; "
+                                     "rebuild the package", path=where)
+        parameters = _parameter_table(target.module)
+        swaps = []
+        for name, tensor in sorted(tensors.items()):
+            facts = {"type": type(tensor).__name__, "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
+            if name not in parameters or facts != expected[name]:
+                raise PackageFormatError(f"{where}: {name} is {facts}, the manifest says {expected[name]} "
+                                         f"(module parameter present: {name in parameters}); rebuild the package",
+                                         path=where)
+            owner, attribute, original = parameters[name]
+            if list(original.shape) != facts["shape"] or dtype_name(original.dtype) != facts["dtype"]:
+                raise PackageFormatError(f"{where}: {name} is {facts['dtype']}{facts['shape']}, the module's "
+                                         f"is {dtype_name(original.dtype)}{list(original.shape)}", path=where)
+            swaps.append(_Swap(name, owner, attribute, original, nn.Parameter(tensor, requires_grad=False)))
+        runner = TorchAORunner(target.forward, set(range(len(spec.signatures))), swaps, config=config.get("config"))
+        runner.redo()
+        return runner
+
+
+def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The torchao tensors of a ``weights.safetensors``, by name relative to the module; no pickle.
+
+    The header's JSON is checked against `TENSOR_CLASSES` before torchao's
+    ``unflatten_tensor_state_dict`` builds anything from it.
+    """
+    from safetensors import SafetensorError, safe_open
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as handle:
+            metadata = handle.metadata() or {}
+            data = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise PackageFormatError(f"{path} is not a readable safetensors file ({exc}); rebuild the package",
+                                 path=str(path)) from None
+    try:
+        names = json.loads(metadata.get("tensor_names", "null"))
+        if not isinstance(names, list) or not names:
+            raise ValueError("no tensor_names")
+        for name in names:
+            entry = json.loads(metadata[name])
+            if not isinstance(entry, dict) or entry.get("_type") not in TENSOR_CLASSES:
+                kind = entry.get("_type") if isinstance(entry, dict) else entry
+                raise UnknownConfigError(f"{path} holds {name!r} as {kind!r}, which xpupack does not load; "
+                                         f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}")
+            check_types(entry.get("_data"), _TENSOR_PARTS, f"{path} ({name})")
+        tensors, leftover = unflatten_tensor_state_dict(data, metadata)
+    except UnknownConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PackageFormatError(f"{path}: the torchao header cannot be read ({type(exc).__name__}: {exc}); "
+                                 "rebuild the package", path=str(path)) from None
+    if leftover or set(tensors) != set(names):
+        raise PackageFormatError(f"{path}: tensors {sorted(set(names) - set(tensors)) or sorted(leftover)} "
+                                 "do not match its header; rebuild the package", path=str(path))
+    prefix = _ROOT + "."
+    return {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
+
+
+def _parameter_table(module: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Parameter]]:
+    """State-dict name (relative to ``module``) -> ``(owning module, attribute, parameter)``."""
+    table = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attribute, parameter in owner._parameters.items():
+            if parameter is not None:
+                table.setdefault(f"{prefix}.{attribute}" if prefix else attribute, (owner, attribute, parameter))
+    return table
+
+
+def _check_quantized(runner: TorchAORunner, module: nn.Module, children: dict) -> None:
+    """Refuses what the package format cannot hold: swapped modules, unknown tensor types, nothing quantized."""
+    swapped = [name for (parent, name), child in children.items() if parent._modules.get(name) is not child]
+    if swapped:
+        raise BackendError(f"the config replaced submodules ({', '.join(swapped[:3])}); xpupack packages only "
+                           "configs that quantize weights in place (tensor subclasses)")
+    if not runner.swaps:
+        raise BackendError("the config quantized no weight of this module (no nn.Linear, or shapes the "
+                           "config cannot take)")
+    unknown = {type(swap.replacement).__name__ for swap in runner.swaps} - TENSOR_CLASSES
+    if unknown:
+        raise BackendError(f"the config produced {', '.join(sorted(unknown))}, which xpupack cannot store; "
+                           f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}")
+
+
+def _config_dict(config: Any) -> dict:
+    from torchao.core.config import config_to_dict
+
+    return config_to_dict(config)
