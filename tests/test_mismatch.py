@@ -191,3 +191,30 @@ def test_the_environment_records_the_cpu_instruction_set():
     assert HERE["architecture"] == torch.backends.cpu.get_cpu_capability()
     assert "architecture" in xpupack.InductorBackend().depends_on
     assert ArtifactBackend.depends_on == tuple(KEYS)
+
+
+@pytest.fixture
+def torchao_package(tmp_path):
+    samples = [torch.randn(batch, 128) for batch in (2, 4)]  # TorchAO's kernels want real sizes
+    model = xpupack.tune(make_stack(width=128), samples, modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+    return model, xpupack.save(model, tmp_path / "pkg")
+
+
+@pytest.mark.parametrize("mode", ["rebuild", "fallback", "error"])
+def test_torchao_package_from_another_torchao(torchao_package, mode):
+    """The quantized weights are portable: 'rebuild' loads them here; the original weights are not in the
+    package, so 'fallback' cannot run originals and says so, like 'error'."""
+    tuned, root = torchao_package
+    built_elsewhere(root, torchao="0.1.0")
+    if mode != "rebuild":
+        with pytest.raises(IncompatiblePackageError, match=f"torchao: built 0.1.0, here {HERE['torchao']}"):
+            xpupack.load(make_stack(seed=3, width=128), root, on_mismatch=mode)
+        return
+    model = xpupack.load(make_stack(seed=3, width=128), root, on_mismatch=mode)
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"torchao"}
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), tuned(x))
+    result = CliRunner().invoke(main, ["verify", str(root)])
+    assert result.exit_code == 2 and f"torchao built 0.1.0, here {HERE['torchao']}" in result.output

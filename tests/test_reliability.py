@@ -268,6 +268,23 @@ def test_inductor_cache_path_cannot_leave_the_package(inductor_package, tmp_path
     assert loaded == []
 
 
+@pytest.mark.parametrize("kernels, error", [
+    (["../../../../elsewhere.so"], PackageFormatError), (["/tmp/elsewhere.so"], PackageFormatError),
+    ("ab/c.so", PackageFormatError), ([3], PackageFormatError), (["zz/not-in-the-package.so"], IntegrityError),
+])
+def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_package, tmp_path, monkeypatch,
+                                                                   kernels, error):
+    """Carried kernels are copied into the local Inductor cache: neither end may leave its folder."""
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    before = sorted(cache.rglob("*"))
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: pytest.fail("loaded artifacts"))
+    root = copy_package(inductor_package[1], tmp_path / "pkg")
+    rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"].update(kernels=kernels))
+    caught = refused(root, error)
+    assert "backend config" in str(caught) and "rebuild" in str(caught)
+    assert sorted(cache.rglob("*")) == before
+
+
 def test_the_temporary_directory_of_a_save_is_not_a_package(package, tmp_path):
     litter = tmp_path / ".pkg.xpupack-tmp-12345-0a1b2c3d"
     copy_package(package, litter)  # a complete copy: still refused by its name
