@@ -9,13 +9,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import xpupack
 from models import make_stack, stack_samples
 from package_tools import copy_package, listed_files
 from xpupack.errors import IntegrityError
-from xpupack.manifest import MANIFEST, check_files, read_manifest, sha256_of
+from xpupack.manifest import check_files, read_manifest, sha256_of
 
 pytestmark = pytest.mark.slow  # fresh processes
 TESTS = os.path.dirname(__file__)

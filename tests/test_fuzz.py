@@ -403,7 +403,6 @@ def test_any_call_gives_eager_result_or_eager_error(graph_mlp, fallback_calls, c
             module.eval()
 
     with emulated_graphs():
-        replays = _device.GRAPH_APIS["cpu"].replays
         result = outcome(lambda: run(tuned))
         assert_same_outcome(result, outcome(lambda: run(reference)))
     event(f"{result[0]}, {'fell back' if fallback_calls else 'replayed'}")

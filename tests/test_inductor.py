@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
+from models import make_stack
 from xpupack.errors import IncompatiblePackageError
 from xpupack.source import Source
 

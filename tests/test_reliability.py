@@ -19,8 +19,8 @@ from torch import nn
 import xpupack
 from backends_for_tests import CountingBackend
 from models import Stack, make_stack, stack_samples
-from package_tools import (assert_unchanged, copy_package, listed_files, redigest, rewrite_json,
-                           rewrite_manifest, snapshot)
+from package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
+                           snapshot)
 from xpupack.errors import (BackendError, IntegrityError, ModelMismatchError, OutputMismatchError,
                             PackageFormatError, UnknownConfigError, XpupackError)
 from xpupack.manifest import MANIFEST
@@ -40,7 +40,7 @@ def package(tmp_path):
     return build(tmp_path)
 
 
-@pytest.fixture(params=["eager", "graph", "inductor"])
+@pytest.fixture(params=["eager", "graph", "inductor", "torchao"])
 def any_package(request, tmp_path):
     """One package per kind of backend (graph through the emulated device graphs)."""
     if request.param == "eager":
@@ -48,6 +48,10 @@ def any_package(request, tmp_path):
     if request.param == "graph":
         request.getfixturevalue("emulated_graphs")
         return build(tmp_path, xpupack.Only(xpupack.GraphBackend()))
+    if request.param == "torchao":  # quantized weights in modules/*/torchao/; TorchAO wants real sizes
+        model = xpupack.tune(make_stack(width=128), [torch.randn(batch, 128) for batch in (2, 4)],
+                             modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+        return xpupack.save(model, tmp_path / "pkg")
     return copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg")
 
 
@@ -101,8 +105,13 @@ def test_any_damaged_file_is_refused_by_name(any_package, damage, tmp_path):
         assert_names_file_and_fix(error, relative)
 
 
-def test_inductor_package_lists_its_compiled_artifacts(inductor_package):
-    assert "backends/inductor/cache.bin" in listed_files(inductor_package[1])
+def test_the_packages_damaged_above_hold_every_kind_of_file(inductor_package, tmp_path):
+    files = listed_files(inductor_package[1])
+    assert "backends/inductor/cache.bin" in files
+    assert any(f.endswith(".so") for f in files)  # the carried kernels: native code
+    model = xpupack.tune(make_stack(width=128), [torch.randn(2, 128)], modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+    assert "modules/layers.0.mlp/torchao/weights.safetensors" in listed_files(xpupack.save(model, tmp_path / "q"))
 
 
 @pytest.mark.parametrize("extra", [
