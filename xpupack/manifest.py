@@ -94,15 +94,14 @@ def read_manifest(root: Path) -> dict:
                                  "`xpupack build` wrote, or rebuild or re-download the package", path=str(root))
     manifest = read_json(root, MANIFEST, "manifest")
     where = str(root / MANIFEST)
-    paths = list(manifest["files"])
+    weights = [manifest["model"]["weights"]] if manifest["model"]["weights"] else []
+    paths = list(manifest["files"]) + weights
     paths += [m[k] for m in manifest["modules"] for k in ("folder", "spec")]
     paths += [b["folder"] for b in manifest["backends"].values()]
-    if manifest["model"]["weights"]:
-        paths.append(manifest["model"]["weights"])
     for relative in paths:
         check_relative(relative, where)
-    for relative in [m["spec"] for m in manifest["modules"]] + [manifest["model"]["weights"] or MANIFEST]:
-        if relative != MANIFEST and relative not in manifest["files"]:
+    for relative in [m["spec"] for m in manifest["modules"]] + weights:  # files that load reads: digested
+        if relative not in manifest["files"]:
             raise PackageFormatError(f"{where} names {relative!r} but does not list it under files, so its "
                                      "digest cannot be checked; the package is damaged — rebuild it", path=relative)
     _check_module_paths(manifest["modules"], where)
