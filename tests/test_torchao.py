@@ -403,3 +403,15 @@ def test_quantized_cuda_graph_in_a_fresh_process(tmp_path, run_python):
     model = tune_quantized(device="cuda", dtype=torch.bfloat16, strategy=xpupack.Only(backend))
     root = xpupack.save(model, tmp_path / "pkg")
     fresh_load(run_python, model, root, tmp_path, device="cuda", dtype=torch.bfloat16, backend="graph")
+
+
+def test_config_resolution_searches_only_the_modules_that_define_known_classes(monkeypatch):
+    """torchao's own resolver tries its whole allow-list in set order, and one entry imports transformers."""
+    import torchao.core.config as torchao_config
+
+    from xpupack.backends.torchao import TorchAOBackend, config_from_json
+
+    stored = torchao_config.config_to_dict(TorchAOBackend("int8-weight-only").config)
+    monkeypatch.setattr(torchao_config, "ALLOWED_AO_MODULES", ["xpupack_no_such_module"])
+    assert type(config_from_json(stored)).__name__ == "Int8WeightOnlyConfig"
+    assert torchao_config.ALLOWED_AO_MODULES == ["xpupack_no_such_module"]  # torchao's own list is put back

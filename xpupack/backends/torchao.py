@@ -56,6 +56,9 @@ _CONFIG_PARTS = frozenset({
     "Float8MMConfig", "Float8PackingFormat", "Int4PackingFormat", "Int4ChooseQParamsAlgorithm",
     "IntxPackingFormat", "IntxChooseQParamsAlgorithm",
 })
+#: the torchao modules that define `CONFIG_CLASSES` and `_CONFIG_PARTS`, searched in this order
+_CONFIG_MODULES = ("torchao.quantization", "torchao.quantization.quantize_.workflows",
+                   "torchao.quantization.quantize_.common")
 #: torchao tensor subclasses a package may hold (those the configs above produce)
 TENSOR_CLASSES = frozenset({
     "Int8Tensor", "Float8Tensor", "Int4Tensor", "Int4TilePackedTo4dTensor", "Int4PlainInt32Tensor",
@@ -182,9 +185,17 @@ def config_from_json(data: Any, where: str = "the torchao config") -> Any:
                                  f"known: {', '.join(sorted(CONFIG_CLASSES))}")
     check_types(data.get("_data"), _CONFIG_PARTS, where)
     _require_torchao()
-    from torchao.core.config import config_from_dict
+    import torchao.core.config as torchao_config
 
-    return config_from_dict(data)
+    # torchao tries every module of its own allow-list, a set in no fixed order,
+    # until one has the class; some (torchao.prototype.parq) import transformers,
+    # seconds of a load. The classes xpupack accepts all live in these three.
+    allowed = torchao_config.ALLOWED_AO_MODULES
+    torchao_config.ALLOWED_AO_MODULES = _CONFIG_MODULES
+    try:
+        return torchao_config.config_from_dict(data)
+    finally:
+        torchao_config.ALLOWED_AO_MODULES = allowed
 
 
 class _Swap(NamedTuple):
