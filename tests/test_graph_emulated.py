@@ -222,3 +222,18 @@ def test_storage_watch_sees_replaced_submodules(emulated_graphs):
     with torch.no_grad():
         assert torch.allclose(model(x), reference(x), atol=1e-6)
     assert runner(model).rerecordings == 1
+
+
+@pytest.mark.parametrize("options", [{"max_recordings": 0}, {"max_recordings": "all"}, {"max_recordings": True},
+                                     {"copy_outputs": "yes"}])
+def test_bad_options_are_refused_when_the_backend_is_made(options):
+    with pytest.raises(ValueError, match="GraphBackend"):
+        xpupack.GraphBackend(**options)
+
+
+def test_bad_options_in_a_manifest_name_the_backend():
+    from xpupack.backends.base import backend_from_json
+    from xpupack.errors import UnknownConfigError
+
+    with pytest.raises(UnknownConfigError, match="graph"):
+        backend_from_json("graph", {"max_recordings": "all"})

@@ -212,6 +212,10 @@ class GraphBackend(Backend):
             base = backend_from_json(base["name"], base.get("options", {}))
         if isinstance(base, GraphBackend):
             raise ValueError("GraphBackend(base=GraphBackend()) would record a recording")
+        if isinstance(max_recordings, bool) or not isinstance(max_recordings, int) or max_recordings < 1:
+            raise ValueError(f"GraphBackend(max_recordings={max_recordings!r}): give a positive integer")
+        if not isinstance(copy_outputs, bool):
+            raise ValueError(f"GraphBackend(copy_outputs={copy_outputs!r}): give True or False")
         self.base = base
         self.max_recordings = max_recordings
         self.copy_outputs = copy_outputs

@@ -33,7 +33,7 @@ from torch import nn
 
 from .._compare import mismatch
 from ..errors import BackendError, BackendUnavailableError, PackageFormatError, UnknownConfigError
-from ..signature import dtype_name
+from ..signature import dtype_from_name, dtype_name
 from .base import Backend, ModuleSpec, Runner, Target, register_backend
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -168,8 +168,11 @@ def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> No
                 raise UnknownConfigError(
                     f"{where} names the type {kind!r}, which xpupack does not load; known: "
                     f"{', '.join(sorted(allowed))} — upgrade xpupack if a newer one built the package")
-            if kind == "torch.dtype" and not isinstance(getattr(torch, str(tree.get("_data")), None), torch.dtype):
-                raise UnknownConfigError(f"{where} names {tree.get('_data')!r}, which is not a torch dtype")
+            if kind == "torch.dtype":
+                try:
+                    dtype_from_name(str(tree.get("_data")))
+                except ValueError:
+                    raise UnknownConfigError(f"{where} names {tree.get('_data')!r}, which is not a torch dtype") from None
         for value in tree.values():
             check_types(value, allowed, where)
     elif isinstance(tree, list):
@@ -274,6 +277,7 @@ class TorchAOBackend(Backend):
     depends_on = ("torchao",)
     # the runner is the module's own forward, exactly what a fallback would run
     supports_autograd = True
+    supports_autocast = True
     transforms_module = True
 
     def __init__(self, config: str | Any | dict = "int8-weight-only", *, min_sqnr_db: float | None = None):
