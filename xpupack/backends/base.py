@@ -174,6 +174,45 @@ class Backend:
         return f"{type(self).__name__}({options})"
 
 
+class ComposedBackend(Backend):
+    """A backend that can run on top of another one (``base``) that transforms the module first.
+
+    ``GraphBackend(base=TorchAOBackend(...))`` records the quantized module;
+    ``InductorBackend(base=...)`` compiles it. The base's artifacts are saved
+    in a sub-folder named after it, and its accuracy measure is the one used.
+    """
+
+    base: Backend | None = None
+
+    def _set_base(self, base: Backend | dict | None) -> None:
+        self.base = backend_from_json(base["name"], base.get("options", {})) if isinstance(base, dict) else base
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}+{self.base.label}" if self.base else self.name
+
+    def _base_options(self) -> dict:
+        return {"base": {"name": self.base.name, "options": self.base.options()}} if self.base else {}
+
+    def compare(self, actual: Any, expected: Any) -> str | None:
+        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
+
+    def save(self, runner: Runner, folder: Path) -> dict:
+        if self.base is None:
+            return {}
+        return {"base": self.base.save(runner.base_runner, folder / self.base.name)}
+
+    def _build_base(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner | None:
+        return self.base.build(target, spec, device) if self.base else None
+
+    def _restore_base(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
+                      device: torch.device, use_artifacts: bool) -> Runner | None:
+        if self.base is None:
+            return None
+        return self.base.restore(target, spec, config.get("base", {}), folder / self.base.name, device,
+                                 use_artifacts=use_artifacts)
+
+
 BACKENDS: dict[str, type[Backend]] = {}
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import _device
 from ..signature import flatten, unflatten
-from .base import Backend, ModuleSpec, Runner, Target, backend_from_json, register_backend
+from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class GraphRunner(Runner):
 
 
 @register_backend
-class GraphBackend(Backend):
+class GraphBackend(ComposedBackend):
     """Records the module as a device graph once per signature and replays it.
 
     Args:
@@ -208,15 +208,13 @@ class GraphBackend(Backend):
 
     def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = 16,
                  copy_outputs: bool = True):
-        if isinstance(base, dict):
-            base = backend_from_json(base["name"], base.get("options", {}))
-        if isinstance(base, GraphBackend):
+        self._set_base(base)
+        if isinstance(self.base, GraphBackend):
             raise ValueError("GraphBackend(base=GraphBackend()) would record a recording")
         if isinstance(max_recordings, bool) or not isinstance(max_recordings, int) or max_recordings < 1:
             raise ValueError(f"GraphBackend(max_recordings={max_recordings!r}): give a positive integer")
         if not isinstance(copy_outputs, bool):
             raise ValueError(f"GraphBackend(copy_outputs={copy_outputs!r}): give True or False")
-        self.base = base
         self.max_recordings = max_recordings
         self.copy_outputs = copy_outputs
 
@@ -225,17 +223,11 @@ class GraphBackend(Backend):
         return self.base.depends_on if self.base else ()
 
     @property
-    def label(self) -> str:
-        return f"graph+{self.base.label}" if self.base else self.name
-
-    @property
     def compiled_artifacts(self) -> bool:  # type: ignore[override]
         return bool(self.base and self.base.compiled_artifacts)
 
     def options(self) -> dict:
-        options: dict = {}
-        if self.base is not None:
-            options["base"] = {"name": self.base.name, "options": self.base.options()}
+        options = self._base_options()
         if self.max_recordings != 16:
             options["max_recordings"] = self.max_recordings
         if not self.copy_outputs:
@@ -253,9 +245,6 @@ class GraphBackend(Backend):
     def tolerances(self):
         return self.base.tolerances() if self.base else super().tolerances()
 
-    def compare(self, actual, expected):
-        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
-
     def _runner(self, target: Target, spec: ModuleSpec, device: torch.device,
                 base_runner: Runner | None) -> GraphRunner:
         api = _device.graphs_for(device)
@@ -268,8 +257,7 @@ class GraphBackend(Backend):
                            copy_outputs=self.copy_outputs, base_runner=base_runner)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
-        base_runner = self.base.build(target, spec, device) if self.base else None
-        runner = self._runner(target, spec, device, base_runner)
+        runner = self._runner(target, spec, device, self._build_base(target, spec, device))
         try:
             with _device.on_device(device):
                 runner.record_all(strict=True)
@@ -278,17 +266,9 @@ class GraphBackend(Backend):
             raise
         return runner
 
-    def save(self, runner: Runner, folder: Path) -> dict:
-        if self.base is None:
-            return {}
-        return {"base": self.base.save(runner.base_runner, folder / self.base.name)}
-
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
-        base_runner = None
-        if self.base is not None:
-            base_runner = self.base.restore(target, spec, config.get("base", {}), folder / self.base.name,
-                                            device, use_artifacts=use_artifacts)
+        base_runner = self._restore_base(target, spec, config, folder, device, use_artifacts)
         runner = self._runner(target, spec, device, base_runner)
         try:
             with _device.on_device(device):

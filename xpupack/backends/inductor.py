@@ -28,7 +28,7 @@ import torch
 
 from ..errors import PackageFormatError
 from ..manifest import artifact_file
-from .base import Backend, CallableRunner, ModuleSpec, Runner, Target, backend_from_json, register_backend
+from .base import Backend, CallableRunner, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _inductor_cache_dir() -> Path:
 
 
 @register_backend
-class InductorBackend(Backend):
+class InductorBackend(ComposedBackend):
     """Compiles the module with Torch Inductor, one static compilation per recorded signature.
 
     Args:
@@ -66,28 +66,19 @@ class InductorBackend(Backend):
         if mode not in (None, "default", "max-autotune-no-cudagraphs"):
             raise ValueError(f"InductorBackend(mode={mode!r}) would record CUDA graphs; "
                              "use GraphBackend for that, or mode='max-autotune-no-cudagraphs'")
-        if isinstance(base, dict):
-            base = backend_from_json(base["name"], base.get("options", {}))
-        if base is not None and not base.transforms_module:
-            raise ValueError(f"InductorBackend(base={base!r}): only a backend that transforms the module "
+        self._set_base(base)
+        if self.base is not None and not self.base.transforms_module:
+            raise ValueError(f"InductorBackend(base={self.base!r}): only a backend that transforms the module "
                              "in place (TorchAOBackend) can be compiled on top")
         self.mode = mode
-        self.base = base
 
     @property
     def depends_on(self) -> tuple[str, ...]:
         own = ("torch", "triton", "python", "device_type", "device_name", "architecture")
         return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
 
-    @property
-    def label(self) -> str:
-        return f"inductor+{self.base.label}" if self.base else self.name
-
     def options(self) -> dict:
-        options: dict = {"mode": self.mode} if self.mode else {}
-        if self.base is not None:
-            options["base"] = {"name": self.base.name, "options": self.base.options()}
-        return options
+        return {**({"mode": self.mode} if self.mode else {}), **self._base_options()}
 
     def available(self, device: torch.device) -> bool:
         return self.base is None or self.base.available(device)
@@ -95,11 +86,8 @@ class InductorBackend(Backend):
     def why_unavailable(self, device: torch.device) -> str:
         return self.base.why_unavailable(device) if self.base else super().why_unavailable(device)
 
-    def compare(self, actual, expected):
-        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
-
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
-        base_runner = self.base.build(target, spec, device) if self.base else None
+        base_runner = self._build_base(target, spec, device)
         try:
             return self._compile(target, spec, base_runner)
         except BaseException:
@@ -120,21 +108,14 @@ class InductorBackend(Backend):
         runner.base_runner = base_runner
         return runner
 
-    def save(self, runner: Runner, folder: Path) -> dict:
-        if self.base is None:
-            return {}
-        return {"base": self.base.save(runner.base_runner, folder / self.base.name)}
-
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
-        if self.base is None:
-            return self.build(target, spec, device)
-        base_runner = self.base.restore(target, spec, config.get("base", {}), folder / self.base.name,
-                                        device, use_artifacts=use_artifacts)
+        base_runner = self._restore_base(target, spec, config, folder, device, use_artifacts)
         try:
             return self._compile(target, spec, base_runner)
         except BaseException:
-            base_runner.undo()
+            if base_runner is not None:
+                base_runner.undo()
             raise
 
     def save_shared(self, folder: Path) -> dict:
