@@ -98,9 +98,8 @@ def _write_manifest(data: bytes) -> Path:
     return folder
 
 
-@CHEAP
-@given(st.binary(max_size=400) | st.text(max_size=400).map(str.encode))
-def test_manifest_reader_takes_any_bytes(data):
+def _read_manifest_of(data: bytes) -> None:
+    """Reads ``data`` as a manifest: it must parse or be refused with an XpupackError, nothing else."""
     root = _write_manifest(data)
     try:
         read_manifest(root)
@@ -111,15 +110,15 @@ def test_manifest_reader_takes_any_bytes(data):
 
 
 @CHEAP
+@given(st.binary(max_size=400) | st.text(max_size=400).map(str.encode))
+def test_manifest_reader_takes_any_bytes(data):
+    _read_manifest_of(data)
+
+
+@CHEAP
 @given(json_values)
 def test_manifest_reader_takes_any_json(value):
-    root = _write_manifest(json.dumps(value).encode())
-    try:
-        read_manifest(root)
-    except XpupackError as exc:
-        event(f"refused: {type(exc).__name__}")
-    finally:
-        shutil.rmtree(root)
+    _read_manifest_of(json.dumps(value).encode())
 
 
 def _containers(value, found=None):

@@ -87,7 +87,10 @@ class InductorBackend(ComposedBackend):
         return self.base.why_unavailable(device) if self.base else super().why_unavailable(device)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
-        base_runner = self._build_base(target, spec, device)
+        return self._compile_or_undo(target, spec, self._build_base(target, spec, device))
+
+    def _compile_or_undo(self, target: Target, spec: ModuleSpec, base_runner: Runner | None) -> Runner:
+        """Compiles; if that fails, the base's changes to the module are taken back."""
         try:
             return self._compile(target, spec, base_runner)
         except BaseException:
@@ -110,13 +113,8 @@ class InductorBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
-        base_runner = self._restore_base(target, spec, config, folder, device, use_artifacts)
-        try:
-            return self._compile(target, spec, base_runner)
-        except BaseException:
-            if base_runner is not None:
-                base_runner.undo()
-            raise
+        return self._compile_or_undo(target, spec,
+                                     self._restore_base(target, spec, config, folder, device, use_artifacts))
 
     def save_shared(self, folder: Path) -> dict:
         """Writes the process's Inductor cache artifacts (all modules share one blob)."""
