@@ -237,3 +237,41 @@ def test_bad_options_in_a_manifest_name_the_backend():
 
     with pytest.raises(UnknownConfigError, match="graph"):
         backend_from_json("graph", {"max_recordings": "all"})
+
+
+class AddsInPlace(nn.Module):
+    """Changes its input in place, as some fused residual blocks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.add_(1.0)
+        return self.linear(x)
+
+
+def test_modules_that_change_their_inputs_are_never_recorded(emulated_graphs, tmp_path):
+    model = nn.Sequential(AddsInPlace()).eval()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [torch.zeros(2, 8)], modules=["0"], strategy=GRAPH)
+    tuned = xpupack.tuned.session_of(model).modules["0"]
+    assert tuned.backend_name == "eager" and "in place" in tuned.report[0]["reason"]
+    x, y = torch.zeros(2, 8), torch.zeros(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(y))
+    assert torch.equal(x, y)  # the caller sees the in-place change, as with eager
+
+
+def test_a_package_claiming_graph_for_such_a_module_falls_back_at_load(emulated_graphs, tmp_path, caplog):
+    import json
+
+    model = nn.Sequential(AddsInPlace()).eval()
+    xpupack.tune(model, [torch.zeros(2, 8)], modules=["0"], strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
+    root = xpupack.save(model, tmp_path / "pkg")
+    manifest = json.loads((root / "xpupack.json").read_text())
+    manifest["modules"][0]["backend"] = {"name": "graph", "options": {}, "config": {}}
+    (root / "xpupack.json").write_text(json.dumps(manifest))
+    loaded = xpupack.load(nn.Sequential(AddsInPlace()), root)
+    assert xpupack.stats(loaded)["0"]["backend"] == "eager"
+    assert "in place" in caplog.text

@@ -173,7 +173,8 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
         signatures = [Signature.from_json(s) for s in data["signatures"]]
     except ValueError as exc:
         raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
-    return ModuleSpec(signatures, calls=data["calls"], unrecordable=data["unrecordable"])
+    return ModuleSpec(signatures, calls=data["calls"], unrecordable=data["unrecordable"],
+                      mutates_inputs=data.get("mutates_inputs", False))
 
 
 def manifest_device(manifest: dict, root: Path) -> torch.device:

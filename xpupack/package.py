@@ -123,7 +123,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
 
 def spec_to_json(path: str, spec: ModuleSpec) -> dict:
     return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
-            "unrecordable": dict(spec.unrecordable),
+            "unrecordable": dict(spec.unrecordable), "mutates_inputs": spec.mutates_inputs,
             "signatures": [signature.to_json() for signature in spec.signatures]}
 
 

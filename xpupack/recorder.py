@@ -11,7 +11,7 @@ from torch import nn
 
 from .backends.base import ModuleSpec
 from .errors import TuningError
-from .signature import Signature, Unrecordable
+from .signature import Signature, Unrecordable, flatten
 
 #: recorded samples kept per signature (only for accuracy checks and timing at tune time)
 SAMPLES_PER_SIGNATURE = 2
@@ -43,17 +43,31 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
     return selected
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot(value: Any) -> Any:
     """A detached copy of the tensors of a call, so later in-place updates do not change it."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, tuple):
-        return tuple(_snapshot(v) for v in value)
+        return tuple(snapshot(v) for v in value)
     if isinstance(value, list):
-        return [_snapshot(v) for v in value]
+        return [snapshot(v) for v in value]
     if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: snapshot(v) for k, v in value.items()}
     return value
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two calls' tensor leaves hold the same values (NaNs in the same places count as equal)."""
+    a_leaves, a_spec = flatten((a,), {})
+    b_leaves, b_spec = flatten((b,), {})
+    if a_spec != b_spec:
+        return False
+    for x, y in zip(a_leaves, b_leaves):
+        if isinstance(x, torch.Tensor) and not (torch.equal(x, y) or (
+                (x.dtype.is_floating_point or x.dtype.is_complex) and x.shape == y.shape
+                and bool(((x == y) | (x.isnan() & y.isnan())).all()))):
+            return False
+    return True
 
 
 class _Recording:
@@ -76,7 +90,7 @@ class _Recording:
             spec.signatures.append(signature)
             spec.samples.append([])
         if len(spec.samples[index]) < SAMPLES_PER_SIGNATURE:
-            spec.samples[index].append((_snapshot(args), _snapshot(kwargs)))
+            spec.samples[index].append((snapshot(args), snapshot(kwargs)))
 
 
 def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],

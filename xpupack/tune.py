@@ -13,7 +13,7 @@ from . import _device
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment
-from .recorder import record, select_modules
+from .recorder import record, same_values, select_modules, snapshot
 from .strategies import Strategy, default_strategy
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
@@ -92,9 +92,15 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
         backend = EagerBackend()
         return TunedModule(target, spec, backend, backend.build(target, spec, device),
                            [{"backend": "eager", "status": "chosen", "reason": why}])
+    references = []
     with torch.no_grad():
-        references = [[target.forward(*args, **kwargs) for args, kwargs in samples]
-                      for samples in spec.samples]
+        for samples in spec.samples:
+            outputs = []
+            for args, kwargs in samples:
+                call = snapshot((args, kwargs))  # the recorded sample stays as recorded
+                outputs.append(target.forward(*call[0], **call[1]))
+                spec.mutates_inputs |= not same_values(call, (args, kwargs))
+            references.append(outputs)
     backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
     return TunedModule(target, spec, backend, runner, report)

@@ -41,6 +41,8 @@ class ModuleSpec:
     samples: list[list[tuple[tuple, dict]]] = field(default_factory=list)
     calls: int = 0
     unrecordable: dict[str, int] = field(default_factory=dict)
+    #: eager changed an input tensor in place on a recorded sample (a replay would change its copy)
+    mutates_inputs: bool = False
 
     def example(self, index: int) -> tuple[tuple, dict]:
         """A recorded sample of signature ``index`` where one exists, else synthesised inputs."""

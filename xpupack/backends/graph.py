@@ -190,6 +190,12 @@ class GraphRunner(Runner):
         return facts
 
 
+def _refuse_input_mutation(spec: ModuleSpec) -> None:
+    if spec.mutates_inputs:
+        raise RuntimeError("the module changes its input tensors in place; a replay would change its own "
+                           "static copies of them, not the caller's tensors")
+
+
 @register_backend
 class GraphBackend(ComposedBackend):
     """Records the module as a device graph once per signature and replays it.
@@ -257,6 +263,7 @@ class GraphBackend(ComposedBackend):
                            copy_outputs=self.copy_outputs, base_runner=base_runner)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        _refuse_input_mutation(spec)
         runner = self._runner(target, spec, device, self._build_base(target, spec, device))
         try:
             with _device.on_device(device):
@@ -268,6 +275,7 @@ class GraphBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
+        _refuse_input_mutation(spec)
         base_runner = self._restore_base(target, spec, config, folder, device, use_artifacts)
         runner = self._runner(target, spec, device, base_runner)
         try:
