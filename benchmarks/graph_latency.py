@@ -145,9 +145,8 @@ def bench_size(size: dict, dtype: torch.dtype, device: torch.device, iterations:
             results[f"{variant}_load_s"] = round(time.perf_counter() - started, 3)
             with torch.inference_mode():
                 torch.testing.assert_close(loaded(ids), expected, rtol=2e-2, atol=2e-2)
-            results[variant] = time_call(lambda: loaded(ids), device, iterations).to_json()
+            results[variant] = time_call(lambda model=loaded: model(ids), device, iterations).to_json()
             results[f"{variant}_fallbacks"] = sum(s["fallbacks"] for s in xpupack.stats(loaded).values())
-            del tuned, loaded
         results["fresh_process"] = fresh_process_load(Path(tmp) / "xpupack_graph", size,
                                                       str(dtype).removeprefix("torch."), str(device))
 
