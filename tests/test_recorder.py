@@ -80,3 +80,15 @@ def test_empty_samples_raise():
     model = make_stack()
     with pytest.raises(TuningError, match="empty"):
         record(model, select_modules(model, None), [], run=None)
+
+
+def test_snapshots_keep_named_tuples():
+    from collections import namedtuple
+
+    from xpupack.recorder import snapshot
+
+    Pair = namedtuple("Pair", "x y")
+    original = Pair(torch.ones(2), [torch.zeros(1), None])
+    copy = snapshot(original)
+    assert type(copy) is Pair and copy.y[1] is None
+    assert torch.equal(copy.x, original.x) and copy.x is not original.x

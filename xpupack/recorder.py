@@ -11,7 +11,7 @@ from torch import nn
 
 from .backends.base import ModuleSpec
 from .errors import TuningError
-from .signature import Signature, Unrecordable, flatten
+from .signature import Signature, Unrecordable, flatten, map_tensors
 
 #: recorded samples kept per signature (only for accuracy checks and timing at tune time)
 SAMPLES_PER_SIGNATURE = 2
@@ -45,15 +45,7 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
 
 def snapshot(value: Any) -> Any:
     """A detached copy of the tensors of a call, so later in-place updates do not change it."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, tuple):
-        return tuple(snapshot(v) for v in value)
-    if isinstance(value, list):
-        return [snapshot(v) for v in value]
-    if isinstance(value, dict):
-        return {k: snapshot(v) for k, v in value.items()}
-    return value
+    return map_tensors(lambda tensor: tensor.detach().clone(), value)
 
 
 def same_values(a: Any, b: Any) -> bool:

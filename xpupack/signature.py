@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._cxx_pytree as pytree
@@ -40,6 +40,11 @@ def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
     if len(kwargs) > 1:
         kwargs = {name: kwargs[name] for name in sorted(kwargs)}
     return pytree.tree_flatten((args, kwargs))
+
+
+def map_tensors(function: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` with ``function`` applied to every tensor in it (tuples, lists, dicts, named tuples...)."""
+    return pytree.tree_map_only(torch.Tensor, function, tree)
 
 
 def unflatten(leaves: list, spec: Any) -> tuple[tuple, dict]:

@@ -14,6 +14,7 @@ from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment
 from .recorder import record, same_values, select_modules, snapshot
+from .signature import map_tensors
 from .strategies import Strategy, default_strategy
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
@@ -64,7 +65,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     model.to(device)
     model.eval()
     if run is None:
-        samples = [_to_device(sample, device) for sample in samples]
+        samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
     specs = record(model, selected, samples, run, progress)
@@ -105,12 +106,3 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
     log.info("%s: %s", target.path or "<model>", backend.name)
     return TunedModule(target, spec, backend, runner, report)
 
-
-def _to_device(sample: Any, device: torch.device) -> Any:
-    if isinstance(sample, torch.Tensor):
-        return sample.to(device)
-    if type(sample) in (tuple, list):
-        return type(sample)(_to_device(x, device) for x in sample)
-    if isinstance(sample, dict):
-        return {k: _to_device(v, device) for k, v in sample.items()}
-    return sample

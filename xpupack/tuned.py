@@ -20,7 +20,7 @@ from torch import nn
 
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
-from .signature import fit_key
+from .signature import dtype_name, fit_key
 
 log = logging.getLogger("xpupack")
 
@@ -124,7 +124,7 @@ def _describe_call(leaves: list) -> str:
     parts = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
-            parts.append(f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}@{x.device}")
+            parts.append(f"{dtype_name(x.dtype)}{list(x.shape)}@{x.device}")
         else:
             parts.append(repr(x) if len(repr(x)) < 40 else type(x).__name__)
     return "(" + ", ".join(parts) + ")"
@@ -161,7 +161,7 @@ _sessions: "weakref.WeakKeyDictionary[nn.Module, Session]" = weakref.WeakKeyDict
 
 def describe_architecture(model: nn.Module) -> dict[str, dict]:
     """State-dict name -> ``{"shape", "dtype"}``: what a package records and a loader checks."""
-    return {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    return {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
             for name, t in model.state_dict().items()}
 
 
