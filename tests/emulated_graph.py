@@ -17,6 +17,8 @@ from xpupack.signature import flatten
 
 class EmulatedGraphs:
     device_type = "cpu"
+    #: the capture runs the function (a real capture only records it), like the call it records
+    capture_executes = True
 
     def __init__(self):
         self.captures = 0

@@ -40,3 +40,24 @@ def make_stack(seed: int = 0, width: int = 8) -> Stack:
 def stack_samples() -> list:
     generator = torch.Generator().manual_seed(1)
     return [torch.randn(2, 8, generator=generator), torch.randn(4, 8, generator=generator)]
+
+
+class RunningCache:
+    """A user's own state object: a running sum and a step counter, both updated in place."""
+
+    def __init__(self, width: int = 8):
+        self.total = torch.zeros(1, width)
+        self.steps = torch.zeros((), dtype=torch.int64)
+
+
+class Accumulator(nn.Module):
+    """Adds each input (through a linear layer) to a `RunningCache` and returns the running mean."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x, cache: RunningCache):
+        cache.total.add_(self.linear(x))
+        cache.steps.add_(1)
+        return cache.total / cache.steps

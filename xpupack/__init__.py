@@ -18,6 +18,7 @@ from .errors import (BackendError, BackendUnavailableError, HubError, Incompatib
                      RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
 from .load import load
 from .package import save
+from .state import register_state
 from .strategies import Fastest, FirstWins, Only, Strategy
 from .tune import tune
 from .tuned import activate, deactivate, stats
@@ -34,7 +35,7 @@ def push(path, repo_id, revision=None, private=None, token=None):
 
 
 __all__ = [
-    "tune", "save", "load", "stats", "activate", "deactivate", "push",
+    "tune", "save", "load", "stats", "activate", "deactivate", "push", "register_state",
     "FirstWins", "Fastest", "Only", "Strategy",
     "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
     "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",

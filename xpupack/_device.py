@@ -66,6 +66,9 @@ class DeviceGraphs:
     ``graph_pool_handle``, ``Stream``), so one class serves both.
     """
 
+    #: a capture only records the work; the recorded call runs on the first replay
+    capture_executes = False
+
     def __init__(self, device_type: str, graph_class: str):
         self.device_type = device_type
         self._module = _device_module(device_type)
@@ -100,7 +103,9 @@ class DeviceGraphs:
         autotuning) must not happen during capture. The last warm-up run raises
         on any host synchronisation (``.item()``, data-dependent shapes) where the
         device supports that check, so most unrecordable modules are refused
-        before a capture starts. A capture that fails anyway leaves the device's
+        before a capture starts. ``warmup=0`` captures at once (a call that
+        updates state in place must run once only); a host synchronisation then
+        fails the capture itself. A capture that fails leaves the device's
         random generator and current stream as they were before it.
         """
         module = self._module

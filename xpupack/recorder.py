@@ -81,8 +81,13 @@ class _Recording:
             index = self.index[signature] = len(spec.signatures)
             spec.signatures.append(signature)
             spec.samples.append([])
+            spec.states.append([])
         if len(spec.samples[index]) < SAMPLES_PER_SIGNATURE:
             spec.samples[index].append((snapshot(args), snapshot(kwargs)))
+            # a state object is kept by reference; its tensors as they are before this call are copied,
+            # so that every candidate later runs this call on the state eager ran it on
+            state = signature.state_tensors(flatten(args, kwargs)[0])
+            spec.states[index].append([tensor.detach().clone() for tensor in state])
 
 
 def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],

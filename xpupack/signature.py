@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.utils._cxx_pytree as pytree
 
+from .state import StateNotReady, StateType, state_type, unrecordable_hint
+
 _Tensor = torch.Tensor
 _SIMPLE_CONSTANTS = (type(None), bool, int, float, str)
 #: pytree node types a stored tree may name. torch's parser also knows node types
@@ -32,7 +34,11 @@ _MAX_TREE_DEPTH = 100
 
 
 class Unrecordable(Exception):
-    """A call holds a leaf that is neither a tensor nor a JSON-able constant."""
+    """A call holds a leaf that is neither a tensor, a JSON-able constant nor a ready state object."""
+
+
+class Unsynthesizable(ValueError):
+    """A signature holds a state leaf (a KV cache): its inputs can only come from a real call."""
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
@@ -75,7 +81,10 @@ def flat_key(args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
         elif type(x) in _FLAT_CONSTANTS:
             key.append(_constant_key(x))
         else:
-            return None
+            kind = state_type(x)
+            if kind is None:
+                return None
+            key.append(_state_key(x, kind))
     return tuple(key), leaves
 
 
@@ -85,8 +94,23 @@ def call_key(spec: Any, leaves: list) -> tuple:
     Tensor leaves contribute ``(shape, dtype, device)``; other leaves
     `_constant_key`. Unhashable leaves raise ``TypeError``.
     """
-    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _constant_key(x)
+    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _opaque_key(x)
                     for x in leaves])
+
+
+def _opaque_key(value: Any) -> tuple:
+    kind = state_type(value)
+    return _constant_key(value) if kind is None else _state_key(value, kind)
+
+
+def _state_key(value: Any, kind: StateType) -> tuple:
+    """A state object's fit key: its type and its tensors' layouts (their addresses are the runner's
+    business). An object that is not ready gets a key no recording has."""
+    try:
+        tensors = kind.state_tensors(value)
+    except StateNotReady:
+        return ("state-not-ready", kind.name)
+    return ("state", kind.name, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
 
 
 def _constant_key(value: Any) -> tuple:
@@ -121,6 +145,31 @@ class TensorLeaf:
 
 
 @dataclass(frozen=True)
+class StateLeaf:
+    """A state object (a KV cache): its type and the layout of its tensors, never their values."""
+
+    type_name: str
+    #: ``(shape, stride, dtype, device)`` of each state tensor, in the type's order
+    tensors: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], ...]
+
+    @property
+    def key(self) -> tuple:
+        return ("state", self.type_name, self.tensors)
+
+    def to_json(self) -> dict:
+        return {"kind": "state", "type": self.type_name,
+                "tensors": [{"shape": list(shape), "stride": list(stride), "dtype": dtype_name(dtype),
+                             "device": str(device)} for shape, stride, dtype, device in self.tensors]}
+
+    def on_device(self, mapping: dict[torch.device, torch.device]) -> "StateLeaf":
+        return StateLeaf(self.type_name, tuple((shape, stride, dtype, mapping.get(device, device))
+                                               for shape, stride, dtype, device in self.tensors))
+
+    def describe(self) -> str:
+        return f"{self.type_name.rsplit('.', 1)[-1]}[{len(self.tensors)} state tensors]"
+
+
+@dataclass(frozen=True)
 class ConstantLeaf:
     value: Any
 
@@ -133,7 +182,7 @@ class Signature:
     """The static description of one call; see the module docstring."""
 
     spec: Any
-    leaves: tuple[TensorLeaf | ConstantLeaf, ...]
+    leaves: tuple[TensorLeaf | ConstantLeaf | StateLeaf, ...]
 
     @classmethod
     def of_call(cls, args: tuple, kwargs: dict) -> "Signature":
@@ -146,7 +195,8 @@ class Signature:
         """The fit key of any call this signature describes: `flat_key`'s form for flat calls,
         `call_key`'s otherwise."""
         leaf_keys = [(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, TensorLeaf)
-                     else _constant_key(leaf.value) for leaf in self.leaves]
+                     else leaf.key if isinstance(leaf, StateLeaf) else _constant_key(leaf.value)
+                     for leaf in self.leaves]
         layout = self.flat_layout
         if layout is not None:
             return (*layout, *leaf_keys)
@@ -166,6 +216,28 @@ class Signature:
     def tensor_leaves(self) -> list[TensorLeaf]:
         return [leaf for leaf in self.leaves if isinstance(leaf, TensorLeaf)]
 
+    @property
+    def family(self) -> tuple:
+        """The signature with every size left out: a call with state whose signature is new but of a
+        tuned one's family (a KV cache of another length, a longer mask) is run by the same backend."""
+        return (self.spec, *[("tensor", leaf.dtype, leaf.device, len(leaf.shape)) if isinstance(leaf, TensorLeaf)
+                             else ("state", leaf.type_name, tuple((len(shape), dtype, device)
+                                                                  for shape, _, dtype, device in leaf.tensors))
+                             if isinstance(leaf, StateLeaf) else _constant_key(leaf.value)
+                             for leaf in self.leaves])
+
+    @property
+    def state_slots(self) -> tuple[int, ...]:
+        """Positions of the state leaves among the call's leaves (empty for most signatures)."""
+        return tuple(i for i, leaf in enumerate(self.leaves) if isinstance(leaf, StateLeaf))
+
+    def state_tensors(self, leaves: list) -> list[torch.Tensor]:
+        """The state tensors of a call of this signature (given its flattened leaves), in order."""
+        tensors: list[torch.Tensor] = []
+        for slot in self.state_slots:
+            tensors += state_type(leaves[slot]).state_tensors(leaves[slot])
+        return tensors
+
     def describe(self) -> str:
         """A short human-readable form, e.g. ``(f32[2,16,64], scale=2.0)``."""
         parts = []
@@ -173,6 +245,8 @@ class Signature:
             if isinstance(leaf, TensorLeaf):
                 parts.append(f"{_SHORT_DTYPES.get(leaf.dtype, dtype_name(leaf.dtype))}"
                              f"[{','.join(map(str, leaf.shape))}]")
+            elif isinstance(leaf, StateLeaf):
+                parts.append(leaf.describe())
             else:
                 parts.append(repr(leaf.value))
         return "(" + ", ".join(parts) + ")"
@@ -180,15 +254,19 @@ class Signature:
     def on_device(self, mapping: dict[torch.device, torch.device]) -> "Signature":
         """The same signature with tensor leaves moved according to ``mapping``."""
         leaves = tuple(TensorLeaf(leaf.shape, leaf.dtype, mapping.get(leaf.device, leaf.device))
-                       if isinstance(leaf, TensorLeaf) else leaf for leaf in self.leaves)
+                       if isinstance(leaf, TensorLeaf) else leaf.on_device(mapping) if isinstance(leaf, StateLeaf)
+                       else leaf for leaf in self.leaves)
         return Signature(self.spec, leaves)
 
     def synthesize(self, *, seed: int = 0) -> tuple[tuple, dict]:
         """Inputs matching this signature, made up from nothing but the signature.
 
         Floating leaves are seeded normal values; integer and boolean leaves are
-        zeros, which are valid indices for any embedding or gather.
+        zeros, which are valid indices for any embedding or gather. A signature
+        with a state leaf raises `Unsynthesizable`: only a real call brings one.
         """
+        if self.state_slots:
+            raise Unsynthesizable(f"{self.describe()} holds a state object; only a real call can bring one")
         generator = torch.Generator().manual_seed(seed)
         values = []
         for leaf in self.leaves:
@@ -229,13 +307,21 @@ class _Placeholder:
     """Stands for a leaf when only the tree structure matters."""
 
 
-def _leaf_of(x: Any) -> TensorLeaf | ConstantLeaf:
+def _leaf_of(x: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
     if isinstance(x, _Tensor):
         return TensorLeaf(tuple(x.shape), x.dtype, x.device)
+    kind = state_type(x)
+    if kind is not None:
+        try:
+            tensors = kind.state_tensors(x)
+        except StateNotReady as exc:
+            raise Unrecordable(f"a {type(x).__name__} argument that is not ready ({exc})") from None
+        return StateLeaf(kind.name, tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors))
     try:
         _constant_to_json(x)
     except Unrecordable:
-        raise Unrecordable(f"a {type(x).__module__}.{type(x).__qualname__} argument") from None
+        raise Unrecordable(f"a {type(x).__module__}.{type(x).__qualname__} argument"
+                           + unrecordable_hint(x)) from None
     return ConstantLeaf(x)
 
 
@@ -302,13 +388,28 @@ def _plain(context: str) -> bool:
     return all(isinstance(item, (type(None), bool, int, float, str)) for item in items)
 
 
-def _leaf_from_json(data: Any) -> TensorLeaf | ConstantLeaf:
+def _sizes(data: dict, field: str) -> tuple[int, ...]:
+    sizes = data.get(field)
+    if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
+        raise ValueError(f"tensor {field} must be a list of sizes, not {str(sizes)[:80]}")
+    return tuple(sizes)
+
+
+def _leaf_from_json(data: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "tensor":
-        shape = data.get("shape")
-        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-            raise ValueError(f"tensor shape must be a list of sizes, not {shape!r}")
-        return TensorLeaf(tuple(shape), dtype_from_name(data.get("dtype")), device_from_name(data.get("device")))
+        return TensorLeaf(_sizes(data, "shape"), dtype_from_name(data.get("dtype")),
+                          device_from_name(data.get("device")))
+    if kind == "state":
+        tensors = data.get("tensors")
+        if not isinstance(data.get("type"), str) or not isinstance(tensors, list) or not tensors \
+                or not all(isinstance(t, dict) for t in tensors):
+            raise ValueError(f"a state leaf needs a type name and a list of tensors, not {str(data)[:80]}")
+        layouts = tuple((_sizes(t, "shape"), _sizes(t, "stride"), dtype_from_name(t.get("dtype")),
+                         device_from_name(t.get("device"))) for t in tensors)
+        if any(len(shape) != len(stride) for shape, stride, _, _ in layouts):
+            raise ValueError("a state tensor's shape and stride differ in length")
+        return StateLeaf(data["type"], layouts)
     if kind != "constant" or "value" not in data:
         raise ValueError(f"a leaf must be a tensor or a constant, not {str(data)[:80]}")
     value = data["value"]

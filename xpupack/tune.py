@@ -16,7 +16,8 @@ from .environment import environment
 from .recorder import record, same_values, select_modules, snapshot
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
-from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
+from .tuned import (Session, TunedModule, attach, describe_architecture, detach, find_session,
+                    generate_compile_off)
 
 log = logging.getLogger("xpupack")
 
@@ -39,7 +40,8 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
             None tunes the whole model as one unit.
         device: where to tune; the model (and tensor samples) move there. Default:
             the device of the model's parameters.
-        strategy: default ``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``.
+        strategy: default ``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``, and on a
+            GPU ``GraphBackend(base=InductorBackend())`` first.
         run: ``run(model, item)`` drives the model for one sample (e.g. a ``generate()`` loop).
         progress: called with short status messages (the CLI shows them).
 
@@ -54,8 +56,8 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """
-    strategy = strategy or default_strategy()
     device = _device.resolve(device, default=_device.model_device(model))
+    strategy = strategy or default_strategy(device)
     previous = find_session(model)
     if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
         previous.deactivate()
@@ -68,7 +70,8 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
-    specs = record(model, selected, samples, run, progress)
+    with generate_compile_off(model):
+        specs = record(model, selected, samples, run, progress)
 
     tuned: dict[str, TunedModule] = {}
     for number, (path, module) in enumerate(selected.items(), 1):
@@ -77,8 +80,10 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         if progress:
             progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, "
                      f"{len(spec.signatures)} signature(s))")
-        tuned[path] = _tune_one(target, spec, strategy, device)
-        spec.samples = []  # recorded data is never kept beyond tuning
+        try:
+            tuned[path] = _tune_one(target, spec, strategy, device)
+        finally:
+            spec.drop_samples()  # recorded data is never kept beyond tuning
     session = Session(tuned, device, environment=environment(device), strategy=repr(strategy),
                       architecture=architecture)
     attach(model, session)
@@ -95,11 +100,12 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
                            [{"backend": "eager", "status": "chosen", "reason": why}])
     references = []
     with torch.no_grad():
-        for samples in spec.samples:
+        for index, samples in enumerate(spec.samples):
             outputs = []
-            for args, kwargs in samples:
+            for number in range(len(samples)):
+                args, kwargs = spec.sample(index, number)
                 call = snapshot((args, kwargs))  # the recorded sample stays as recorded
-                outputs.append(target.forward(*call[0], **call[1]))
+                outputs.append(spec.observe(index, *call, target.forward(*call[0], **call[1])))
                 spec.mutates_inputs |= not same_values(call, (args, kwargs))
             references.append(outputs)
     backend, runner, report = strategy.choose(target, spec, references, device)

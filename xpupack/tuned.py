@@ -9,6 +9,8 @@ Deactivation removes the attribute, so the module is exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -20,9 +22,13 @@ from torch import nn
 
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
-from .signature import dtype_name, fit_key
+from .signature import Signature, Unrecordable, dtype_name, fit_key
+from .state import StateNotReady, state_type, unrecordable_hint
 
 log = logging.getLogger("xpupack")
+
+#: signatures with state of new sizes a tuned module takes while serving (each may hold a recording)
+MAX_NEW_SIZES = 16
 
 #: one call that says whether autocast is on for any device type (public: torch.is_autocast_enabled(type))
 _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
@@ -66,6 +72,11 @@ class TunedModule:
         self._check_autocast = not backend.supports_autocast
         self._table = {signature.key: index for index, signature in enumerate(spec.signatures)
                        if index in runner.supported}
+        #: families of the tuned signatures with state (`_take_new_size`)
+        self._families = {signature.family for index, signature in enumerate(spec.signatures)
+                          if signature.state_slots and index in runner.supported}
+        self.new_sizes = 0
+        self._refused: set = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -75,7 +86,7 @@ class TunedModule:
             index = self._table.get(key)
         except TypeError:  # an unhashable constant never fits
             index = None
-        if index is None:
+        if index is None and (not self._families or (index := self._take_new_size(key, args, kwargs)) is None):
             return self._fallback(args, kwargs, "signature", leaves)
         if module.training:
             return self._fallback(args, kwargs, "training mode", leaves)
@@ -88,9 +99,43 @@ class TunedModule:
         except Exception as exc:  # a broken backend must never break the model: fall back
             self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
             self._table = {k: i for k, i in self._table.items() if i != index}
+            self._refused.add(key)
             log.warning("%s: %s backend failed (%s); this signature now runs the original module",
                         self.target.path or "<model>", self.backend_name, exc)
             return self._fallback(args, kwargs, "backend error", leaves)
+
+    def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
+        """A call with state of a new size in a tuned signature's family (a KV cache of another length,
+        from ``generate(max_new_tokens=...)``) becomes a signature of its own, up to a cap; the backend
+        prepares it as it does a new cache: the first call runs for real, the next one is recorded."""
+        if key in self._refused or self.new_sizes >= MAX_NEW_SIZES:
+            return None
+        try:
+            signature = Signature.of_call(args, kwargs)
+        except Unrecordable:
+            signature = None
+        if signature is None or signature.family not in self._families:
+            if len(self._refused) > 1024:
+                self._refused.clear()
+            self._refused.add(key)
+            return None
+        index = len(self.spec.signatures)
+        self.spec.signatures.append(signature)
+        self.runner.add_signature(index)
+        self._table[key] = index
+        self.new_sizes += 1
+        log.info("%s: taking calls of %s (a new size of a tuned signature with state)",
+                 self.target.path or "<model>", signature.describe())
+        return index
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The original forward's signature: callers that look at it (transformers' ``generate()``
+        passes ``logits_to_keep`` and position ids only to a forward that names them) see no change."""
+        try:
+            return inspect.signature(self.target.forward)
+        except (TypeError, ValueError):
+            return None
 
     def _needs_grad(self, leaves: list) -> bool:
         return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
@@ -113,6 +158,7 @@ class TunedModule:
         return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks,
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
+                **({"new_sizes": self.new_sizes} if self._families else {}),
                 **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {})}
 
     def __deepcopy__(self, memo):
@@ -125,9 +171,19 @@ def _describe_call(leaves: list) -> str:
     for x in leaves:
         if isinstance(x, torch.Tensor):
             parts.append(f"{dtype_name(x.dtype)}{list(x.shape)}@{x.device}")
+        elif state_type(x) is not None:
+            parts.append(_describe_state(x))
         else:
-            parts.append(repr(x) if len(repr(x)) < 40 else type(x).__name__)
+            parts.append(repr(x) if len(repr(x)) < 40 else type(x).__name__ + unrecordable_hint(x))
     return "(" + ", ".join(parts) + ")"
+
+
+def _describe_state(x: Any) -> str:
+    try:
+        state_type(x).state_tensors(x)
+    except StateNotReady as exc:
+        return f"{type(x).__name__} not ready: {exc}"
+    return type(x).__name__
 
 
 @dataclass
@@ -141,11 +197,16 @@ class Session:
     strategy: str = ""
     #: state-dict name -> {"shape", "dtype"} of the model as built, before any backend changed it
     architecture: dict = field(default_factory=dict)
+    #: the model this session tunes (`attach` sets it)
+    owner: "weakref.ref[nn.Module] | None" = None
+    #: ``generation_config.disable_compile`` as it was before activation (None: not switched)
+    _generate_compile: bool | None = None
 
     def activate(self) -> None:
         for tuned in self.modules.values():
             tuned.target.module.forward = tuned
         self.active = True
+        self._switch_generate_compile(off=True)
 
     def deactivate(self) -> None:
         for tuned in self.modules.values():
@@ -154,6 +215,40 @@ class Session:
                 del module.forward
             tuned.runner.release()
         self.active = False
+        self._switch_generate_compile(off=False)
+
+    def _switch_generate_compile(self, *, off: bool) -> None:
+        """A tuned model has transformers' own compile switched off while active (`generate_compile_off`),
+        and back as it was on deactivation."""
+        config = _generation_config(self.owner() if self.owner else None)
+        if config is None:
+            return
+        if off and self._generate_compile is None:
+            self._generate_compile = bool(config.disable_compile)
+            config.disable_compile = True
+        elif not off and self._generate_compile is not None:
+            config.disable_compile, self._generate_compile = self._generate_compile, None
+
+
+def _generation_config(model: nn.Module | None) -> Any:
+    config = getattr(model, "generation_config", None)
+    return config if hasattr(config, "disable_compile") else None
+
+
+@contextlib.contextmanager
+def generate_compile_off(model: nn.Module):
+    """transformers' ``generate()`` compiles the forward itself when the cache is static (with CUDA
+    graphs of its own): that would trace the tuned modules, and while tuning it would hand the
+    recorder outputs that its next step overwrites. Switched off for the block."""
+    config = _generation_config(model)
+    if config is None:
+        yield
+        return
+    previous, config.disable_compile = config.disable_compile, True
+    try:
+        yield
+    finally:
+        config.disable_compile = previous
 
 
 _sessions: "weakref.WeakKeyDictionary[nn.Module, Session]" = weakref.WeakKeyDictionary()
@@ -178,6 +273,7 @@ def find_session(model: nn.Module) -> Session | None:
 
 
 def attach(model: nn.Module, session: Session) -> None:
+    session.owner = weakref.ref(model)
     _sessions[model] = session
 
 

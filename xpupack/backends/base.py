@@ -17,7 +17,7 @@ from torch import nn
 
 from .._compare import DEFAULT_TOLERANCES, mismatch
 from ..errors import UnknownConfigError
-from ..signature import Signature
+from ..signature import Signature, flatten
 
 
 @dataclass
@@ -43,12 +43,47 @@ class ModuleSpec:
     unrecordable: dict[str, int] = field(default_factory=dict)
     #: eager changed an input tensor in place on a recorded sample (a replay would change its copy)
     mutates_inputs: bool = False
+    #: ``states[i][k]``: copies of the state tensors of ``samples[i][k]`` from before that call
+    #: (empty lists for signatures without state)
+    states: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    #: state tensor -> its contents when tuning first put a recorded state back (restored at the end)
+    _after_run: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def example(self, index: int) -> tuple[tuple, dict]:
-        """A recorded sample of signature ``index`` where one exists, else synthesised inputs."""
+        """A recorded sample of signature ``index`` where one exists, else synthesised inputs.
+
+        Raises `Unsynthesizable` for a signature with a state object and no sample (at load).
+        """
         if index < len(self.samples) and self.samples[index]:
-            return self.samples[index][0]
+            return self.sample(index, 0)
         return self.signatures[index].synthesize()
+
+    def sample(self, index: int, number: int) -> tuple[tuple, dict]:
+        """Recorded sample ``number`` of signature ``index``, its state objects put back as they were
+        before that call (a module that updates a KV cache sees the cache it saw while recording)."""
+        args, kwargs = self.samples[index][number]
+        saved = self.states[index][number] if index < len(self.states) else []
+        if saved:
+            live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
+            for tensor, copy in zip(live, saved):
+                self._after_run.setdefault(id(tensor), (tensor, tensor.detach().clone()))
+                tensor.copy_(copy)
+        return args, kwargs
+
+    def observe(self, index: int, args: tuple, kwargs: dict, output: Any) -> Any:
+        """What a candidate's call must reproduce: its output and, for a call with state, the state after it."""
+        if not self.signatures[index].state_slots:
+            return output
+        live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
+        return output, [tensor.detach().clone() for tensor in live]
+
+    def drop_samples(self) -> None:
+        """Forgets the recorded data (never kept beyond tuning); state objects get back the contents
+        they had when the samples' run ended."""
+        for tensor, contents in self._after_run.values():
+            tensor.copy_(contents)
+        self._after_run.clear()
+        self.samples, self.states = [], []
 
 
 class Runner:
@@ -65,6 +100,11 @@ class Runner:
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         raise NotImplementedError
+
+    def add_signature(self, index: int) -> None:
+        """Takes calls of a signature appended to the spec while serving (a call with state of a tuned
+        signature's family, e.g. a KV cache of another length); the runner prepares it on its first call."""
+        self.supported.add(index)
 
     def release(self) -> None:
         """Frees what the runner holds on the device (called on deactivate); `run` must still work after."""

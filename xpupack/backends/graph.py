@@ -1,13 +1,22 @@
-"""The device-graph backend: record once per static signature, replay (DESIGN §3, §4).
+"""The device-graph backend: record once per static signature, replay (docs: README "Device graphs").
 
 Each recorded signature (one per batch size, one per other static shape) gets
 its own recording: static input buffers, a device graph (``XPUGraph`` on
 XPU, ``CUDAGraph`` on CUDA) and its static outputs. All recordings on a
 device share one memory pool; that is safe because replays run one at a
-time on the current stream and outputs are copied out before the next one. A call copies its tensor leaves into the
-static buffers, replays, and returns a *copy* of the static outputs by
-default (``copy_outputs=False`` returns aliases that the next replay
-overwrites).
+time on the current stream and outputs are copied out before the next one.
+A call copies its tensor leaves into the static buffers, replays, and
+returns a *copy* of the static outputs by default (``copy_outputs=False``
+returns aliases that the next replay overwrites). One call runs at a time
+per module: concurrent callers wait.
+
+Calls with state (a KV cache, `xpupack.state`) are recorded while serving:
+the state's tensors are read and written where they are, so a recording fits
+only calls whose state tensors sit at the recorded addresses. The first call
+at new addresses runs for real (it also warms up libraries and Inductor), the
+second is recorded and replayed; the least recently used of these
+recordings is dropped at the ``max_recordings`` cap. A recording never holds
+a reference to the state, so a freed cache is really freed.
 
 Before each replay the runner checks that the module still holds the very
 parameter and buffer storage it recorded: after ``.to()``, a dtype change or
@@ -22,6 +31,8 @@ loading device from inputs synthesised from them.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,52 +41,100 @@ from torch import nn
 
 from .. import _device
 from ..signature import flatten, unflatten
+from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
 
-class _Recording:
-    """One signature's static input buffers, replay function and static outputs."""
+class _StateRef:
+    """Stands, in a recording's outputs, for the call's own state object (never the recorded one)."""
 
-    def __init__(self, static_leaves: list, replay: Callable[[], None], outputs: Any):
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+
+#: non-tensor outputs a recording of a call with state may return as recorded
+_PLAIN_OUTPUTS = (type(None), bool, int, float, str)
+
+
+class _Recording:
+    """One recorded call: static input buffers, the replay function, static outputs.
+
+    State leaves (a KV cache) get no static buffer: the recording reads and
+    writes the state tensors where they were when it was made. It holds no
+    reference to them (a cache can be gigabytes): ``live`` holds the calling
+    objects only while a call runs.
+    """
+
+    def __init__(self, static_leaves: list, state_slots: tuple[int, ...]):
         self.static_leaves = static_leaves
+        self.state_slots = state_slots
         self.tensor_slots = [i for i, leaf in enumerate(static_leaves) if isinstance(leaf, torch.Tensor)]
-        self.replay = replay
-        self.output_leaves, self.output_spec = flatten((outputs,), {})
+        self.live: dict[int, Any] = {}
+        self.replay: Callable[[], None] = lambda: None
+        self.output_leaves: list = []
+        self.output_spec: Any = None
+        self.single_output: torch.Tensor | None = None
+        self.memory = 0
+
+    def leaves_now(self) -> list:
+        """The leaves a recorded function sees: static buffers, and the calling state objects."""
+        if not self.state_slots:
+            return self.static_leaves
+        leaves = list(self.static_leaves)
+        for slot in self.state_slots:
+            leaves[slot] = self.live[slot]
+        return leaves
+
+    def set_outputs(self, outputs: Any) -> None:
+        leaves, self.output_spec = flatten((outputs,), {})
+        if self.state_slots:
+            leaves = [self._output_leaf(leaf) for leaf in leaves]
+        self.output_leaves = leaves
         self.single_output = outputs if isinstance(outputs, torch.Tensor) else None
 
+    def _output_leaf(self, leaf: Any) -> Any:
+        """An output leaf of a call with state, as the recording keeps it."""
+        for slot in self.state_slots:
+            if leaf is self.live[slot]:
+                return _StateRef(slot)
+        if isinstance(leaf, torch.Tensor):
+            state = {t.untyped_storage().data_ptr() for slot in self.state_slots
+                     for t in state_type(self.live[slot]).state_tensors(self.live[slot])}
+            if leaf.untyped_storage().data_ptr() in state:
+                raise RuntimeError("the module returns one of its state tensors; a replay for another "
+                                   "state object would return the recorded one")
+        elif type(leaf) not in _PLAIN_OUTPUTS:
+            raise RuntimeError(f"the module returns a {type(leaf).__name__} object a replay cannot renew")
+        return leaf
 
-# Bumped whenever any module anywhere registers a parameter, buffer or submodule
-# (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``...):
-# the cheap signal that an identity check is due.
-_registrations = [0]
-
-
-def _bump(*_args: Any) -> None:
-    _registrations[0] += 1
-
-
-nn.modules.module.register_module_parameter_registration_hook(_bump)
-nn.modules.module.register_module_buffer_registration_hook(_bump)
-nn.modules.module.register_module_module_registration_hook(_bump)
-
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    def outputs(self, leaves: list, copy: bool) -> Any:
+        """The replayed outputs: copies of the static outputs (or aliases), the caller's state objects."""
+        if self.single_output is not None:
+            return self.single_output.clone() if copy else self.single_output
+        results = [leaves[x.slot] if isinstance(x, _StateRef)
+                   else x.clone() if copy and isinstance(x, torch.Tensor) else x for x in self.output_leaves]
+        return unflatten(results, self.output_spec)[0][0]
 
 
 class _StorageWatch:
-    """Tells, in about a microsecond, whether a module still holds the storage a recording reads.
+    """Tells, in microseconds, whether a module still holds the storage a recording reads.
 
     Two kinds of change make a recording stale: a parameter, buffer or submodule
-    object replaced (caught by the registration counter, then an identity check),
-    and a tensor's storage swapped (``.to()``, ``.half()``, ``param.data = ...``),
-    caught by comparing storage addresses. The watch keeps the recorded storages
-    alive, so no new tensor can ever reuse one of those addresses: an unchanged
-    address really is the recorded memory, with the recorded dtype and shape.
+    object replaced (``module.weight = nn.Parameter(...)``,
+    ``load_state_dict(assign=True)``), caught by an identity check of every
+    entry, and a tensor's storage swapped (``.to()``, ``.half()``,
+    ``param.data = ...``), caught by comparing storage addresses. The watch
+    keeps the recorded storages alive, so no new tensor can ever reuse one of
+    those addresses: an unchanged address really is the recorded memory, with
+    the recorded dtype and shape. It installs no hook anywhere: a process-wide
+    module hook is traced by anyone's ``torch.compile`` and makes it recompile.
     """
 
     def __init__(self, module: nn.Module):
-        self.generation = _registrations[0]
         self.entries: list[tuple[dict, str, Any]] = []
         for submodule in module.modules():
             for table in (submodule._parameters, submodule._buffers, submodule._modules):
@@ -86,13 +145,17 @@ class _StorageWatch:
         self.indices = list(range(len(self.tensors)))
 
     def changed(self) -> bool:
-        if self.generation != _registrations[0]:
-            if any(table.get(name) is not value for table, name, value in self.entries):
+        for table, name, value in self.entries:
+            if table.get(name) is not value:
                 return True
-            self.generation = _registrations[0]
         if _ptrs_equal is not None:
             return not _ptrs_equal(self.tensors, self.addresses, self.indices)
         return any(t.data_ptr() != a for t, a in zip(self.tensors, self.addresses))
+
+
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+#: state addresses remembered as run once (the next call there is recorded)
+_WARM_RUNS_KEPT = 64
 
 
 class GraphRunner(Runner):
@@ -108,49 +171,88 @@ class GraphRunner(Runner):
         self.max_recordings = max_recordings
         self.copy_outputs = copy_outputs
         self.base_runner = base_runner
+        self.state_slots = [signature.state_slots for signature in spec.signatures]
+        #: signature index -> recording, for calls without state (recorded up front)
         self.recordings: dict[int, _Recording] = {}
+        #: (signature index, state tensor addresses) -> recording, least recently used first
+        self.state_recordings: OrderedDict[tuple, _Recording] = OrderedDict()
+        self._warm: OrderedDict[tuple, None] = OrderedDict()
         self.failures: dict[int, str] = {}
         self.rerecordings = 0
-        self._memory = 0
+        self.warm_runs = 0
         self._watch: _StorageWatch | None = None
+        # one call at a time: a replay fills shared static buffers, and two threads interleaving
+        # there would hand each other's results back
+        self._lock = threading.Lock()
+
+    def add_signature(self, index: int) -> None:
+        self.state_slots.append(self.spec.signatures[index].state_slots)
+        super().add_signature(index)
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
-        """Records every signature (up to the cap); ``strict`` raises on the first failure."""
-        before = self.api.memory_in_use(self.device)
+        """Records every signature without state (up to the cap); ``strict`` raises on the first failure.
+
+        Signatures with state are recorded during calls (`run`): only a real call brings their state.
+        """
+        stateless = 0
         for index in range(len(self.spec.signatures)):
-            if index >= self.max_recordings:
+            if self.state_slots[index]:
+                self.supported.add(index)
+                continue
+            stateless += 1
+            if stateless > self.max_recordings:
                 self.failures[index] = f"over the cap of {self.max_recordings} recordings per module"
                 continue
             args, kwargs = self.spec.example(index)
             try:
-                self.record(index, args, kwargs)
+                self.recordings[index] = self.record(index, args, kwargs)
             except Exception as exc:
-                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                reason = _reason(exc)
                 if strict:
                     raise RuntimeError(f"recording {self.spec.signatures[index].describe()} failed: {reason}") from exc
                 self.failures[index] = reason
                 log.warning("%s: recording %s failed (%s); those calls run the original module",
                             self.target.path or "<model>", self.spec.signatures[index].describe(), reason)
-        self._memory = max(0, self.api.memory_in_use(self.device) - before)
+                continue
+            self.supported.add(index)
+            self.failures.pop(index, None)
         self._watch = _StorageWatch(self.target.module)
 
-    def record(self, index: int, args: tuple, kwargs: dict) -> None:
+    def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2) -> _Recording:
+        """Records one call: tensor inputs copied into new static buffers, state objects used in place.
+
+        ``warmup=0`` for a call with state: it must run exactly once, and the call
+        before it at the same state ran for real (warming libraries and compilers up).
+        """
         leaves, treespec = flatten(args, kwargs)
-        static = [leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        slots = self.state_slots[index]
+        static = [None if i in slots else leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+                  for i, leaf in enumerate(leaves)]
+        recording = _Recording(static, slots)
 
         def call() -> Any:
-            static_args, static_kwargs = unflatten(static, treespec)
-            return self.function(index, static_args, static_kwargs, static)
+            now = recording.leaves_now()
+            static_args, static_kwargs = unflatten(now, treespec)
+            return self.function(index, static_args, static_kwargs, now)
 
-        replay, outputs = self.api.capture(call, device=self.device, pool=self.api.shared_pool(self.device))
-        self.recordings[index] = _Recording(static, replay, outputs)
-        self.supported.add(index)
-        self.failures.pop(index, None)
+        before = self.api.memory_in_use(self.device)
+        recording.live = {slot: leaves[slot] for slot in slots}
+        try:
+            with _device.on_device(self.device):
+                recording.replay, outputs = self.api.capture(call, device=self.device, warmup=warmup,
+                                                             pool=self.api.shared_pool(self.device))
+            recording.set_outputs(outputs)
+        finally:
+            recording.live = {}
+        recording.memory = max(0, self.api.memory_in_use(self.device) - before)
+        return recording
 
     def release(self) -> None:
         """Drops every recording and the storages they read; the next call records again."""
         self.recordings.clear()
+        self.state_recordings.clear()
+        self._warm.clear()
         self._watch = None
 
     def _rerecord(self) -> None:
@@ -164,30 +266,75 @@ class GraphRunner(Runner):
 
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
-        if self._watch is None or self._watch.changed():
-            self._rerecord()
-        recording = self.recordings.get(index)
-        if recording is None:
-            raise RuntimeError(self.failures.get(index, "signature not recorded"))
+        with self._lock:
+            if self._watch is None or self._watch.changed():
+                self._rerecord()
+            if self.state_slots[index]:
+                return self._run_with_state(index, args, kwargs, leaves)
+            recording = self.recordings.get(index)
+            if recording is None:
+                raise RuntimeError(self.failures.get(index, "signature not recorded"))
+            return self._replay(recording, leaves)
+
+    def _replay(self, recording: _Recording, leaves: list) -> Any:
         static = recording.static_leaves
         for slot in recording.tensor_slots:
             static[slot].copy_(leaves[slot])
-        recording.replay()
-        if not self.copy_outputs:
-            return unflatten(recording.output_leaves, recording.output_spec)[0][0]
-        if recording.single_output is not None:
-            return recording.single_output.clone()
-        copies = [x.clone() if isinstance(x, torch.Tensor) else x for x in recording.output_leaves]
-        return unflatten(copies, recording.output_spec)[0][0]
+        if recording.state_slots:
+            recording.live = {slot: leaves[slot] for slot in recording.state_slots}
+            try:
+                recording.replay()
+            finally:
+                recording.live = {}
+        else:
+            recording.replay()
+        return recording.outputs(leaves, self.copy_outputs)
+
+    def _run_with_state(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """A call with state replays the recording made at its state tensors' addresses. The first call
+        at new addresses runs for real (once: it updates the state), the next one there is recorded."""
+        addresses = tuple(t.data_ptr() for t in self.spec.signatures[index].state_tensors(leaves))
+        key = (index, addresses)
+        recording = self.state_recordings.get(key)
+        if recording is not None:
+            self.state_recordings.move_to_end(key)
+            return self._replay(recording, leaves)
+        if key not in self._warm:
+            self._warm[key] = None
+            if len(self._warm) > _WARM_RUNS_KEPT:
+                self._warm.popitem(last=False)
+            self.warm_runs += 1
+            return self.function(index, args, kwargs, leaves)
+        self._make_room()
+        recording = self.record(index, args, kwargs, warmup=0)
+        del self._warm[key]
+        self.state_recordings[key] = recording
+        if self.api.capture_executes:  # the capture itself ran this call
+            return recording.outputs(leaves, self.copy_outputs)
+        return self._replay(recording, leaves)
+
+    def _make_room(self) -> None:
+        """Drops least recently used recordings with state until one more fits under the cap."""
+        while self.state_recordings and len(self.recordings) + len(self.state_recordings) >= self.max_recordings:
+            self.state_recordings.popitem(last=False)
+        if len(self.recordings) >= self.max_recordings:
+            raise RuntimeError(f"over the cap of {self.max_recordings} recordings per module")
 
     def memory_bytes(self) -> int:
-        return self._memory
+        return sum(r.memory for r in (*self.recordings.values(), *self.state_recordings.values()))
 
     def describe(self) -> dict:
-        facts = {"recordings": len(self.recordings), "rerecordings": self.rerecordings}
+        facts = {"recordings": len(self.recordings) + len(self.state_recordings), "rerecordings": self.rerecordings}
+        if any(self.state_slots):
+            facts["warm_runs"] = self.warm_runs
         if self.failures:
             facts["not_recorded"] = {self.spec.signatures[i].describe(): why for i, why in self.failures.items()}
         return facts
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _refuse_input_mutation(spec: ModuleSpec) -> None:

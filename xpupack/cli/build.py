@@ -49,10 +49,11 @@ def parse_backends(text: str):
               help="Submodules to tune, as globs over object paths (repeatable), e.g. 'layers.*.mlp'. "
                    "Default: the whole model as one unit.")
 @click.option("--device", default=None, help="xpu, cuda, cuda:1 or cpu. Default: the best device here.")
-@click.option("--backends", "backends", default="graph,inductor,eager", show_default=True,
+@click.option("--backends", "backends", default=None,
               help="Candidate backends in order of preference, comma-separated; NAME:ARG passes one "
                    "argument (torchao:int8-weight-only), graph+NAME / inductor+NAME record or compile "
-                   "that backend's module (graph+torchao:int8-weight-only).")
+                   "that backend's module (graph+inductor, graph+torchao:int8-weight-only). "
+                   "Default: graph+inductor,graph,inductor,eager on a GPU; graph,inductor,eager elsewhere.")
 @click.option("--strategy", type=click.Choice(["first-wins", "fastest"]), default="first-wins",
               show_default=True, help="first-wins keeps the first backend that matches eager; "
                                       "fastest times all that match and keeps the fastest.")
@@ -73,7 +74,11 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     with out_console.status("importing torch") as status:
         import xpupack
 
-        candidates = parse_backends(backends)
+        from .. import _device
+        from ..strategies import default_backends
+
+        device = _device.resolve(device)
+        candidates = parse_backends(backends) if backends is not None else default_backends(device)
         chosen = (xpupack.Fastest if strategy == "fastest" else xpupack.FirstWins)(candidates)
         status.update("building the model")
         model = make_model()

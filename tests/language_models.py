@@ -1,0 +1,77 @@
+"""Tiny transformers language models (random weights, no downloads) and a decode loop for the tests."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+VOCAB = 128
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def prompt(length: int = 8, seed: int = 1, device: str = "cpu") -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=generator).to(device)
+
+
+def generate(model, ids: torch.Tensor, new_tokens: int = 6, cache=None, *, eager: bool = False) -> torch.Tensor:
+    """Greedy ``generate()`` with a static cache (the caller's, when given); ``eager`` keeps transformers
+    from compiling the forward itself (on a GPU it does, with a static cache)."""
+    kwargs = {"cache_implementation": "static"} if cache is None else {cache_argument(model): cache}
+    if eager:
+        kwargs["disable_compile"] = True
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              **kwargs)
+
+
+def cache_argument(model) -> str:
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.20) or ``past_key_values``."""
+    forward = type(model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def static_cache(model, max_cache_len: int):
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def decode_loop(model, ids: torch.Tensor, new_tokens: int, cache) -> torch.Tensor:
+    """A hand-written greedy decode loop: one prefill call, then one call per token."""
+    name = cache_argument(model)
+    # transformers before 5.20 also takes the positions as `cache_position` (else it derives them on the host)
+    positions_too = "cache_position" in inspect.signature(type(model).forward).parameters
+    length = ids.shape[1]
+    tokens = []
+
+    def step(inputs, positions):
+        extra = {"cache_position": positions[0]} if positions_too else {}
+        return model(input_ids=inputs, **{name: cache}, use_cache=True, position_ids=positions, **extra).logits
+
+    with torch.no_grad():
+        logits = step(ids, torch.arange(length, device=ids.device)[None])
+        for number in range(new_tokens):
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+            logits = step(token, torch.full((1, 1), length + number, device=ids.device))
+    return torch.cat(tokens, dim=1)

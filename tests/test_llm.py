@@ -1,0 +1,440 @@
+"""Language-model decoding: calls that carry a KV cache are recorded, replayed and shipped.
+
+CPU: the graph backend's logic through the emulated graph, and Inductor. Real
+device graphs: tests/test_graph_device.py.
+"""
+
+import copy
+import json
+import threading
+
+import pytest
+import torch
+
+import xpupack
+from language_models import decode_loop, generate, prompt, static_cache, tiny_gpt2, tiny_llama
+from models import Accumulator, RunningCache, make_stack, stack_samples
+from xpupack.manifest import read_manifest
+from xpupack.signature import Signature, StateLeaf, Unsynthesizable
+
+GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()])
+NEW_TOKENS = 6
+
+xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
+
+
+@pytest.fixture(autouse=True)
+def only_prefills_fall_back(request, fallback_calls):
+    """Decode steps never fall back; a prefill (its cache is allocated by that call) may."""
+    yield
+    if "expects_fallbacks" not in request.keywords:
+        assert all("prefill" in event.reason for event in fallback_calls), fallback_calls
+
+
+def tune_llm(make=tiny_llama, strategy=GRAPH, run=lambda m, ids: generate(m, ids, NEW_TOKENS)):
+    model = make()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [prompt()], run=run, strategy=strategy)
+    return model, reference
+
+
+def whole(model):
+    return xpupack.stats(model)[""]
+
+
+# -- importing and tuning leave other people's torch.compile alone -------------------------------
+
+COMPILE_A_MODULELIST_SLICE = """
+import torch
+from torch import nn
+torch._dynamo.config.error_on_recompile = True
+
+class Sliced(nn.Module):  # as transformers' LlamaModel.forward slices self.layers[:n]
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+model = Sliced().eval()
+compiled = torch.compile(model, backend="eager")
+with torch.no_grad():
+    for _ in range(5):
+        compiled(torch.randn(2, 4))
+hooks = nn.modules.module
+assert not (hooks._global_parameter_registration_hooks or hooks._global_buffer_registration_hooks
+            or hooks._global_module_registration_hooks), "process-wide registration hooks are installed"
+print("no recompiles")
+"""
+
+
+def test_importing_xpupack_leaves_torch_compile_alone(run_python):
+    result = run_python("import xpupack\n" + COMPILE_A_MODULELIST_SLICE)
+    assert "no recompiles" in result.stdout
+
+
+def test_tuning_and_loading_another_model_leave_torch_compile_alone(run_python, tmp_path):
+    result = run_python(f"""
+import torch, xpupack
+from xpupack import _device
+from emulated_graph import EmulatedGraphs
+from models import make_stack, stack_samples
+_device.GRAPH_APIS["cpu"] = EmulatedGraphs()
+graph = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()])
+model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=graph)
+xpupack.save(model, {str(tmp_path / "pkg")!r})
+loaded = xpupack.load(make_stack(seed=1), {str(tmp_path / "pkg")!r})
+assert {{s["backend"] for s in xpupack.stats(loaded).values()}} == {{"graph"}}
+""" + COMPILE_A_MODULELIST_SLICE)
+    assert "no recompiles" in result.stdout
+
+
+# -- decode steps through generate() ----------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_decode_steps_replay_and_tokens_equal_eager(emulated_graphs, make):
+    model, reference = tune_llm(make)
+    assert whole(model)["backend"] == "graph"
+    ids = prompt(seed=7)
+    calls_before, fallbacks_before = whole(model)["calls"], whole(model)["fallbacks"]
+    replays = emulated_graphs.replays
+    assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
+    stats = whole(model)
+    assert stats["calls"] - calls_before == NEW_TOKENS  # the prefill, then one call per decode step
+    assert stats["fallbacks"] - fallbacks_before == 1  # only the prefill: a new cache is not allocated yet
+    # a new cache: its first decode step runs for real, the second is recorded, the rest replay
+    assert emulated_graphs.replays - replays == NEW_TOKENS - 3
+
+
+def test_a_longer_generate_takes_its_new_cache_size(emulated_graphs):
+    """Tuned with 6 new tokens, served with 10: the cache is longer, the decode steps still replay."""
+    model, reference = tune_llm()
+    ids = prompt(seed=2)
+    replays = emulated_graphs.replays
+    assert torch.equal(generate(model, ids, 10), generate(reference, ids, 10))
+    stats = whole(model)
+    assert stats["fallbacks"] == 1 and stats["new_sizes"] == 1
+    assert emulated_graphs.replays - replays == 10 - 3
+
+
+@pytest.mark.expects_fallbacks
+def test_calls_of_another_structure_are_not_taken_as_new_sizes(emulated_graphs, fallback_calls):
+    model, _ = tune_llm()
+    with torch.no_grad():
+        model(input_ids=prompt(), use_cache=False)  # no cache at all: another family
+    assert whole(model)["new_sizes"] == 0 and whole(model)["fallbacks"] == 1
+
+
+def test_each_decode_step_runs_once(emulated_graphs):
+    """The warm-up of a call with state is the call itself: no step updates the cache twice."""
+    model, reference = tune_llm(run=lambda m, ids: decode_loop(m, ids, 4, static_cache(m, 32)))
+    ids = prompt(seed=3)
+    cache, reference_cache = static_cache(model, 32), static_cache(reference, 32)
+    assert torch.equal(decode_loop(model, ids, 12, cache), decode_loop(reference, ids, 12, reference_cache))
+    for layer, reference_layer in zip(cache.layers, reference_cache.layers):
+        assert torch.equal(layer.keys, reference_layer.keys)
+        assert torch.equal(layer.values, reference_layer.values)
+
+
+def test_a_user_state_type_updates_exactly_once_per_call(emulated_graphs):
+    model = Accumulator().eval()
+    reference = copy.deepcopy(model)
+    cache = RunningCache()
+    xpupack.tune(model, [torch.randn(1, 8) for _ in range(3)], run=lambda m, x: m(x, cache), strategy=GRAPH)
+    assert xpupack.stats(model)[""]["backend"] == "graph"
+    assert int(cache.steps) == 3  # tuning put the cache back as the samples left it
+    mine, theirs = RunningCache(), RunningCache()
+    with torch.no_grad():
+        for step in range(1, 8):
+            x = torch.randn(1, 8)
+            assert torch.allclose(model(x, mine), reference(x, theirs), atol=1e-6)
+            assert int(mine.steps) == step
+    stats = xpupack.stats(model)[""]
+    assert stats["fallbacks"] == 0 and stats["warm_runs"] >= 1 and emulated_graphs.replays >= 5
+
+
+def with_own_cache(length=16):
+    return lambda m, ids: generate(m, ids, NEW_TOKENS, cache=static_cache(m, length))
+
+
+@pytest.mark.expects_fallbacks  # a prefill into a cache that is already allocated: a plain fallback
+def test_a_caller_held_cache_is_recorded_once(emulated_graphs, fallback_calls):
+    model, reference = tune_llm(run=with_own_cache())
+    ids = prompt(seed=5)
+    cache = static_cache(model, 16)
+    first = generate(model, ids, NEW_TOKENS, cache=cache)
+    captures, warm, fallbacks = emulated_graphs.captures, whole(model)["warm_runs"], whole(model)["fallbacks"]
+    cache.reset()
+    assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), first)
+    assert emulated_graphs.captures == captures and whole(model)["warm_runs"] == warm
+    assert whole(model)["fallbacks"] == fallbacks + 1  # the prefill; every decode step replayed
+    assert torch.equal(first, generate(reference, ids, NEW_TOKENS))
+
+
+def test_new_caches_record_again_up_to_the_cap(emulated_graphs):
+    model, reference = tune_llm(strategy=xpupack.Only(xpupack.GraphBackend(max_recordings=2)),
+                                run=with_own_cache())
+    caches = [static_cache(model, 16) for _ in range(4)]  # kept alive: four sets of addresses
+    for cache in caches:
+        ids = prompt(seed=9)
+        assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), generate(reference, ids, NEW_TOKENS))
+        assert whole(model)["recordings"] <= 2
+    assert whole(model)["fallbacks"] == len(caches)  # the prefills
+    assert whole(model)["warm_runs"] >= len(caches)  # each new cache ran once for real, then recorded
+
+
+def test_prefill_and_decode_are_separate_signatures(emulated_graphs):
+    model, _ = tune_llm()
+    spec = xpupack.tuned.session_of(model).modules[""].spec
+    assert len(spec.signatures) == 1 and spec.signatures[0].state_slots
+    assert any("not ready" in reason and "prefill" in reason for reason in spec.unrecordable)
+
+
+@pytest.mark.expects_fallbacks
+def test_a_dynamic_cache_falls_back_and_says_how_to_tune_it(emulated_graphs, fallback_calls):
+    model = tiny_llama()
+    with torch.no_grad():
+        xpupack.tune(model, [prompt()], run=lambda m, ids: m.generate(ids, max_new_tokens=3, do_sample=False),
+                     strategy=GRAPH)
+    stats = whole(model)
+    assert stats["backend"] == "eager"
+    report = xpupack.tuned.session_of(model).modules[""].report[0]["reason"]
+    assert "DynamicCache" in report and 'cache_implementation="static"' in report
+    with torch.no_grad():
+        model.generate(prompt(), max_new_tokens=2, do_sample=False)
+    assert fallback_calls and all('cache_implementation="static"' in e.reason for e in fallback_calls)
+
+
+def test_generate_does_not_compile_a_tuned_model(emulated_graphs):
+    model, _ = tune_llm()
+    assert model.generation_config.disable_compile is True
+    xpupack.deactivate(model)
+    assert model.generation_config.disable_compile is False
+    xpupack.activate(model)
+    assert model.generation_config.disable_compile is True
+
+
+# -- the package ---------------------------------------------------------------------------------
+
+def test_state_signature_round_trips_through_the_spec(emulated_graphs, tmp_path):
+    model, _ = tune_llm()
+    root = xpupack.save(model, tmp_path / "pkg")
+    entry = read_manifest(root)["modules"][0]
+    data = json.loads((root / entry["spec"]).read_text())
+    state = [leaf for leaf in data["signatures"][0]["leaves"] if leaf["kind"] == "state"]
+    assert state[0]["type"] == "transformers.cache_utils.StaticCache"
+    assert all(set(t) == {"shape", "stride", "dtype", "device"} for t in state[0]["tensors"])
+    signature = Signature.from_json(data["signatures"][0])
+    assert signature == xpupack.tuned.session_of(model).modules[""].spec.signatures[0]
+    with pytest.raises(Unsynthesizable):
+        signature.synthesize()
+
+
+@pytest.mark.parametrize("bad", [
+    {"kind": "state", "type": "x.Cache", "tensors": []},
+    {"kind": "state", "type": 3, "tensors": [{"shape": [1], "stride": [1], "dtype": "float32", "device": "cpu"}]},
+    {"kind": "state", "type": "x.Cache", "tensors": [{"shape": [1, 2], "stride": [1], "dtype": "float32",
+                                                      "device": "cpu"}]},
+    {"kind": "state", "type": "x.Cache", "tensors": [{"shape": [1], "stride": [1], "dtype": "nope",
+                                                      "device": "cpu"}]},
+])
+def test_malformed_state_leaves_are_refused(bad):
+    from xpupack.signature import _leaf_from_json
+
+    with pytest.raises(ValueError):
+        _leaf_from_json(bad)
+
+
+def test_state_leaf_keys_match_live_calls():
+    cache = RunningCache()
+    leaf = Signature.of_call((torch.randn(1, 8), cache), {}).leaves[1]
+    assert isinstance(leaf, StateLeaf) and leaf.type_name.endswith("RunningCache")
+    key, _ = xpupack.signature.fit_key((torch.randn(1, 8), cache), {})
+    assert Signature.of_call((torch.randn(1, 8), cache), {}).key == key
+
+
+@pytest.mark.slow
+def test_fresh_process_load_replays_decode_steps(emulated_graphs, tmp_path, run_python):
+    model, reference = tune_llm()
+    root = xpupack.save(model, tmp_path / "pkg")
+    ids = prompt(seed=11)
+    expected = generate(reference, ids, 12)
+    torch.save(expected, tmp_path / "expected.pt")
+    result = run_python(f"""
+import torch, xpupack
+from xpupack import _device
+from emulated_graph import EmulatedGraphs
+from language_models import generate, prompt, tiny_llama
+api = EmulatedGraphs()
+_device.GRAPH_APIS["cpu"] = api
+model = xpupack.load(tiny_llama(seed=5), {str(root)!r})
+assert api.captures == 0  # nothing to record before a real call brings a cache
+tokens = generate(model, prompt(seed=11), 12)
+assert torch.equal(tokens, torch.load({str(tmp_path / "expected.pt")!r}))
+stats = xpupack.stats(model)[""]
+assert stats["backend"] == "graph" and stats["fallbacks"] == 1 and stats["new_sizes"] == 1, stats
+assert api.replays == 12 - 3, api.replays
+print("ok")
+""")
+    assert "ok" in result.stdout
+
+
+# -- Inductor, and the graph over it ----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [
+    xpupack.Only(xpupack.InductorBackend()),
+    xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
+], ids=["inductor", "graph+inductor"])
+def test_compiled_decode_steps_give_eager_tokens(emulated_graphs, strategy, tmp_path):
+    model, reference = tune_llm(strategy=strategy)
+    ids = prompt(seed=13)
+    expected = generate(reference, ids, NEW_TOKENS)
+    assert torch.equal(generate(model, ids, NEW_TOKENS), expected)
+    assert whole(model)["fallbacks"] == 1  # the prefill
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(tiny_llama(seed=3), root)
+    assert torch.equal(generate(loaded, ids, NEW_TOKENS), expected)
+    assert whole(loaded)["fallbacks"] == 1
+
+
+# -- one tuned module, many threads -------------------------------------------------------------
+
+def test_concurrent_calls_never_return_another_threads_result(emulated_graphs):
+    model = make_stack()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"], strategy=GRAPH)
+    mlp, expected_mlp = model.layers[0]["mlp"], reference.layers[0]["mlp"]
+    inputs = [torch.randn(2, 8) for _ in range(64)]
+    with torch.no_grad():
+        expected = [expected_mlp(x, scale=1.0) for x in inputs]
+    wrong = []
+
+    def hammer(offset):
+        with torch.no_grad():
+            for round_ in range(20):
+                for i in range(offset, len(inputs), 2):
+                    if not torch.allclose(mlp(inputs[i], scale=1.0), expected[i], atol=1e-6):
+                        wrong.append(i)
+
+    threads = [threading.Thread(target=hammer, args=(n % 2,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong
+    assert xpupack.stats(model)["layers.0.mlp"]["fallbacks"] == 0
+
+
+# -- real device graphs (the GPU machine) -------------------------------------------------------
+
+@pytest.mark.requires_graph_device
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+def test_real_graphs_replay_decode_steps_with_eager_tokens(make):
+    from conftest import GRAPH_DEVICE
+
+    model, reference = make().to(GRAPH_DEVICE), None
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, NEW_TOKENS),
+                 strategy=GRAPH)
+    assert whole(model)["backend"] == "graph"
+    for seed, new_tokens in ((21, NEW_TOKENS), (22, 24)):  # the second: a longer cache, a new size
+        ids = prompt(seed=seed, device=GRAPH_DEVICE)
+        assert torch.equal(generate(model, ids, new_tokens), generate(reference, ids, new_tokens, eager=True))
+    assert whole(model)["recordings"] >= 1 and whole(model)["memory_bytes"] > 0
+
+
+@pytest.mark.requires_graph_device
+def test_real_graphs_in_a_decode_loop_with_one_cache():
+    from conftest import GRAPH_DEVICE
+
+    model = tiny_llama().to(GRAPH_DEVICE)
+    reference = copy.deepcopy(model)
+    cache = static_cache(model, 40)
+    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: decode_loop(m, ids, 4, cache),
+                 strategy=GRAPH)
+    for seed in (24, 25):
+        cache.reset()
+        ids = prompt(seed=seed, device=GRAPH_DEVICE)
+        assert torch.equal(decode_loop(model, ids, 24, cache),
+                           decode_loop(reference, ids, 24, static_cache(reference, 40)))
+    assert whole(model)["recordings"] >= 1
+
+
+@pytest.mark.requires_graph_device
+def test_real_graphs_of_a_user_state_type():
+    from conftest import GRAPH_DEVICE
+
+    model = Accumulator().to(GRAPH_DEVICE).eval()
+    reference = copy.deepcopy(model)
+
+    def cache():
+        made = RunningCache()
+        made.total, made.steps = made.total.to(GRAPH_DEVICE), made.steps.to(GRAPH_DEVICE)
+        return made
+
+    tuning = cache()
+    xpupack.tune(model, [torch.randn(1, 8, device=GRAPH_DEVICE) for _ in range(3)],
+                 run=lambda m, x: m(x, tuning), strategy=GRAPH)
+    mine, theirs = cache(), cache()
+    with torch.no_grad():
+        for step in range(1, 10):
+            x = torch.randn(1, 8, device=GRAPH_DEVICE)
+            assert torch.allclose(model(x, mine), reference(x, theirs), atol=1e-5)
+            assert int(mine.steps) == step
+    assert xpupack.stats(model)[""]["fallbacks"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.requires_graph_device
+def test_real_graph_over_inductor_in_a_fresh_process(tmp_path, run_python):
+    from conftest import GRAPH_DEVICE
+
+    model = tiny_llama().to(GRAPH_DEVICE)
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, NEW_TOKENS),
+                 strategy=xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())))
+    root = xpupack.save(model, tmp_path / "pkg")
+    expected = generate(reference, prompt(seed=31, device=GRAPH_DEVICE), 12, eager=True).cpu()
+    torch.save(expected, tmp_path / "expected.pt")
+    result = run_python(f"""
+import torch, xpupack
+from language_models import generate, prompt, tiny_llama
+model = xpupack.load(tiny_llama(seed=4).to({GRAPH_DEVICE!r}), {str(root)!r})
+tokens = generate(model, prompt(seed=31, device={GRAPH_DEVICE!r}), 12).cpu()
+assert torch.equal(tokens, torch.load({str(tmp_path / "expected.pt")!r}))
+stats = xpupack.stats(model)[""]
+assert stats["backend"] == "graph" and stats["fallbacks"] == 1 and stats["recordings"] == 1, stats
+print("ok")
+""")
+    assert "ok" in result.stdout
+
+
+@pytest.mark.requires_graph_device
+def test_real_graphs_under_concurrent_calls():
+    from conftest import GRAPH_DEVICE
+
+    model = make_stack().to(GRAPH_DEVICE)
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [torch.randn(2, 8, device=GRAPH_DEVICE)], modules=["layers.*.mlp"], strategy=GRAPH)
+    mlp, expected_mlp = model.layers[0]["mlp"], reference.layers[0]["mlp"]
+    inputs = [torch.randn(2, 8, device=GRAPH_DEVICE) for _ in range(32)]
+    with torch.no_grad():
+        expected = [expected_mlp(x, scale=1.0) for x in inputs]
+    wrong = []
+
+    def hammer(offset):
+        with torch.no_grad():
+            for _ in range(50):
+                for i in range(offset, len(inputs), 2):
+                    if not torch.allclose(mlp(inputs[i], scale=1.0), expected[i], atol=1e-5):
+                        wrong.append(i)
+
+    threads = [threading.Thread(target=hammer, args=(n % 2,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong
