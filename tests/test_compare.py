@@ -17,6 +17,7 @@ def test_low_precision_rounding_passes_on_sqnr_only_where_allowed():
     actual, expected = rounded_differently()
     assert mismatch(actual, expected) is not None  # elementwise: some elements exceed 3e-2
     assert mismatch(actual, expected, low_precision_sqnr_db=30.0) is None
+    assert "SQNR 33.8 dB is below 40 dB" in mismatch(actual, expected, low_precision_sqnr_db=40.0)
 
 
 def test_a_wrong_low_precision_result_still_fails():

@@ -62,11 +62,14 @@ def mismatch(actual: Any, expected: Any,
                     return f"{where}: {problem}"
             elif e.dtype.is_floating_point or e.dtype.is_complex:
                 rtol, atol = tolerances.get(e.dtype, (1e-4, 1e-4))
-                if not torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True) and not (
-                        low_precision_sqnr_db is not None and e.dtype in LOW_PRECISION
-                        and a.isnan().equal(e.isnan()) and sqnr_db(a.nan_to_num(), e.nan_to_num()) >= low_precision_sqnr_db):
+                if not torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
                     worst = (a.double() - e.double()).abs().nan_to_num(float("inf")).max().item()
-                    return f"{where}: max abs difference {worst:.3g} exceeds rtol={rtol}, atol={atol}"
+                    problem = f"{where}: max abs difference {worst:.3g} exceeds rtol={rtol}, atol={atol}"
+                    if low_precision_sqnr_db is None or e.dtype not in LOW_PRECISION:
+                        return problem
+                    measured = sqnr_db(a.nan_to_num(), e.nan_to_num()) if a.isnan().equal(e.isnan()) else -math.inf
+                    if measured < low_precision_sqnr_db:
+                        return f"{problem}, and its SQNR {measured:.1f} dB is below {low_precision_sqnr_db:g} dB"
             elif not torch.equal(a, e):
                 return f"{where}: values differ from eager"
         elif a != e:

@@ -227,6 +227,11 @@ class Signature:
                              for leaf in self.leaves])
 
     @property
+    def state_layout(self) -> tuple:
+        """The layouts of the state leaves' tensors (empty without state)."""
+        return tuple(leaf.tensors for leaf in self.leaves if isinstance(leaf, StateLeaf))
+
+    @property
     def state_slots(self) -> tuple[int, ...]:
         """Positions of the state leaves among the call's leaves (empty for most signatures)."""
         return tuple(i for i, leaf in enumerate(self.leaves) if isinstance(leaf, StateLeaf))

@@ -72,9 +72,11 @@ class TunedModule:
         self._check_autocast = not backend.supports_autocast
         self._table = {signature.key: index for index, signature in enumerate(spec.signatures)
                        if index in runner.supported}
-        #: families of the tuned signatures with state (`_take_new_size`)
-        self._families = {signature.family for index, signature in enumerate(spec.signatures)
-                          if signature.state_slots and index in runner.supported}
+        #: family of each tuned signature with state -> the state layouts tuned in it (`_take_new_size`)
+        self._families: dict[tuple, set] = {}
+        for index, signature in enumerate(spec.signatures):
+            if signature.state_slots and index in runner.supported:
+                self._families.setdefault(signature.family, set()).add(signature.state_layout)
         self.new_sizes = 0
         self._refused: set = set()
 
@@ -105,16 +107,18 @@ class TunedModule:
             return self._fallback(args, kwargs, "backend error", leaves)
 
     def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
-        """A call with state of a new size in a tuned signature's family (a KV cache of another length,
-        from ``generate(max_new_tokens=...)``) becomes a signature of its own, up to a cap; the backend
-        prepares it as it does a new cache: the first call runs for real, the next one is recorded."""
+        """A call of a tuned signature's family whose state has a new layout (a KV cache of another
+        length, from ``generate(max_new_tokens=...)``) becomes a signature of its own, up to a cap; the
+        backend prepares it as it does a new cache: the first call runs for real, the next one is
+        recorded. A new input size on a tuned cache layout (a prefill into a reused cache) is no such
+        call: it is a different step, and falls back like any unrecorded signature."""
         if key in self._refused or self.new_sizes >= MAX_NEW_SIZES:
             return None
         try:
             signature = Signature.of_call(args, kwargs)
         except Unrecordable:
             signature = None
-        if signature is None or signature.family not in self._families:
+        if signature is None or signature.state_layout in self._families.get(signature.family, (signature.state_layout,)):
             if len(self._refused) > 1024:
                 self._refused.clear()
             self._refused.add(key)
@@ -123,6 +127,7 @@ class TunedModule:
         self.spec.signatures.append(signature)
         self.runner.add_signature(index)
         self._table[key] = index
+        self._families[signature.family].add(signature.state_layout)
         self.new_sizes += 1
         log.info("%s: taking calls of %s (a new size of a tuned signature with state)",
                  self.target.path or "<model>", signature.describe())
