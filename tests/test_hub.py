@@ -382,3 +382,26 @@ def test_model_card_explains_the_trust_rule_for_compiled_artifacts(inductor_pack
     assert "- inductor" in card.split("---")[1]
     assert "Compiled artifacts (`layers.0.mlp` (inductor))" in card
     assert "trust_compiled=True" in card
+
+
+# ---------------------------------------------------------------- issue 10: pins, extra files
+
+
+def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(eager_package, tmp_path, monkeypatch):
+    """Trust needs the commit the Hub resolved, not a revision that merely looks like one: a branch or a tag
+    can be named with 40 hex digits and moved. (olah cannot serve such a branch, so the Hub client's answer
+    is stood in for: the snapshot folder of the commit it resolved.)"""
+    lookalike, resolved = "c0ffee" * 6 + "c0ff", "1" * 40
+    snapshot = shutil.copytree(eager_package, tmp_path / "snapshots" / resolved)
+    asked = []
+
+    def fetch(hub, repo_id, filename, revision, token, **kwargs):
+        asked.append(revision)
+        return str(snapshot / filename)
+
+    monkeypatch.setattr("xpupack.hub._fetch", fetch)
+    source = download("org/name", revision=lookalike)
+    assert not source.trusted
+    assert f"resolved to commit {resolved}" in source.trust_reason
+    assert set(asked[1:]) == {resolved}  # the listed files come from the commit the manifest came from
+    assert download("org/name", revision=resolved).trusted

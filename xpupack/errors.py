@@ -38,6 +38,15 @@ class IncompatiblePackageError(XpupackError):
         self.differences = differences or {}
 
 
+class DeviceUnavailableError(XpupackError, ValueError):
+    """A device was asked for (``device=``, ``--device``) that this machine or this PyTorch build lacks."""
+
+    def __init__(self, message: str, *, device: str | None = None, available: list[str] | None = None):
+        super().__init__(message)
+        self.device = device
+        self.available = available or []
+
+
 class ModelMismatchError(XpupackError, ValueError):
     """The model given to `load` has another architecture than the one the package was built from."""
 

@@ -82,9 +82,11 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         >>> source = download("org/tiny", revision="3f1c...e9")  # a commit hash: trusted
     """
     hub = _settings()
-    pinned = revision is not None and _COMMIT_HASH.fullmatch(revision) is not None
     root = Path(_fetch(hub, repo_id, MANIFEST, revision, token)).parent
-    commit = root.name  # the cache keeps each commit's files in snapshots/<commit hash>/
+    commit = root.name  # the cache keeps each commit's files in snapshots/<commit hash>/: what the Hub resolved
+    # pinned means the Hub resolved the revision to that very commit: a branch or tag can be named
+    # with 40 hex digits too, and then points wherever its owner moves it
+    pinned = revision is not None and _COMMIT_HASH.fullmatch(revision) is not None and revision == commit
     manifest = read_manifest(root)  # validates every listed path before any of them is fetched
     with ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
         list(pool.map(lambda name: _fetch(hub, repo_id, name, commit, token, asked=revision),
@@ -94,6 +96,9 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         reason = "pinned by commit hash"
     elif trust_compiled:
         reason = "trust_compiled=True"
+    elif revision is not None and _COMMIT_HASH.fullmatch(revision):
+        reason = (f"revision {revision!r} is not pinned by commit hash: it is a branch or tag that the Hub "
+                  f"resolved to commit {commit}")
     else:
         reason = f"revision {revision or 'main'!r} (commit {commit}) is not pinned by commit hash"
     described = f"{repo_id}@{commit}" if pinned else f"{repo_id}@{revision or 'main'} (commit {commit[:12]})"

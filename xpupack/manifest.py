@@ -125,13 +125,13 @@ def _check_module_paths(modules: list[dict], where: str) -> None:
                                      "which overlap; the package is damaged — rebuild it", path=where)
 
 
-def check_package(root: Path, *, links_within: Path | None = None) -> dict:
+def check_package(root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> dict:
     """The manifest of an intact package: schema, paths, every file's size and sha256, every spec.
 
     Raises `PackageFormatError` or `IntegrityError` naming the first problem.
     """
     manifest = read_manifest(root)
-    check_files(root, manifest, links_within=links_within)
+    check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
     for entry in manifest["modules"]:
         read_json(root, entry["spec"], "spec")
     return manifest
@@ -193,11 +193,14 @@ def describe_files(root: Path) -> dict[str, dict]:
     return files
 
 
-def check_files(root: Path, manifest: dict, *, links_within: Path | None = None) -> None:
+def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
+                ignore_unlisted: bool = False) -> None:
     """Checks every listed file's size and digest, and that no unlisted file is present.
 
     Symbolic links are refused, except links that resolve inside ``links_within``
-    (the Hugging Face cache, whose snapshots link to its blob store).
+    (the Hugging Face cache, whose snapshots link to its blob store). With
+    ``ignore_unlisted`` (a Hub snapshot, which may hold the repo's other files),
+    unlisted files are not refused; `artifact_file` never hands them out.
     """
     listed = manifest["files"]
     for relative, expected in listed.items():
@@ -216,6 +219,8 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None)
             raise IntegrityError(f"{path} does not match its sha256 in the manifest; the file was changed "
                                  "or damaged — rebuild or re-download the package",
                                  path=relative, expected=expected["sha256"], actual=actual)
+    if ignore_unlisted:
+        return
     for path in root.rglob("*"):
         relative = path.relative_to(root)
         if relative.parts[0] in UNLISTED_DIRS_OK:

@@ -90,5 +90,5 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     from .inspect import print_report
     from ..report import package_report
 
-    print_report(package_report(out), out_console)
+    print_report(package_report(out, device), out_console)
     out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s")

@@ -39,7 +39,7 @@ def print_report(report: dict, out) -> None:
               f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
               f"package {_size(report['total_bytes'])}")
     out.print(_trust_line(report))
-    table = Table("module", "backend", "signatures", "candidates", "size")
+    table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
@@ -48,19 +48,21 @@ def print_report(report: dict, out) -> None:
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
         table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
-                      _size(module["size_bytes"]))
+                      module["on_load"], _size(module["size_bytes"]))
     out.print(table)
 
 
 def _trust_line(report: dict) -> str:
     """Whether the package's compiled artifacts may run here (DESIGN §5)."""
-    compiled = ", ".join(f"{m['path'] or '<model>'} ({m['backend']})" for m in report["modules"]
-                         if m["compiled_artifacts"])
+    compiled = ", ".join(f"{m['path'] or '<model>'} ({m['runs_here']})" for m in report["modules"]
+                         if m["compiled_here"])
     if report["trusted"]:
         return (f"trust: {report['trust_reason']} — " + (f"compiled artifacts of {compiled} are trusted"
                                                          if compiled else "no compiled artifacts"))
     if not compiled:
-        return f"trust: {report['trust_reason']}; the package has no compiled artifacts, so nothing is rebuilt"
+        what = ("the package has no compiled artifacts" if not any(m["compiled_artifacts"] for m in report["modules"])
+                else "no module runs the package's compiled artifacts here")
+        return f"trust: {report['trust_reason']}; {what}, so nothing is rebuilt"
     return (f"[yellow]trust: compiled artifacts of {compiled} will be rebuilt on load: {report['trust_reason']} — "
             "pin that commit (--revision, or revision= in xpupack.load) or pass trust_compiled=True to "
             "xpupack.load to run them[/yellow]")
