@@ -327,14 +327,16 @@ def test_push_refuses_a_damaged_package(eager_package, tmp_path, monkeypatch):
 
 
 def test_push_to_a_branch_replaces_an_earlier_package(eager_package, monkeypatch):
-    old_files = [".gitattributes", "README.md", "xpupack.json", "modules/old/spec.json", "model.safetensors"]
+    """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (issue 10, item 2's class)."""
+    old_files = [".gitattributes", "README.md", "xpupack.json", "modules/old/spec.json", "model.safetensors",
+                 "backends/inductor/cache.bin", "LICENSE", "docs/usage.md"]
     fake = FakeHfApi(existing=old_files).install(monkeypatch)
     xpupack.push(eager_package, "org/tiny", revision="candidate", private=True)
     assert fake.calls[0][1]["private"] is True
     assert fake.calls[1] == ("create_branch", {"repo_id": "org/tiny", "branch": "candidate", "exist_ok": True})
     (commit,) = fake.commits
     assert commit["revision"] == "candidate"
-    assert commit["deleted"] == ["modules/old/spec.json"]  # in the same commit as the new files
+    assert commit["deleted"] == ["modules/old/spec.json", "backends/inductor/cache.bin"]  # in the same commit
     assert 'xpupack.load(model, "org/tiny", revision="candidate")' in commit["added"]["README.md"].decode()
 
 

@@ -84,6 +84,19 @@ class SaveError(XpupackError):
     """Writing the package failed; any previous package at the destination is untouched."""
 
 
+class DestinationExistsError(SaveError):
+    """`save` was pointed at a directory that is not a package xpupack wrote; nothing was changed.
+
+    ``unexpected`` lists what the directory holds that a package would not (or why its
+    ``xpupack.json`` is not a package manifest).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, unexpected: list[str] | None = None):
+        super().__init__(message)
+        self.path = path
+        self.unexpected = unexpected or []
+
+
 class UnknownConfigError(XpupackError, ValueError):
     """A backend config names a type xpupack does not know (the message lists the known ones)."""
 

@@ -24,7 +24,7 @@ from . import __version__
 from .card import package_card
 from .errors import (HubError, IntegrityError, OfflineNotCachedError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError)
-from .manifest import MANIFEST, MODEL_CARD, UNLISTED_OK, check_package, read_manifest
+from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package, read_manifest
 from .source import Source
 
 if TYPE_CHECKING:
@@ -113,8 +113,9 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
 
     The repo is created if needed. The commit holds ``xpupack.json``, every file
     it lists and a model card (``README.md``) written for ``repo_id``; files of
-    an earlier package in the repo that this one lacks are deleted in the same
-    commit, so the repo is exactly this package (the history keeps the old one).
+    an earlier package in the repo that this one lacks (weights, ``modules/``,
+    ``backends/``) are deleted in the same commit (the history keeps them). The
+    repo's other files (a ``LICENSE``, docs) stay: loading ignores them.
 
     Args:
         path: a package directory written by `xpupack.save` or `xpupack build`.
@@ -156,7 +157,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         stale = [name for name in api.list_repo_files(repo_id, revision=revision)
-                 if name not in listed and name not in UNLISTED_OK]
+                 if name not in listed and _package_owned(name)]
         operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
         operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card))
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
@@ -175,6 +176,12 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
                        revision=revision) from None
     log.info("pushed %s to %s (%d files): %s", root, repo_id, len(listed) + 1, info.commit_url)
     return info
+
+
+def _package_owned(name: str) -> bool:
+    """Whether a repo file is where a package keeps its files (so an earlier package's file, not the repo
+    owner's LICENSE or docs): the weights, and everything under ``modules/`` and ``backends/``."""
+    return name == WEIGHTS or name.split("/", 1)[0] in ("modules", "backends")
 
 
 def _settings() -> _Hub:

@@ -21,6 +21,8 @@ FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "xpupack.json"
 MODEL_CARD = "README.md"
+#: the weights no backend owns (optional: ``save(..., weights=False)``)
+WEIGHTS = "model.safetensors"
 #: files a package may hold without listing them (the Hub adds .gitattributes)
 UNLISTED_OK = frozenset({MANIFEST, MODEL_CARD, ".gitattributes"})
 #: folders a package may hold without listing them (huggingface_hub's local_dir metadata)
