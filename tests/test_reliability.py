@@ -294,6 +294,25 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_packag
     assert sorted(cache.rglob("*")) == before
 
 
+def test_a_missing_kernel_midway_gives_back_the_earlier_tuning(inductor_package, tmp_path):
+    """The kernel list is checked while the shared artifacts are restored, after the earlier tuning was taken
+    off: it comes back active and counting (issue 10, item 4)."""
+    model = xpupack.load(make_stack(seed=5), inductor_package[1])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    before = xpupack.stats(model)
+    root = copy_package(inductor_package[1], tmp_path / "pkg")
+    rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"]["kernels"].append("zz/missing.so"))
+    with pytest.raises(IntegrityError, match="zz/missing.so"):
+        xpupack.load(model, root)
+    assert xpupack.stats(model) == before
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert {s["calls"] for s in xpupack.stats(model).values()} == {before["layers.0.mlp"]["calls"] + 1}
+    assert {s["active"] for s in xpupack.stats(model).values()} == {True}
+
+
 def test_the_temporary_directory_of_a_save_is_not_a_package(package, tmp_path):
     litter = tmp_path / ".pkg.xpupack-tmp-12345-0a1b2c3d"
     copy_package(package, litter)  # a complete copy: still refused by its name

@@ -119,9 +119,10 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
 
     edit = _ModelEdit(model)
     previous = find_session(model)
+    was_active = previous is not None and previous.active
     try:
         if previous is not None:  # loading again replaces the earlier tuning
-            previous.deactivate()
+            _unhook(previous)
             detach(model)
             for tuned in previous.modules.values():
                 edit.undo_runner(tuned.runner)
@@ -143,10 +144,23 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         detach(model)
         if previous is not None:
             attach(model, previous)
-            if previous.active:
+            if was_active:
                 previous.activate()
         raise
+    if previous is not None:
+        previous.deactivate()  # its modules now run the new session: this only frees its recordings
     return model
+
+
+def _unhook(session: Session) -> None:
+    """Takes an earlier tuning's forwards off its modules while a load restores the new ones.
+
+    Unlike `Session.deactivate` this keeps its recordings and flags, so that a
+    failed load gives the tuning back exactly as it was, counters included.
+    """
+    for tuned in session.modules.values():
+        if tuned.target.module.__dict__.get("forward") is tuned:
+            del tuned.target.module.forward
 
 
 def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
