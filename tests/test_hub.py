@@ -407,3 +407,21 @@ def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(eager_packag
     assert f"resolved to commit {resolved}" in source.trust_reason
     assert set(asked[1:]) == {resolved}  # the listed files come from the commit the manifest came from
     assert download("org/name", revision=resolved).trusted
+
+
+def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, eager_package):
+    """`hf download` (snapshot_download) puts the repo's other files in the cache too: they are ignored,
+    never read, as for a fresh cache that never fetched them (issue 10, item 6)."""
+    from huggingface_hub import snapshot_download
+
+    from xpupack.hub import _settings
+
+    repo = "xpupack-tests/with-license"
+    commit = hub.publish(eager_package, repo, extra={"LICENSE": b"Apache-2.0\n", "docs/usage.md": b"# usage\n"})
+    snapshot = Path(snapshot_download(repo, cache_dir=_settings().cache_dir, endpoint=hub.endpoint))
+    assert (snapshot / "LICENSE").exists() and (snapshot / "README.md").exists()
+    for revision in (None, commit):
+        model = xpupack.load(tiny_transformer(99), repo, revision=revision)
+        torch.testing.assert_close(logits(model), reference(0))
+    verified = CliRunner().invoke(main, ["verify", repo, "--revision", commit])
+    assert verified.exit_code == 0, verified.output

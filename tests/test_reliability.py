@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import xpupack
-from backends_for_tests import CountingBackend
+from backends_for_tests import ArtifactBackend, CountingBackend
 from models import Stack, make_stack, stack_samples
 from package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
                            snapshot)
@@ -155,6 +155,42 @@ def test_harmless_unlisted_things_load(package):
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(model(x), make_stack()(x))
+
+
+def _ignoring_unlisted(monkeypatch, root):
+    """Loads of ``root`` see it as a Hub snapshot does (a trusted pin): unlisted files are not refused."""
+    source = Source(root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash",
+                    ignore_unlisted=True)
+    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source", lambda *a, **k: source)
+    return "org/name"
+
+
+@pytest.mark.parametrize("kind", ["artifact", "torchao"])
+def test_files_the_manifest_does_not_list_are_never_read(kind, tmp_path, monkeypatch):
+    """Where unlisted files are ignored (Hub snapshots), a backend config still cannot name one: only listed,
+    digest-checked files are handed out (issue 10, item 6)."""
+    if kind == "artifact":
+        root = build(tmp_path, xpupack.Only(ArtifactBackend()))
+        planted = root / "modules/layers.0.mlp/artifact/planted.json"
+        planted.write_text('{"compiled": true}')
+        rewrite_manifest(root, lambda m: m["modules"][0]["backend"]["config"].update(artifact="planted.json"))
+        model = make_stack(seed=5)
+    else:  # the quantized weights, unlisted, with another content than the build wrote
+        model = xpupack.tune(make_stack(width=128), [torch.randn(2, 128)], modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+        root = xpupack.save(model, tmp_path / "pkg")
+        planted = root / "modules/layers.0.mlp/torchao/weights.safetensors"
+        rewrite_manifest(root, lambda m: m["files"].pop("modules/layers.0.mlp/torchao/weights.safetensors"))
+        model = make_stack(seed=5, width=128)
+    state = _AUDIT
+    state.update(active=True, events=[], opened=[])
+    try:
+        with pytest.raises(IntegrityError, match="does not list") as caught:
+            xpupack.load(model, _ignoring_unlisted(monkeypatch, root))
+    finally:
+        state["active"] = False
+    assert planted.name in str(caught.value) and "rebuild or re-download" in str(caught.value)
+    assert str(planted.resolve()) not in [str(Path(p).resolve()) for p in state["opened"]]
 
 
 # -- the manifest: not JSON, not the schema, another version -------------------------------------------

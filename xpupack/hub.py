@@ -58,7 +58,8 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
     Only ``xpupack.json`` and the files it lists are downloaded (not the model
     card or anything else in the repo). Files already in the cache for that
     commit are not downloaded again; with ``HF_HUB_OFFLINE=1`` only the cache
-    is used.
+    is used. Other files of the repo that another client put in the same
+    snapshot (``hf download``: a LICENSE, the model card) are ignored, never read.
 
     Args:
         repo_id: ``"org/name"``.
@@ -104,7 +105,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
     described = f"{repo_id}@{commit}" if pinned else f"{repo_id}@{revision or 'main'} (commit {commit[:12]})"
     log.info("%s: package in the Hugging Face cache at %s", described, root)
     return Source(root, trusted=pinned or trust_compiled, links_within=hub.repo_cache(repo_id),
-                  description=described, trust_reason=reason)
+                  description=described, trust_reason=reason, ignore_unlisted=True)
 
 
 def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,

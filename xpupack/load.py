@@ -20,8 +20,8 @@ from . import _device
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
-                     OutputMismatchError, PackageFormatError, XpupackError)
-from .manifest import MANIFEST, check_files, read_json, read_manifest
+                     OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
+from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
 from .plan import Choice, Context, choose
 from .signature import Signature, device_from_name, dtype_name, flatten
 from .source import Source, resolve_source
@@ -128,13 +128,14 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
                 edit.undo_runner(tuned.runner)
         edit.set_tensors(model, weights, device)
         edit.set_eval(model)
-        _restore_shared(manifest, source, plans, context)
-        modules = {}
-        for number, plan in enumerate(plans, 1):
-            if progress:
-                progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
-            modules[plan.path] = _restore(plan, context)
-            edit.keep_runner(modules[plan.path].runner)
+        with listed_files(source.root, manifest):  # backends read no file the manifest does not list
+            _restore_shared(manifest, source, plans, context)
+            modules = {}
+            for number, plan in enumerate(plans, 1):
+                if progress:
+                    progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
+                modules[plan.path] = _restore(plan, context)
+                edit.keep_runner(modules[plan.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"])
         attach(model, session)
@@ -332,8 +333,12 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
 
 
 def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> TunedModule:
-    """What runs a module whose backend failed to restore or answers differently from the original module."""
-    if context.on_mismatch == "error" or plan.choice.depth is None:
+    """What runs a module whose backend failed to restore or answers differently from the original module.
+
+    A damaged package (a file or config that is not what the manifest promises) is refused, never served.
+    """
+    if (context.on_mismatch == "error" or plan.choice.depth is None
+            or isinstance(exc, (PackageFormatError, IntegrityError, UnknownConfigError))):
         if isinstance(exc, XpupackError):
             raise exc
         raise BackendError(f"{plan.path or '<model>'}: restoring the {plan.backend.name} backend failed "

@@ -9,6 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 from importlib import resources
 from pathlib import Path, PurePosixPath
@@ -159,11 +162,29 @@ def check_relative(relative: str, where: str) -> None:
                                  "unchecked files; refusing to load it — rebuild the package", path=relative)
 
 
+#: the package being loaded, as ``(root, files its manifest lists)``: see `listed_files`
+_LOADING: ContextVar[tuple[Path, frozenset[str]] | None] = ContextVar("xpupack_loading", default=None)
+
+
+@contextmanager
+def listed_files(root: Path, manifest: dict) -> Iterator[None]:
+    """While a package's backends are restored: `artifact_file` hands out only files its manifest lists.
+
+    `check_files` verified exactly those; a Hub snapshot may hold other, unverified ones.
+    """
+    token = _LOADING.set((root, frozenset(manifest["files"])))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
 def artifact_file(folder: Path, name: Any) -> Path:
     """The file ``name`` that a backend config names inside the backend's ``folder``.
 
     Backends call this for every file their config names: the name cannot
-    leave the package, and the file must be one `check_files` verified.
+    leave the package, and the file must be one `check_files` verified (one the
+    manifest lists, while `listed_files` is in effect).
     """
     where = f"the backend config for {folder}"
     if not isinstance(name, str):
@@ -171,6 +192,14 @@ def artifact_file(folder: Path, name: Any) -> Path:
                                  "damaged — rebuild it", path=str(folder))
     check_relative(name, where)
     path = folder / name
+    loading = _LOADING.get()
+    if loading is not None:
+        root, listed = loading
+        relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else None
+        if relative not in listed:
+            raise IntegrityError(f"{where} names {name!r}, but {MANIFEST} does not list {relative or path}, so "
+                                 "its digest was never checked; refusing to read it — rebuild or re-download "
+                                 "the package", path=relative or str(path))
     if not path.is_file():  # a regular file here is listed and verified (symlinks only into the Hub cache)
         raise IntegrityError(f"{where} names {name!r}, which is not a file of the package; the package is "
                              "incomplete — rebuild or re-download it", path=str(path))

@@ -33,6 +33,7 @@ from torch import nn
 
 from .._compare import mismatch
 from ..errors import BackendError, BackendUnavailableError, PackageFormatError, UnknownConfigError
+from ..manifest import artifact_file
 from ..signature import dtype_from_name, dtype_name
 from .base import Backend, ModuleSpec, Runner, Target, register_backend
 
@@ -397,14 +398,15 @@ class TorchAOBackend(Backend):
         the package holds no other form of them to rebuild from.
         """
         _require_torchao()
-        where = str(folder / WEIGHTS_FILE)
+        weights = artifact_file(folder, config.get("weights", WEIGHTS_FILE))
+        where = str(weights)
         if "config" in config:
             config_from_json(config["config"], f"{folder} (torchao config)")
         expected = config.get("tensors")
         if not isinstance(expected, dict) or not expected:
             raise PackageFormatError(f"the torchao config of {folder} lists no tensors; rebuild the package",
                                      path=where)
-        tensors = read_quantized(folder / WEIGHTS_FILE, device)
+        tensors = read_quantized(weights, device)
         if set(tensors) != set(expected):
             raise PackageFormatError(f"{where} holds {sorted(tensors)}, the manifest lists {sorted(expected)}; "
                                      "rebuild the package", path=where)
