@@ -454,6 +454,43 @@ def test_trusted_compiled_artifacts_are_used(inductor_package, tmp_path, monkeyp
     assert blobs == [(root / "backends/inductor/cache.bin").read_bytes()]
 
 
+@pytest.mark.parametrize("mode", ["rebuild", "error"])
+def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(inductor_package, tmp_path, monkeypatch,
+                                                                           caplog, mode):
+    """PyTorch's loader raises whatever it meets in a malformed (but listed and digest-checked) cache.bin,
+    e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here (issue 10,
+    item 8)."""
+    root = copy_package(inductor_package[1], tmp_path / "pkg")
+
+    def malformed(blob):
+        raise AttributeError("'list' object has no attribute 'populate_cache'")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", malformed)
+    if mode == "error":
+        error = refused(root, BackendError, on_mismatch="error")
+        assert "backends/inductor" in str(error) and "AttributeError" in str(error)
+        assert "rebuild the package" in str(error)
+        return
+    model = xpupack.load(make_stack(seed=5), root)
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
+    assert "cannot be loaded (AttributeError" in caplog.text
+    for tuned in xpupack.tuned.session_of(model).modules.values():
+        assert "inductor compiled here" in tuned.report[0]["reason"]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), make_stack()(x))
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp"])
+def test_a_device_this_machine_lacks_is_refused_before_anything_changes(package, device):
+    from xpupack.environment import devices_here
+
+    if device in ("cuda", "xpu") and any(d.startswith(device) for d in devices_here()):
+        pytest.skip(f"this machine has {device}")
+    error = refused(package, xpupack.DeviceUnavailableError, device=device)
+    assert f"device {device!r} is not available here" in str(error) and "devices here: cpu" in str(error)
+
+
 # -- the wrong model ---------------------------------------------------------------------------------
 
 class Renamed(nn.Module):

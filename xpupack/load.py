@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _device
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
-from .environment import environment
+from .environment import environment, resolve_device
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
 from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
@@ -93,6 +93,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
         ModelMismatchError: the model's architecture or weight tying differs from the package's.
+        DeviceUnavailableError: ``device`` is not a device of this machine.
         UnknownConfigError: a backend or backend option this xpupack does not know.
         IncompatiblePackageError: with ``on_mismatch="error"``, what differs.
         BackendError: with ``on_mismatch="error"``, a backend that failed to restore
@@ -108,7 +109,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     check_files(source.root, manifest, links_within=source.links_within,
                 ignore_unlisted=source.ignore_unlisted)
     check_architecture(model, manifest, source.root)
-    device = _device.resolve(device, default=_device.model_device(model))
+    device = resolve_device(device, default=_device.model_device(model))
     here = environment(device)
     build_device = manifest_device(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
@@ -310,7 +311,7 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
                                    "on_mismatch='rebuild' to compile here instead") from exc
             log.warning("%s; compiling those modules here", why)
             for plan in users:
-                plan.choice = replace(plan.choice, use_artifacts=False)
+                plan.choice = plan.choice.without_artifacts(why)
 
 
 def _restore(plan: _ModulePlan, context: Context) -> TunedModule:

@@ -7,6 +7,7 @@ commands that only look at a package stay fast.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import json
 import re
 from collections.abc import Iterator
@@ -71,6 +72,7 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
     if not isinstance(data, dict):
         raise PackageFormatError(f"{where} must hold a JSON object; the package is damaged — "
                                  "rebuild it with `xpupack build`", path=where)
+    check_depth(data, where, fix="rebuild it with `xpupack build`")
     version = data.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_VERSIONS:
         newest = max(SUPPORTED_VERSIONS)
@@ -79,6 +81,26 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
                                  f"{', '.join(map(str, SUPPORTED_VERSIONS))} — {fix}", path=where)
     validate(data, schema_name, where)
     return data
+
+
+#: deeper than any JSON xpupack or torchao writes (about 10 levels), shallow enough for any recursive code
+MAX_DEPTH = 64
+
+
+def check_depth(data: Any, where: str, *, fix: str = "rebuild the package") -> None:
+    """Raises `PackageFormatError` if the parsed JSON ``data`` nests more than `MAX_DEPTH` levels.
+
+    Iterative, so it cannot itself run out of stack; run it before any recursive walk (a schema
+    validator, a type check, torchao's decoder) sees the data.
+    """
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise PackageFormatError(f"{where} is nested deeper than {MAX_DEPTH} levels, which no package "
+                                     f"holds; the package is damaged — {fix}", path=where)
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
 
 
 def read_manifest(root: Path) -> dict:
@@ -105,6 +127,7 @@ def read_manifest(root: Path) -> dict:
     paths += [b["folder"] for b in manifest["backends"].values()]
     for relative in paths:
         check_relative(relative, where)
+        _refuse_importable(relative, where)
     for relative in [m["spec"] for m in manifest["modules"]] + weights:  # files that load reads: digested
         if relative not in manifest["files"]:
             raise PackageFormatError(f"{where} names {relative!r} but does not list it under files, so its "
@@ -177,6 +200,22 @@ def listed_files(root: Path, manifest: dict) -> Iterator[None]:
         yield
     finally:
         _LOADING.reset(token)
+
+
+#: file names Python imports (``.py``, ``.pyc``, extension modules) or reads at start-up (``.pth``)
+_IMPORTABLE = (*importlib.machinery.all_suffixes(), ".pth")
+
+
+def _refuse_importable(relative: str, where: str) -> None:
+    """Refuses a path that Python could import when the package directory is on ``sys.path`` (it is the
+    current directory of ``python -m``, say): a module at the root, or a folder at the root with an
+    ``__init__``. xpupack never writes one; a package that has one could shadow a real module."""
+    parts = PurePosixPath(relative).parts
+    if ((len(parts) == 1 and parts[0].endswith(_IMPORTABLE))
+            or (len(parts) == 2 and parts[1].startswith("__init__.") and parts[1].endswith(_IMPORTABLE))):
+        raise PackageFormatError(f"{where} names {relative!r}, a file Python can import from the package's "
+                                 "root, where it could shadow a module; xpupack never writes one, so refusing "
+                                 "to load it — rebuild the package", path=relative)
 
 
 def artifact_file(folder: Path, name: Any) -> Path:

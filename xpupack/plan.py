@@ -15,7 +15,7 @@ One decision, made here, that `load` acts on and `verify` and `inspect` report:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -81,6 +81,11 @@ class Choice:
         for _ in range(self.depth):
             config, folder, backend = config.get("base", {}), folder / backend.base.name, backend.base
         return config, folder
+
+    def without_artifacts(self, why: str) -> Choice:
+        """The same backend, built here: its compiled artifacts cannot be used (``why``)."""
+        return replace(self, use_artifacts=False, steps=(*self.steps, _Step(
+            f"{self.backend.name} compiled here: {why}", f"compiled on load: {why}")))
 
     def after_failure(self, why: str, context: Context) -> Choice:
         """What runs when restoring this choice failed (``why``): the next of the chain, same rules.

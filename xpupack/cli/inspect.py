@@ -85,19 +85,35 @@ def inspect(package, revision, as_json):
         print_report(report, console())
 
 
-@click.command()
+#: `verify`'s exit status when it could not check the package at all (not "damaged" 1, not "degraded" 2)
+CANNOT_CHECK = 3
+
+
+class _VerifyCommand(click.Command):
+    """Usage errors exit with `CANNOT_CHECK`: click's own status for them, 2, means "degraded" here."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            exc.exit_code = CANNOT_CHECK
+            raise
+
+
+@click.command(cls=_VerifyCommand)
 @click.argument("package", metavar="DIR|ORG/NAME")
 @_revision
 @click.option("--device", default=None, help="Device to check compatibility against. Default: the best here.")
 @json_option
-@handle_errors
+@handle_errors(exit_code=CANNOT_CHECK)
 def verify(package, revision, device, as_json):
     """Check a package: schema, every file's sha256, and compatibility with this machine.
 
     \b
     Exit status: 0 when the package is intact and everything in it runs here as built;
     1 when it is damaged (nothing is loaded from such a package);
-    2 when it is intact but some modules would be rebuilt or run the original module here.
+    2 when it is intact but some modules would be rebuilt or run the original module here;
+    3 when it could not be checked (a device not here, the Hub unreachable, no such repo, a bad option).
     """
     from ..report import verify_package
 
