@@ -57,6 +57,22 @@ def inductor_package(tmp_path_factory, _inductor_cache):
     return model, root
 
 
+@pytest.fixture(scope="session")
+def graph_inductor_package(tmp_path_factory, _inductor_cache):
+    """``(tuned model, package)``: the stack's MLPs as ``graph+inductor``, once per run.
+
+    Built through the emulated device graphs (a CPU has none), so that loading it
+    here without them falls back from graph to the Inductor base: compiled
+    artifacts behind a fallback. Tests must not change the package; copy it first.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_device.GRAPH_APIS, "cpu", EmulatedGraphs())
+        model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())))
+        root = xpupack.save(model, tmp_path_factory.mktemp("graph-inductor") / "pkg")
+    return model, root
+
+
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

@@ -1,4 +1,9 @@
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -99,3 +104,81 @@ def test_help_shows_the_demo():
     assert result.exit_code == 0 and "xpupack build xpupack.examples:tiny_transformer" in result.output
     for command in ("build", "inspect", "verify", "bench"):
         assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
+
+
+# -- issue 10: options and files a user can get wrong ---------------------------------------------------
+
+def _lacking(device):
+    from xpupack.environment import devices_here
+
+    if device in ("cuda", "xpu") and any(d.startswith(device) for d in devices_here()):
+        pytest.skip(f"this machine has {device}")
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp"])
+def test_verify_on_a_device_this_machine_lacks_could_not_check(built, device):
+    """Exit 1 means damaged and 2 degraded: a device that is not here is neither (exit 3)."""
+    _lacking(device)
+    result = CliRunner().invoke(main, ["verify", str(built[0]), "--device", device])
+    assert result.exit_code == 3, result.output
+    assert result.stderr.startswith(f"error: device {device!r} is not available here")
+    assert "Traceback" not in result.output and "AssertionError" not in result.output
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "PKG", "--model", "xpupack.examples:tiny_transformer", "--device", "cuda:99"],
+    ["build", *DEMO, "--out", "out", "--device", "cuda:99"],
+])
+def test_other_commands_refuse_a_missing_device_in_one_line(built, command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, [str(built[0]) if part == "PKG" else part for part in command])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: device 'cuda:99' is not available here")
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_verify_exit_status_3_when_it_cannot_check(tmp_path):
+    """A usage error is not 'degraded' either (click's own exit status for it is 2)."""
+    result = CliRunner().invoke(main, ["verify", str(tmp_path), "--no-such-option"])
+    assert result.exit_code == 3
+
+
+PLANTED = "open({marker!r}, 'w').write('imported')\n"
+
+
+@pytest.mark.parametrize("how", ["main()", "python -m xpupack"])
+def test_bench_inside_a_package_imports_nothing_from_it(built, tmp_path, how):
+    """`xpupack bench .` in a package directory: the directory is not put on sys.path, so a planted
+    module there never runs (issue 10, item 7); the unlisted file is then refused."""
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    marker = tmp_path / "imported"
+    for name in ("jsonschema.py", "rich.py"):  # modules that bench and load import only when they need them
+        (package / name).write_text(PLANTED.format(marker=str(marker)))
+    args = ["bench", ".", "--model", "xpupack.examples:tiny_transformer", "--iterations", "1"]
+    if how == "main()":  # as the `xpupack` console script runs it: from a script outside the package
+        script = tmp_path / "xpupack_script.py"
+        script.write_text(f"from xpupack.cli import main\nmain({args!r})\n")
+        command = [sys.executable, str(script)]
+    else:  # Python puts the current directory first on sys.path for -m
+        command = [sys.executable, "-m", "xpupack", *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(command, cwd=package, capture_output=True, text=True, env=env, timeout=600)
+    assert not marker.exists(), result.stderr
+    assert result.returncode == 1 and "is not listed in the manifest" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("name", ["jsonschema.py", "torch.pth", "click.cpython-311-x86_64-linux-gnu.so",
+                                  "safetensors/__init__.py", "rich.pyc"])
+def test_a_package_with_importable_files_at_its_root_is_refused(built, tmp_path, name):
+    """Listed and digest-checked is not enough: at a package's root such a file could shadow a module
+    whenever the package directory is the current one."""
+    from package_tools import redigest
+
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    (package / name).parent.mkdir(exist_ok=True)
+    (package / name).write_text("x = 1\n")
+    redigest(package)
+    result = CliRunner().invoke(main, ["verify", str(package)])
+    assert result.exit_code == 1
+    assert name in result.output and "importable" in result.output

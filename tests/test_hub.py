@@ -327,14 +327,16 @@ def test_push_refuses_a_damaged_package(eager_package, tmp_path, monkeypatch):
 
 
 def test_push_to_a_branch_replaces_an_earlier_package(eager_package, monkeypatch):
-    old_files = [".gitattributes", "README.md", "xpupack.json", "modules/old/spec.json", "model.safetensors"]
+    """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (issue 10, item 2's class)."""
+    old_files = [".gitattributes", "README.md", "xpupack.json", "modules/old/spec.json", "model.safetensors",
+                 "backends/inductor/cache.bin", "LICENSE", "docs/usage.md"]
     fake = FakeHfApi(existing=old_files).install(monkeypatch)
     xpupack.push(eager_package, "org/tiny", revision="candidate", private=True)
     assert fake.calls[0][1]["private"] is True
     assert fake.calls[1] == ("create_branch", {"repo_id": "org/tiny", "branch": "candidate", "exist_ok": True})
     (commit,) = fake.commits
     assert commit["revision"] == "candidate"
-    assert commit["deleted"] == ["modules/old/spec.json"]  # in the same commit as the new files
+    assert commit["deleted"] == ["modules/old/spec.json", "backends/inductor/cache.bin"]  # in the same commit
     assert 'xpupack.load(model, "org/tiny", revision="candidate")' in commit["added"]["README.md"].decode()
 
 
@@ -382,3 +384,44 @@ def test_model_card_explains_the_trust_rule_for_compiled_artifacts(inductor_pack
     assert "- inductor" in card.split("---")[1]
     assert "Compiled artifacts (`layers.0.mlp` (inductor))" in card
     assert "trust_compiled=True" in card
+
+
+# ---------------------------------------------------------------- issue 10: pins, extra files
+
+
+def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(eager_package, tmp_path, monkeypatch):
+    """Trust needs the commit the Hub resolved, not a revision that merely looks like one: a branch or a tag
+    can be named with 40 hex digits and moved. (olah cannot serve such a branch, so the Hub client's answer
+    is stood in for: the snapshot folder of the commit it resolved.)"""
+    lookalike, resolved = "c0ffee" * 6 + "c0ff", "1" * 40
+    snapshot = shutil.copytree(eager_package, tmp_path / "snapshots" / resolved)
+    asked = []
+
+    def fetch(hub, repo_id, filename, revision, token, **kwargs):
+        asked.append(revision)
+        return str(snapshot / filename)
+
+    monkeypatch.setattr("xpupack.hub._fetch", fetch)
+    source = download("org/name", revision=lookalike)
+    assert not source.trusted
+    assert f"resolved to commit {resolved}" in source.trust_reason
+    assert set(asked[1:]) == {resolved}  # the listed files come from the commit the manifest came from
+    assert download("org/name", revision=resolved).trusted
+
+
+def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, eager_package):
+    """`hf download` (snapshot_download) puts the repo's other files in the cache too: they are ignored,
+    never read, as for a fresh cache that never fetched them (issue 10, item 6)."""
+    from huggingface_hub import snapshot_download
+
+    from xpupack.hub import _settings
+
+    repo = "xpupack-tests/with-license"
+    commit = hub.publish(eager_package, repo, extra={"LICENSE": b"Apache-2.0\n", "docs/usage.md": b"# usage\n"})
+    snapshot = Path(snapshot_download(repo, cache_dir=_settings().cache_dir, endpoint=hub.endpoint))
+    assert (snapshot / "LICENSE").exists() and (snapshot / "README.md").exists()
+    for revision in (None, commit):
+        model = xpupack.load(tiny_transformer(99), repo, revision=revision)
+        torch.testing.assert_close(logits(model), reference(0))
+    verified = CliRunner().invoke(main, ["verify", repo, "--revision", commit])
+    assert verified.exit_code == 0, verified.output

@@ -116,6 +116,39 @@ def test_failed_load_keeps_an_earlier_tuning_active(package):
     assert "forward" in model.layers[0]["mlp"].__dict__
 
 
+def _serve(model):
+    with torch.no_grad():
+        return model(torch.randn(2, 8, generator=torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("progress display broke"), KeyboardInterrupt()])
+@pytest.mark.parametrize("kind", ["eager", "graph"])
+def test_a_load_that_fails_midway_gives_back_the_earlier_tuning(tmp_path, request, kind, failure):
+    """Active, counting, its recordings intact: the earlier tuning is exactly as it was (issue 10, item 4)."""
+    if kind == "graph":
+        emulated = request.getfixturevalue("emulated_graphs")
+    strategy = EAGER if kind == "eager" else xpupack.Only(xpupack.GraphBackend())
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    model = xpupack.load(make_stack(seed=7), root)
+    expected = _serve(model)
+    before = xpupack.stats(model)
+    replays = emulated.replays if kind == "graph" else 0
+
+    def progress(message):
+        raise failure
+
+    with pytest.raises(type(failure)):
+        xpupack.load(model, root, progress=progress)
+    assert xpupack.stats(model) == before
+    assert torch.equal(_serve(model), expected)
+    after = xpupack.stats(model)
+    assert {path: (s["active"], s["calls"], s["fallbacks"]) for path, s in after.items()} == {
+        path: (True, s["calls"] + 1, s["fallbacks"]) for path, s in before.items()}
+    if kind == "graph":  # replayed from the recordings it had, not recorded again
+        assert emulated.replays == replays + 2 and {s["rerecordings"] for s in after.values()} == {0}
+
+
 def test_future_format_version_says_upgrade(package):
     rewrite_manifest(package, lambda m: m.update(format_version=3))
     with pytest.raises(PackageFormatError, match="unsupported format_version 3.*upgrade xpupack"):

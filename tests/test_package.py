@@ -8,7 +8,7 @@ from safetensors import safe_open
 import xpupack
 from backends_for_tests import CountingBackend
 from models import make_stack, stack_samples
-from xpupack.errors import SaveError
+from xpupack.errors import DestinationExistsError, SaveError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 from xpupack.manifest import check_files, read_manifest, validate
 
@@ -86,10 +86,11 @@ def test_failed_save_keeps_the_previous_package_and_leaves_no_litter(tuned_stack
 
 def test_save_replaces_an_existing_package(tuned_stack, tmp_path):
     root = xpupack.save(tuned_stack, tmp_path / "pkg")
-    (root / "stale-marker").write_text("x")  # would make the old package fail verification
-    xpupack.save(tuned_stack, root)
-    assert not (root / "stale-marker").exists()
+    (root / "README.md").write_text("a card edited by hand")  # the card is xpupack's to rewrite
+    xpupack.save(xpupack.tune(make_stack(seed=3), stack_samples(), modules=["layers.0.mlp"], strategy=EAGER), root)
+    assert not (root / "modules" / "layers.1.mlp").exists()
     check_files(root, read_manifest(root))
+    assert "edited by hand" not in (root / "README.md").read_text()
     assert sorted(os.listdir(tmp_path)) == ["pkg"]
 
 
@@ -100,6 +101,60 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_package(tuned_stack, 
     with pytest.raises(SaveError, match="not an xpupack package"):
         xpupack.save(tuned_stack, precious)
     assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def _tree(root):
+    """Every file, link and folder under ``root`` with its content: what a refused save must leave as it was."""
+    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else
+                                             str(os.readlink(p)) if p.is_symlink() else "dir")
+            for p in sorted(root.rglob("*"))}
+
+
+def _project_folder(root, tuned):
+    root.mkdir()
+    (root / "xpupack.json").write_text('{"build": "my own config"}')
+    (root / "src").mkdir()
+    (root / "src" / "main.py").write_text("print('mine')\n")
+    (root / "notes.txt").write_text("keep me")
+
+
+def _git_clone_of_a_package(root, tuned):
+    xpupack.save(tuned, root)
+    (root / ".git" / "refs" / "heads").mkdir(parents=True)
+    (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (root / ".git" / "refs" / "heads" / "main").write_text("0" * 40 + "\n")  # a local commit
+
+
+def _package_with_a_note(root, tuned):
+    xpupack.save(tuned, root)
+    (root / "modules" / "notes.txt").write_text("keep me")
+
+
+def _package_with_a_link(root, tuned):
+    xpupack.save(tuned, root)
+    (root / "data").symlink_to(root.parent)
+
+
+@pytest.mark.parametrize("make, unexpected", [
+    (_project_folder, "not a valid xpupack manifest"),
+    (_git_clone_of_a_package, ".git/HEAD"),
+    (_package_with_a_note, "modules/notes.txt"),
+    (_package_with_a_link, "data"),
+])
+def test_save_replaces_only_a_package_xpupack_wrote(tuned_stack, tmp_path, make, unexpected):
+    """A directory is replaced only when its manifest validates and it holds nothing the manifest does not
+    list (besides the model card): anything else may be someone's work, and is left exactly as it was."""
+    root = tmp_path / "dest"
+    make(root, tuned_stack)
+    before = _tree(root)
+    with pytest.raises(DestinationExistsError) as caught:
+        xpupack.save(tuned_stack, root)
+    assert isinstance(caught.value, SaveError) and caught.value.path == str(root)
+    message = str(caught.value)
+    assert str(root) in message and unexpected in message and "refusing to replace it" in message
+    assert "save to another directory" in message
+    assert _tree(root) == before
+    assert sorted(os.listdir(tmp_path)) == ["dest"]
 
 
 def test_stale_staging_of_a_dead_process_is_cleaned(tuned_stack, tmp_path):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import xpupack
-from backends_for_tests import CountingBackend
+from backends_for_tests import ArtifactBackend, CountingBackend
 from models import Stack, make_stack, stack_samples
 from package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
                            snapshot)
@@ -157,6 +157,42 @@ def test_harmless_unlisted_things_load(package):
         assert torch.equal(model(x), make_stack()(x))
 
 
+def _ignoring_unlisted(monkeypatch, root):
+    """Loads of ``root`` see it as a Hub snapshot does (a trusted pin): unlisted files are not refused."""
+    source = Source(root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash",
+                    ignore_unlisted=True)
+    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source", lambda *a, **k: source)
+    return "org/name"
+
+
+@pytest.mark.parametrize("kind", ["artifact", "torchao"])
+def test_files_the_manifest_does_not_list_are_never_read(kind, tmp_path, monkeypatch):
+    """Where unlisted files are ignored (Hub snapshots), a backend config still cannot name one: only listed,
+    digest-checked files are handed out (issue 10, item 6)."""
+    if kind == "artifact":
+        root = build(tmp_path, xpupack.Only(ArtifactBackend()))
+        planted = root / "modules/layers.0.mlp/artifact/planted.json"
+        planted.write_text('{"compiled": true}')
+        rewrite_manifest(root, lambda m: m["modules"][0]["backend"]["config"].update(artifact="planted.json"))
+        model = make_stack(seed=5)
+    else:  # the quantized weights, unlisted, with another content than the build wrote
+        model = xpupack.tune(make_stack(width=128), [torch.randn(2, 128)], modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+        root = xpupack.save(model, tmp_path / "pkg")
+        planted = root / "modules/layers.0.mlp/torchao/weights.safetensors"
+        rewrite_manifest(root, lambda m: m["files"].pop("modules/layers.0.mlp/torchao/weights.safetensors"))
+        model = make_stack(seed=5, width=128)
+    state = _AUDIT
+    state.update(active=True, events=[], opened=[])
+    try:
+        with pytest.raises(IntegrityError, match="does not list") as caught:
+            xpupack.load(model, _ignoring_unlisted(monkeypatch, root))
+    finally:
+        state["active"] = False
+    assert planted.name in str(caught.value) and "rebuild or re-download" in str(caught.value)
+    assert str(planted.resolve()) not in [str(Path(p).resolve()) for p in state["opened"]]
+
+
 # -- the manifest: not JSON, not the schema, another version -------------------------------------------
 
 MANIFEST_DAMAGE = {
@@ -294,6 +330,25 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_packag
     assert sorted(cache.rglob("*")) == before
 
 
+def test_a_missing_kernel_midway_gives_back_the_earlier_tuning(inductor_package, tmp_path):
+    """The kernel list is checked while the shared artifacts are restored, after the earlier tuning was taken
+    off: it comes back active and counting (issue 10, item 4)."""
+    model = xpupack.load(make_stack(seed=5), inductor_package[1])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+    before = xpupack.stats(model)
+    root = copy_package(inductor_package[1], tmp_path / "pkg")
+    rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"]["kernels"].append("zz/missing.so"))
+    with pytest.raises(IntegrityError, match="zz/missing.so"):
+        xpupack.load(model, root)
+    assert xpupack.stats(model) == before
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert {s["calls"] for s in xpupack.stats(model).values()} == {before["layers.0.mlp"]["calls"] + 1}
+    assert {s["active"] for s in xpupack.stats(model).values()} == {True}
+
+
 def test_the_temporary_directory_of_a_save_is_not_a_package(package, tmp_path):
     litter = tmp_path / ".pkg.xpupack-tmp-12345-0a1b2c3d"
     copy_package(package, litter)  # a complete copy: still refused by its name
@@ -397,6 +452,43 @@ def test_trusted_compiled_artifacts_are_used(inductor_package, tmp_path, monkeyp
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", blobs.append)
     xpupack.load(make_stack(), root)
     assert blobs == [(root / "backends/inductor/cache.bin").read_bytes()]
+
+
+@pytest.mark.parametrize("mode", ["rebuild", "error"])
+def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(inductor_package, tmp_path, monkeypatch,
+                                                                           caplog, mode):
+    """PyTorch's loader raises whatever it meets in a malformed (but listed and digest-checked) cache.bin,
+    e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here (issue 10,
+    item 8)."""
+    root = copy_package(inductor_package[1], tmp_path / "pkg")
+
+    def malformed(blob):
+        raise AttributeError("'list' object has no attribute 'populate_cache'")
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", malformed)
+    if mode == "error":
+        error = refused(root, BackendError, on_mismatch="error")
+        assert "backends/inductor" in str(error) and "AttributeError" in str(error)
+        assert "rebuild the package" in str(error)
+        return
+    model = xpupack.load(make_stack(seed=5), root)
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
+    assert "cannot be loaded (AttributeError" in caplog.text
+    for tuned in xpupack.tuned.session_of(model).modules.values():
+        assert "inductor compiled here" in tuned.report[0]["reason"]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), make_stack()(x))
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp"])
+def test_a_device_this_machine_lacks_is_refused_before_anything_changes(package, device):
+    from xpupack.environment import devices_here
+
+    if device in ("cuda", "xpu") and any(d.startswith(device) for d in devices_here()):
+        pytest.skip(f"this machine has {device}")
+    error = refused(package, xpupack.DeviceUnavailableError, device=device)
+    assert f"device {device!r} is not available here" in str(error) and "devices here: cpu" in str(error)
 
 
 # -- the wrong model ---------------------------------------------------------------------------------

@@ -244,6 +244,43 @@ def test_weights_header_naming_an_unknown_tensor_class_is_refused(tmp_path):
     assert_unchanged(model, before)  # layers.0.mlp was restored first, then put back
 
 
+def _rewrite_header(root, change):
+    """Changes the torchao header of layers.1.mlp's weights and updates the digest (a self-consistent package)."""
+    relative = "modules/layers.1.mlp/torchao/weights.safetensors"
+    with safe_open(str(root / relative), "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(str(root / relative))
+    change(metadata)
+    save_file(tensors, str(root / relative), metadata=metadata)
+    manifest = json.loads((root / "xpupack.json").read_text())
+    manifest["files"][relative] = {"sha256": sha256_of(root / relative), "size": (root / relative).stat().st_size}
+    (root / "xpupack.json").write_text(json.dumps(manifest))
+    return relative
+
+
+@pytest.mark.parametrize("depth", [5000, 400])
+def test_a_weights_header_nested_too_deep_is_a_format_error(tmp_path, depth):
+    """Deep JSON fails fast with an xpupack error, whether the JSON parser or the type check would recurse
+    (issue 10, item 8)."""
+    root = xpupack.save(tune_quantized(), tmp_path / "pkg")
+
+    def deepen(metadata):
+        entry = json.loads(metadata["module.up.weight"])
+        entry["_data"]["extra"] = json.loads("[" * min(depth, 900) + "]" * min(depth, 900)) if depth < 900 else 0
+        text = json.dumps(entry)
+        if depth >= 900:  # beyond what json.dumps itself can write
+            text = text.replace('"extra": 0', '"extra": ' + "[" * depth + "]" * depth)
+        metadata["module.up.weight"] = text
+
+    relative = _rewrite_header(root, deepen)
+    model = make_stack(4, WIDTH)
+    before = snapshot(model)
+    with pytest.raises(xpupack.PackageFormatError, match="nested") as caught:
+        xpupack.load(model, root)
+    assert relative in str(caught.value) and "rebuild the package" in str(caught.value)
+    assert_unchanged(model, before)
+
+
 # -- accuracy --------------------------------------------------------------------------
 
 def test_an_impossible_tolerance_rejects_the_candidate_with_the_reason():

@@ -12,8 +12,8 @@ from .backends.graph import GraphBackend
 from .backends.inductor import InductorBackend
 from .backends.torchao import TorchAOBackend
 from .environment import __version__
-from .errors import (BackendError, BackendUnavailableError, HubError, IncompatiblePackageError,
-                     IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
+from .errors import (BackendError, BackendUnavailableError, DestinationExistsError, DeviceUnavailableError, HubError,
+                     IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
 from .load import load
@@ -40,7 +40,8 @@ __all__ = [
     "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
     "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
-    "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "UnknownConfigError", "HubError",
+    "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "DestinationExistsError",
+    "DeviceUnavailableError", "UnknownConfigError", "HubError",
     "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError",
     "__version__",
 ]

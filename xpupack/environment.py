@@ -8,6 +8,7 @@ from importlib import metadata
 import torch
 
 from . import _device
+from .errors import DeviceUnavailableError
 
 __version__ = "0.1.0"
 
@@ -48,3 +49,35 @@ def environment(device: torch.device) -> dict:
 def differences(built: dict, here: dict, keys: tuple[str, ...]) -> dict[str, tuple]:
     """``{key: (built, here)}`` for each of ``keys`` whose value differs."""
     return {key: (built.get(key), here.get(key)) for key in keys if built.get(key) != here.get(key)}
+
+
+def devices_here() -> list[str]:
+    """Every device this process can use: ``cpu``, then ``cuda:N`` and ``xpu:N``."""
+    devices = ["cpu"]
+    for device_type in ("cuda", "xpu"):
+        module = getattr(torch, device_type, None)
+        if module is not None and module.is_available():
+            devices += [f"{device_type}:{index}" for index in range(module.device_count())]
+    return devices
+
+
+def resolve_device(device: str | torch.device | None, *, default: torch.device | None = None) -> torch.device:
+    """The concrete device ``device`` names (None: ``default``, else the best here).
+
+    Raises:
+        DeviceUnavailableError: not a device name, or a GPU this machine or PyTorch build lacks.
+    """
+    here = devices_here()
+
+    def refuse(why: str) -> DeviceUnavailableError:
+        return DeviceUnavailableError(f"device {str(device)!r} is not available here ({why}); devices here: "
+                                      f"{', '.join(here)} — pass one of them (device= or --device)",
+                                      device=str(device), available=here)
+
+    try:
+        resolved = _device.resolve(device, default=default)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # how torch says "no such device"
+        raise refuse(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
+    if resolved.type in ("cuda", "xpu") and str(resolved) not in here:
+        raise refuse(f"this machine has {sum(d.startswith(resolved.type) for d in here)} {resolved.type} device(s)")
+    return resolved

@@ -38,6 +38,15 @@ class IncompatiblePackageError(XpupackError):
         self.differences = differences or {}
 
 
+class DeviceUnavailableError(XpupackError, ValueError):
+    """A device was asked for (``device=``, ``--device``) that this machine or this PyTorch build lacks."""
+
+    def __init__(self, message: str, *, device: str | None = None, available: list[str] | None = None):
+        super().__init__(message)
+        self.device = device
+        self.available = available or []
+
+
 class ModelMismatchError(XpupackError, ValueError):
     """The model given to `load` has another architecture than the one the package was built from."""
 
@@ -73,6 +82,19 @@ class NotTunedError(XpupackError, ValueError):
 
 class SaveError(XpupackError):
     """Writing the package failed; any previous package at the destination is untouched."""
+
+
+class DestinationExistsError(SaveError):
+    """`save` was pointed at a directory that is not a package xpupack wrote; nothing was changed.
+
+    ``unexpected`` lists what the directory holds that a package would not (or why its
+    ``xpupack.json`` is not a package manifest).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, unexpected: list[str] | None = None):
+        super().__init__(message)
+        self.path = path
+        self.unexpected = unexpected or []
 
 
 class UnknownConfigError(XpupackError, ValueError):

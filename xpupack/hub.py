@@ -24,7 +24,7 @@ from . import __version__
 from .card import package_card
 from .errors import (HubError, IntegrityError, OfflineNotCachedError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError)
-from .manifest import MANIFEST, MODEL_CARD, UNLISTED_OK, check_package, read_manifest
+from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package, read_manifest
 from .source import Source
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
     Only ``xpupack.json`` and the files it lists are downloaded (not the model
     card or anything else in the repo). Files already in the cache for that
     commit are not downloaded again; with ``HF_HUB_OFFLINE=1`` only the cache
-    is used.
+    is used. Other files of the repo that another client put in the same
+    snapshot (``hf download``: a LICENSE, the model card) are ignored, never read.
 
     Args:
         repo_id: ``"org/name"``.
@@ -82,9 +83,11 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         >>> source = download("org/tiny", revision="3f1c...e9")  # a commit hash: trusted
     """
     hub = _settings()
-    pinned = revision is not None and _COMMIT_HASH.fullmatch(revision) is not None
     root = Path(_fetch(hub, repo_id, MANIFEST, revision, token)).parent
-    commit = root.name  # the cache keeps each commit's files in snapshots/<commit hash>/
+    commit = root.name  # the cache keeps each commit's files in snapshots/<commit hash>/: what the Hub resolved
+    # pinned means the Hub resolved the revision to that very commit: a branch or tag can be named
+    # with 40 hex digits too, and then points wherever its owner moves it
+    pinned = revision is not None and _COMMIT_HASH.fullmatch(revision) is not None and revision == commit
     manifest = read_manifest(root)  # validates every listed path before any of them is fetched
     with ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
         list(pool.map(lambda name: _fetch(hub, repo_id, name, commit, token, asked=revision),
@@ -94,12 +97,15 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         reason = "pinned by commit hash"
     elif trust_compiled:
         reason = "trust_compiled=True"
+    elif revision is not None and _COMMIT_HASH.fullmatch(revision):
+        reason = (f"revision {revision!r} is not pinned by commit hash: it is a branch or tag that the Hub "
+                  f"resolved to commit {commit}")
     else:
         reason = f"revision {revision or 'main'!r} (commit {commit}) is not pinned by commit hash"
     described = f"{repo_id}@{commit}" if pinned else f"{repo_id}@{revision or 'main'} (commit {commit[:12]})"
     log.info("%s: package in the Hugging Face cache at %s", described, root)
     return Source(root, trusted=pinned or trust_compiled, links_within=hub.repo_cache(repo_id),
-                  description=described, trust_reason=reason)
+                  description=described, trust_reason=reason, ignore_unlisted=True)
 
 
 def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
@@ -108,8 +114,9 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
 
     The repo is created if needed. The commit holds ``xpupack.json``, every file
     it lists and a model card (``README.md``) written for ``repo_id``; files of
-    an earlier package in the repo that this one lacks are deleted in the same
-    commit, so the repo is exactly this package (the history keeps the old one).
+    an earlier package in the repo that this one lacks (weights, ``modules/``,
+    ``backends/``) are deleted in the same commit (the history keeps them). The
+    repo's other files (a ``LICENSE``, docs) stay: loading ignores them.
 
     Args:
         path: a package directory written by `xpupack.save` or `xpupack build`.
@@ -151,7 +158,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         stale = [name for name in api.list_repo_files(repo_id, revision=revision)
-                 if name not in listed and name not in UNLISTED_OK]
+                 if name not in listed and _package_owned(name)]
         operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
         operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card))
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
@@ -170,6 +177,12 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
                        revision=revision) from None
     log.info("pushed %s to %s (%d files): %s", root, repo_id, len(listed) + 1, info.commit_url)
     return info
+
+
+def _package_owned(name: str) -> bool:
+    """Whether a repo file is where a package keeps its files (so an earlier package's file, not the repo
+    owner's LICENSE or docs): the weights, and everything under ``modules/`` and ``backends/``."""
+    return name == WEIGHTS or name.split("/", 1)[0] in ("modules", "backends")
 
 
 def _settings() -> _Hub:

@@ -18,11 +18,11 @@ from torch import nn
 
 from . import _device
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
-from .backends.eager import EagerBackend
-from .environment import differences, environment
+from .environment import environment, resolve_device
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
-                     OutputMismatchError, PackageFormatError, XpupackError)
-from .manifest import MANIFEST, check_files, read_json, read_manifest
+                     OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
+from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
+from .plan import Choice, Context, choose
 from .signature import Signature, device_from_name, dtype_name, flatten
 from .source import Source, resolve_source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
@@ -34,16 +34,28 @@ ON_MISMATCH = ("rebuild", "fallback", "error")
 
 @dataclass
 class _ModulePlan:
-    path: str
     module: nn.Module
     spec: ModuleSpec
-    backend: Backend
-    config: dict
-    folder: Path
-    use_artifacts: bool
-    #: state-dict names (relative to the module) that only the backend's files hold
-    owned: tuple[str, ...] = ()
-    note: str = ""
+    #: what runs (`xpupack.plan`), and the package's config and folder of the package's backend
+    choice: Choice
+    package_config: dict
+    package_folder: Path
+
+    @property
+    def path(self) -> str:
+        return self.choice.path
+
+    @property
+    def backend(self) -> Backend:
+        return self.choice.backend
+
+    @property
+    def config(self) -> dict:
+        return self.choice.locate(self.package_config, self.package_folder)[0]
+
+    @property
+    def folder(self) -> Path:
+        return self.choice.locate(self.package_config, self.package_folder)[1]
 
 
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
@@ -81,6 +93,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
         ModelMismatchError: the model's architecture or weight tying differs from the package's.
+        DeviceUnavailableError: ``device`` is not a device of this machine.
         UnknownConfigError: a backend or backend option this xpupack does not know.
         IncompatiblePackageError: with ``on_mismatch="error"``, what differs.
         BackendError: with ``on_mismatch="error"``, a backend that failed to restore
@@ -93,34 +106,37 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
     source = resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token)
     manifest = read_manifest(source.root)
-    check_files(source.root, manifest, links_within=source.links_within)
+    check_files(source.root, manifest, links_within=source.links_within,
+                ignore_unlisted=source.ignore_unlisted)
     check_architecture(model, manifest, source.root)
-    device = _device.resolve(device, default=_device.model_device(model))
+    device = resolve_device(device, default=_device.model_device(model))
     here = environment(device)
     build_device = manifest_device(manifest, source.root)
-    plans = [_plan(model, module, source, manifest, build_device, device, here, on_mismatch)
-             for module in manifest["modules"]]
+    context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
+    plans = [_plan(model, module, source, build_device, context) for module in manifest["modules"]]
     weights = _read_weights(source.root, manifest, device)
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
 
     edit = _ModelEdit(model)
     previous = find_session(model)
+    was_active = previous is not None and previous.active
     try:
         if previous is not None:  # loading again replaces the earlier tuning
-            previous.deactivate()
+            _unhook(previous)
             detach(model)
             for tuned in previous.modules.values():
                 edit.undo_runner(tuned.runner)
         edit.set_tensors(model, weights, device)
         edit.set_eval(model)
-        _restore_shared(manifest, source, plans)
-        modules = {}
-        for number, plan in enumerate(plans, 1):
-            if progress:
-                progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
-            modules[plan.path] = _restore(plan, device, on_mismatch)
-            edit.keep_runner(modules[plan.path].runner)
+        with listed_files(source.root, manifest):  # backends read no file the manifest does not list
+            _restore_shared(manifest, source, plans, context)
+            modules = {}
+            for number, plan in enumerate(plans, 1):
+                if progress:
+                    progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
+                modules[plan.path] = _restore(plan, context)
+                edit.keep_runner(modules[plan.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"])
         attach(model, session)
@@ -130,10 +146,23 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         detach(model)
         if previous is not None:
             attach(model, previous)
-            if previous.active:
+            if was_active:
                 previous.activate()
         raise
+    if previous is not None:
+        previous.deactivate()  # its modules now run the new session: this only frees its recordings
     return model
+
+
+def _unhook(session: Session) -> None:
+    """Takes an earlier tuning's forwards off its modules while a load restores the new ones.
+
+    Unlike `Session.deactivate` this keeps its recordings and flags, so that a
+    failed load gives the tuning back exactly as it was, counters included.
+    """
+    for tuned in session.modules.values():
+        if tuned.target.module.__dict__.get("forward") is tuned:
+            del tuned.target.module.forward
 
 
 def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
@@ -186,61 +215,22 @@ def manifest_device(manifest: dict, root: Path) -> torch.device:
                                  path=MANIFEST) from None
 
 
-def _plan(model: nn.Module, entry: dict, source: Source, manifest: dict, build_device: torch.device,
-          device: torch.device, here: dict, on_mismatch: str) -> _ModulePlan:
-    path = entry["path"]
+def _plan(model: nn.Module, entry: dict, source: Source, build_device: torch.device,
+          context: Context) -> _ModulePlan:
     spec = read_module_spec(source.root, entry)
-    spec.signatures = [signature.on_device({build_device: device}) for signature in spec.signatures]
+    spec.signatures = [signature.on_device({build_device: context.device}) for signature in spec.signatures]
     backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
-    module = model.get_submodule(path)
-    plan = _ModulePlan(path, module, spec, backend, entry["backend"]["config"],
-                       source.root / entry["folder"] / backend.name, use_artifacts=True,
-                       owned=tuple(entry.get("owned_tensors", ())))
-
-    changed = differences(manifest["environment"], here, backend.depends_on)
-    unavailable = not backend.available(device)
-    if changed or unavailable:
-        what = ", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items()) or \
-            backend.why_unavailable(device)
-        if on_mismatch == "error":
-            raise IncompatiblePackageError(
-                f"{path or '<model>'}: the {backend.name} artifacts cannot run here ({what}); "
-                "load with on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
-                differences=changed)
-        if on_mismatch == "fallback" or unavailable:
-            plan = _fallback_plan(plan, device, what, changed)
-        else:
-            plan.use_artifacts, plan.note = False, f"{backend.name} rebuilt here ({what})"
-        log.warning("%s: %s", path or "<model>", plan.note)
-    elif backend.compiled_artifacts and not source.trusted:
-        plan.use_artifacts = False
-        plan.note = (f"{backend.name} compiled here: {source.description} is not pinned by commit hash "
-                     "(pass trust_compiled=True to use its compiled artifacts)")
-        log.warning("%s: %s", path or "<model>", plan.note)
-    return plan
+    choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())))
+    if choice.note:
+        log.warning("%s: %s", choice.path or "<model>", choice.note)
+    return _ModulePlan(model.get_submodule(entry["path"]), spec, choice, entry["backend"]["config"],
+                       source.root / entry["folder"] / backend.name)
 
 
-def _fallback_plan(plan: _ModulePlan, device: torch.device, why: str,
-                   changed: dict | None = None) -> _ModulePlan:
-    """What runs when ``plan``'s backend cannot: the base of a composed backend where it can run
-    (``graph+torchao`` on CPU runs the quantized module), else the original module.
-
-    A module whose weights only the backend's files hold (quantized weights) has
-    no original module to fall back to: that raises `IncompatiblePackageError`.
-    """
-    name = plan.backend.name
-    base = getattr(plan.backend, "base", None)
-    if (base is not None and base.available(device)
-            and not set(changed or {}) & set(base.depends_on)):
-        return replace(plan, backend=base, config=plan.config.get("base", {}), folder=plan.folder / base.name,
-                       note=f"{name} -> {base.name} ({why})")
-    if plan.owned:
-        raise IncompatiblePackageError(
-            f"{plan.path or '<model>'}: the {name} backend cannot run here ({why}), and the package holds "
-            f"{', '.join(plan.owned[:3])} only in that backend's form, so the original module cannot take "
-            "over — load on a device where it runs, or rebuild the package here from the original weights",
-            differences=changed)
-    return replace(plan, backend=EagerBackend(), note=f"{name} -> original module ({why})")
+def untrusted_why(source: Source) -> str:
+    """Why ``source``'s compiled artifacts may not run, for messages."""
+    return source.trust_reason if not source.trusted and source.trust_reason else \
+        f"{source.description or source.root} is not pinned by commit hash"
 
 
 def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor] | None:
@@ -295,22 +285,43 @@ def _check_ties(model: nn.Module, weights: dict[str, torch.Tensor], manifest: di
                     expected="untied", actual="tied")
 
 
-def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan]) -> None:
+def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], context: Context) -> None:
+    """Artifacts that a backend saved once for all its modules (Inductor's cache), for what runs them now.
+
+    The entry named ``name`` was written by the package's backend ``name``; it is restored by the
+    backend that runs those modules here (the package's, or the base it fell back to), with the
+    artifacts only if every one of them may use them.
+    """
     for name, shared in manifest["backends"].items():
-        users = [plan for plan in plans if plan.backend.name == name]
-        if users and hasattr(users[0].backend, "restore_shared"):
-            users[0].backend.restore_shared(shared["config"], source.root / shared["folder"],
-                                            use_artifacts=all(plan.use_artifacts for plan in users))
+        users = [plan for plan in plans
+                 if plan.choice.built.name == name and hasattr(plan.backend, "restore_shared")]
+        if not users:
+            continue
+        folder = source.root / shared["folder"]
+        use_artifacts = all(plan.choice.use_artifacts for plan in users)
+        try:
+            users[0].backend.restore_shared(shared["config"], folder, use_artifacts=use_artifacts)
+        except XpupackError:
+            raise
+        except Exception as exc:  # PyTorch's loader on a damaged or foreign cache: any exception at all
+            why = (f"the shared {name} artifacts in {folder} cannot be loaded ({type(exc).__name__}: "
+                   f"{str(exc)[:200]})")
+            if context.on_mismatch == "error":
+                raise BackendError(f"{why}; rebuild the package on this machine, or load with "
+                                   "on_mismatch='rebuild' to compile here instead") from exc
+            log.warning("%s; compiling those modules here", why)
+            for plan in users:
+                plan.choice = plan.choice.without_artifacts(why)
 
 
-def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> TunedModule:
+def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
     target = Target(plan.path, plan.module, plan.module.forward)
-    report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.note or "from package"}]
+    report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.choice.note or "from package"}]
     try:
-        runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, device,
-                                      use_artifacts=plan.use_artifacts)
+        runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, context.device,
+                                      use_artifacts=plan.choice.use_artifacts)
     except Exception as exc:  # a failed restore has undone its own changes to the module
-        return _restore_failed(plan, device, on_mismatch, exc)
+        return _restore_failed(plan, context, exc)
     try:
         # eager, and a backend that transforms the module in place (TorchAO), run the module's own
         # forward: there is no other original to compare with
@@ -318,13 +329,17 @@ def _restore(plan: _ModulePlan, device: torch.device, on_mismatch: str) -> Tuned
             _check_against_eager(target, plan.spec, plan.backend, runner)
     except Exception as exc:
         runner.undo()
-        return _restore_failed(plan, device, on_mismatch, exc)
+        return _restore_failed(plan, context, exc)
     return TunedModule(target, plan.spec, plan.backend, runner, report)
 
 
-def _restore_failed(plan: _ModulePlan, device: torch.device, on_mismatch: str, exc: Exception) -> TunedModule:
-    """What runs a module whose backend failed to restore or answers differently from the original module."""
-    if on_mismatch == "error":
+def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> TunedModule:
+    """What runs a module whose backend failed to restore or answers differently from the original module.
+
+    A damaged package (a file or config that is not what the manifest promises) is refused, never served.
+    """
+    if (context.on_mismatch == "error" or plan.choice.depth is None
+            or isinstance(exc, (PackageFormatError, IntegrityError, UnknownConfigError))):
         if isinstance(exc, XpupackError):
             raise exc
         raise BackendError(f"{plan.path or '<model>'}: restoring the {plan.backend.name} backend failed "
@@ -332,12 +347,12 @@ def _restore_failed(plan: _ModulePlan, device: torch.device, on_mismatch: str, e
                            "original module instead, or rebuild the package on this machine") from exc
     # serving beats crashing: the original module still gives eager's answers
     try:
-        fallback = _fallback_plan(plan, device, f"restore failed: {exc}")
+        fallback = plan.choice.after_failure(str(exc), context)
     except IncompatiblePackageError:
         raise exc from None  # nothing can run this module without the backend: its own error says why
     log.warning("%s: restoring %s failed (%s: %s); %s",
                 plan.path or "<model>", plan.backend.name, type(exc).__name__, exc, fallback.note)
-    tuned = _restore(fallback, device, on_mismatch)
+    tuned = _restore(replace(plan, choice=fallback), context)
     tuned.report.insert(0, {"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"})
     return tuned
 

@@ -7,8 +7,12 @@ commands that only look at a package stay fast.
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import cache
 from importlib import resources
 from pathlib import Path, PurePosixPath
@@ -21,6 +25,8 @@ FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "xpupack.json"
 MODEL_CARD = "README.md"
+#: the weights no backend owns (optional: ``save(..., weights=False)``)
+WEIGHTS = "model.safetensors"
 #: files a package may hold without listing them (the Hub adds .gitattributes)
 UNLISTED_OK = frozenset({MANIFEST, MODEL_CARD, ".gitattributes"})
 #: folders a package may hold without listing them (huggingface_hub's local_dir metadata)
@@ -66,6 +72,7 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
     if not isinstance(data, dict):
         raise PackageFormatError(f"{where} must hold a JSON object; the package is damaged — "
                                  "rebuild it with `xpupack build`", path=where)
+    check_depth(data, where, fix="rebuild it with `xpupack build`")
     version = data.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_VERSIONS:
         newest = max(SUPPORTED_VERSIONS)
@@ -74,6 +81,26 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
                                  f"{', '.join(map(str, SUPPORTED_VERSIONS))} — {fix}", path=where)
     validate(data, schema_name, where)
     return data
+
+
+#: deeper than any JSON xpupack or torchao writes (about 10 levels), shallow enough for any recursive code
+MAX_DEPTH = 64
+
+
+def check_depth(data: Any, where: str, *, fix: str = "rebuild the package") -> None:
+    """Raises `PackageFormatError` if the parsed JSON ``data`` nests more than `MAX_DEPTH` levels.
+
+    Iterative, so it cannot itself run out of stack; run it before any recursive walk (a schema
+    validator, a type check, torchao's decoder) sees the data.
+    """
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise PackageFormatError(f"{where} is nested deeper than {MAX_DEPTH} levels, which no package "
+                                     f"holds; the package is damaged — {fix}", path=where)
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
 
 
 def read_manifest(root: Path) -> dict:
@@ -100,6 +127,7 @@ def read_manifest(root: Path) -> dict:
     paths += [b["folder"] for b in manifest["backends"].values()]
     for relative in paths:
         check_relative(relative, where)
+        _refuse_importable(relative, where)
     for relative in [m["spec"] for m in manifest["modules"]] + weights:  # files that load reads: digested
         if relative not in manifest["files"]:
             raise PackageFormatError(f"{where} names {relative!r} but does not list it under files, so its "
@@ -125,13 +153,13 @@ def _check_module_paths(modules: list[dict], where: str) -> None:
                                      "which overlap; the package is damaged — rebuild it", path=where)
 
 
-def check_package(root: Path, *, links_within: Path | None = None) -> dict:
+def check_package(root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> dict:
     """The manifest of an intact package: schema, paths, every file's size and sha256, every spec.
 
     Raises `PackageFormatError` or `IntegrityError` naming the first problem.
     """
     manifest = read_manifest(root)
-    check_files(root, manifest, links_within=links_within)
+    check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
     for entry in manifest["modules"]:
         read_json(root, entry["spec"], "spec")
     return manifest
@@ -157,11 +185,45 @@ def check_relative(relative: str, where: str) -> None:
                                  "unchecked files; refusing to load it — rebuild the package", path=relative)
 
 
+#: the package being loaded, as ``(root, files its manifest lists)``: see `listed_files`
+_LOADING: ContextVar[tuple[Path, frozenset[str]] | None] = ContextVar("xpupack_loading", default=None)
+
+
+@contextmanager
+def listed_files(root: Path, manifest: dict) -> Iterator[None]:
+    """While a package's backends are restored: `artifact_file` hands out only files its manifest lists.
+
+    `check_files` verified exactly those; a Hub snapshot may hold other, unverified ones.
+    """
+    token = _LOADING.set((root, frozenset(manifest["files"])))
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
+#: file names Python imports (``.py``, ``.pyc``, extension modules) or reads at start-up (``.pth``)
+_IMPORTABLE = (*importlib.machinery.all_suffixes(), ".pth")
+
+
+def _refuse_importable(relative: str, where: str) -> None:
+    """Refuses a path that Python could import when the package directory is on ``sys.path`` (it is the
+    current directory of ``python -m``, say): a module at the root, or a folder at the root with an
+    ``__init__``. xpupack never writes one; a package that has one could shadow a real module."""
+    parts = PurePosixPath(relative).parts
+    if ((len(parts) == 1 and parts[0].endswith(_IMPORTABLE))
+            or (len(parts) == 2 and parts[1].startswith("__init__.") and parts[1].endswith(_IMPORTABLE))):
+        raise PackageFormatError(f"{where} names {relative!r}, a file Python can import from the package's "
+                                 "root, where it could shadow a module; xpupack never writes one, so refusing "
+                                 "to load it — rebuild the package", path=relative)
+
+
 def artifact_file(folder: Path, name: Any) -> Path:
     """The file ``name`` that a backend config names inside the backend's ``folder``.
 
     Backends call this for every file their config names: the name cannot
-    leave the package, and the file must be one `check_files` verified.
+    leave the package, and the file must be one `check_files` verified (one the
+    manifest lists, while `listed_files` is in effect).
     """
     where = f"the backend config for {folder}"
     if not isinstance(name, str):
@@ -169,6 +231,14 @@ def artifact_file(folder: Path, name: Any) -> Path:
                                  "damaged — rebuild it", path=str(folder))
     check_relative(name, where)
     path = folder / name
+    loading = _LOADING.get()
+    if loading is not None:
+        root, listed = loading
+        relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else None
+        if relative not in listed:
+            raise IntegrityError(f"{where} names {name!r}, but {MANIFEST} does not list {relative or path}, so "
+                                 "its digest was never checked; refusing to read it — rebuild or re-download "
+                                 "the package", path=relative or str(path))
     if not path.is_file():  # a regular file here is listed and verified (symlinks only into the Hub cache)
         raise IntegrityError(f"{where} names {name!r}, which is not a file of the package; the package is "
                              "incomplete — rebuild or re-download it", path=str(path))
@@ -193,11 +263,14 @@ def describe_files(root: Path) -> dict[str, dict]:
     return files
 
 
-def check_files(root: Path, manifest: dict, *, links_within: Path | None = None) -> None:
+def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
+                ignore_unlisted: bool = False) -> None:
     """Checks every listed file's size and digest, and that no unlisted file is present.
 
     Symbolic links are refused, except links that resolve inside ``links_within``
-    (the Hugging Face cache, whose snapshots link to its blob store).
+    (the Hugging Face cache, whose snapshots link to its blob store). With
+    ``ignore_unlisted`` (a Hub snapshot, which may hold the repo's other files),
+    unlisted files are not refused; `artifact_file` never hands them out.
     """
     listed = manifest["files"]
     for relative, expected in listed.items():
@@ -216,6 +289,8 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None)
             raise IntegrityError(f"{path} does not match its sha256 in the manifest; the file was changed "
                                  "or damaged — rebuild or re-download the package",
                                  path=relative, expected=expected["sha256"], actual=actual)
+    if ignore_unlisted:
+        return
     for path in root.rglob("*"):
         relative = path.relative_to(root)
         if relative.parts[0] in UNLISTED_DIRS_OK:

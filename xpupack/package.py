@@ -15,11 +15,10 @@ from . import _fsutil
 from .backends.base import ModuleSpec
 from .card import model_card
 from .environment import __version__
-from .errors import SaveError, XpupackError
-from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, describe_files, module_folder, validate)
+from .errors import DestinationExistsError, SaveError, XpupackError
+from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, describe_files, module_folder, read_manifest,
+                       validate)
 from .tuned import session_of
-
-WEIGHTS = "model.safetensors"
 
 
 def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
@@ -31,7 +30,8 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
 
     Args:
         model: a model tuned by `xpupack.tune` (or loaded by `xpupack.load`).
-        path: the package directory; an existing package there is replaced.
+        path: the package directory. An existing package there is replaced only if
+            xpupack wrote it: its manifest validates and it holds no other files.
         weights: store the model's weights (``model.safetensors``). Without them,
             a loader keeps whatever weights its model holds.
 
@@ -40,7 +40,9 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
 
     Raises:
         NotTunedError: the model was never tuned.
-        SaveError: the destination is a non-package directory, or writing failed.
+        DestinationExistsError: the destination exists and is not a package xpupack wrote (a
+            directory holding anything its manifest does not list); nothing is changed.
+        SaveError: writing failed; any previous package there is unchanged.
 
     Example:
         >>> xpupack.save(model, "pkg/")
@@ -49,9 +51,7 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
     root = Path(path)
     if root.is_symlink():  # replace the package the link points to, not the link
         root = root.resolve()
-    if root.exists() and not (root / MANIFEST).is_file() and (not root.is_dir() or any(root.iterdir())):
-        raise SaveError(f"{root} exists and is not an xpupack package; refusing to replace it — "
-                        "choose another --out or remove it")
+    _check_replaceable(root)
     staging = None
     try:
         staging = _fsutil.temporary_sibling(root)
@@ -69,6 +69,46 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
         raise SaveError(f"writing {root} failed: {type(exc).__name__}: {exc}; "
                         "any previous package there is unchanged") from exc
     return root
+
+
+def _check_replaceable(root: Path) -> None:
+    """Refuses a destination whose replacement could lose anyone's work: anything but nothing, an empty
+    directory, or a package xpupack wrote (a manifest that validates, and no file or link it does not list
+    besides the model card xpupack writes next to it).
+
+    Raises:
+        DestinationExistsError: naming what is in the way; nothing was changed.
+    """
+    if not root.exists() and not root.is_symlink():
+        return
+
+    def refuse(why: str, unexpected: list[str]) -> DestinationExistsError:
+        return DestinationExistsError(
+            f"{root} {why}; refusing to replace it, which would delete that — save to another directory "
+            "(--out), or move those files out or remove the directory yourself", path=str(root),
+            unexpected=unexpected)
+
+    if not root.is_dir():
+        raise refuse("exists and is not a directory", [])
+    try:
+        if not any(root.iterdir()):
+            return
+        if not (root / MANIFEST).is_file():
+            raise refuse(f"is not an xpupack package (it has no {MANIFEST})", [])
+        try:
+            manifest = read_manifest(root)
+        except XpupackError as exc:
+            raise refuse(f"holds an {MANIFEST} that is not a valid xpupack manifest ({exc})", [MANIFEST]) from None
+        ours = {MANIFEST, MODEL_CARD, *manifest["files"]}
+        unexpected = sorted(relative for path in root.rglob("*")
+                            if (relative := path.relative_to(root).as_posix()) not in ours
+                            and (path.is_symlink() or not path.is_dir()))
+    except OSError as exc:
+        raise SaveError(f"cannot look into {root} ({exc}); nothing was changed — check its permissions, "
+                        "or save to another directory") from None
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise refuse(f"holds files that are not part of the package its {MANIFEST} lists ({shown})", unexpected)
 
 
 def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> dict:

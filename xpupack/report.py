@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .backends.base import backend_from_json
 from .errors import XpupackError
 from .manifest import check_package, read_json, read_manifest
 from .source import Source
@@ -34,8 +35,6 @@ def compiled_backends(manifest: dict) -> dict[str, str]:
     The backend registry decides (``Backend.compiled_artifacts``); a backend
     this xpupack does not know is left out here and reported by `verify_package`.
     """
-    from .backends.base import backend_from_json
-
     compiled = {}
     for entry in manifest["modules"]:
         try:
@@ -47,12 +46,40 @@ def compiled_backends(manifest: dict) -> dict[str, str]:
     return compiled
 
 
-def package_report(source: Source | str | Path) -> dict:
-    """Modules, backends, candidates and reasons, signatures, environment, sizes and trust of a package."""
+def plans_here(manifest: dict, source: Source, device=None) -> dict[str, dict]:
+    """What `xpupack.load` (default ``on_mismatch``) runs for each module on ``device`` here:
+    ``{path: {"runs": backend label, "use_artifacts": bool, "status": str}}`` (`xpupack.plan`).
+
+    A module whose backend this xpupack does not know, or that cannot load here, gets only a status.
+    """
+    from .environment import environment, resolve_device
+    from .load import untrusted_why
+    from .plan import Context, choose
+
+    device = resolve_device(device)
+    context = Context(device, environment(device), manifest["environment"], source.trusted, untrusted_why(source))
+    plans = {}
+    for entry in manifest["modules"]:
+        try:
+            backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+            choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())))
+        except XpupackError as exc:
+            plans[entry["path"]] = {"runs": None, "use_artifacts": False, "compiled": False,
+                                    "status": f"cannot load here: {exc}"}
+            continue
+        plans[entry["path"]] = {"runs": choice.backend.label, "use_artifacts": choice.use_artifacts,
+                                "compiled": choice.backend.compiled_artifacts, "status": choice.status}
+    return plans
+
+
+def package_report(source: Source | str | Path, device=None) -> dict:
+    """Modules, backends, candidates and reasons, signatures, environment, sizes and trust of a package,
+    and what `xpupack.load` would run for each module on ``device`` (default: the best here)."""
     source = source if isinstance(source, Source) else _local(source)
     root = source.root
     manifest = read_manifest(root)
     compiled = compiled_backends(manifest)
+    here = plans_here(manifest, source, device)
     modules = []
     for entry in manifest["modules"]:
         spec = read_json(root, entry["spec"], "spec")
@@ -67,6 +94,9 @@ def package_report(source: Source | str | Path) -> dict:
             "unrecordable": spec["unrecordable"],
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,
+            "runs_here": here[entry["path"]]["runs"],
+            "compiled_here": here[entry["path"]]["compiled"],
+            "on_load": here[entry["path"]]["status"],
         })
     return {
         "package": source.description or str(root),
@@ -86,51 +116,44 @@ def package_report(source: Source | str | Path) -> dict:
 
 
 def verify_package(source: Source | str | Path, device: str | None = None) -> dict:
-    """Schema, digests, specs and compatibility with this machine; ``ok`` is False on any problem."""
+    """Schema, digests, specs and compatibility with this machine; ``ok`` is False on any problem.
+
+    Raises:
+        DeviceUnavailableError: ``device`` is not a device of this machine (nothing was checked).
+    """
+    from .environment import environment, resolve_device
+    from .load import manifest_device, read_module_spec
+
+    here_device = resolve_device(device)
     source = source if isinstance(source, Source) else _local(source)
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [],
                     "compatibility": {}}
     try:
-        manifest = check_package(source.root, links_within=source.links_within)
+        manifest = check_package(source.root, links_within=source.links_within,
+                                 ignore_unlisted=source.ignore_unlisted)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
         return result
 
-    import torch
-
-    from . import _device
-    from .backends.base import backend_from_json
-    from .environment import differences, environment
-    from .load import manifest_device, read_module_spec
-
-    here = environment(_device.resolve(device))
-    result["environment_here"] = here
+    result["environment_here"] = environment(here_device)
     try:
         manifest_device(manifest, source.root)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
+    plans = plans_here(manifest, source, here_device)
     for entry in manifest["modules"]:
         path = entry["path"] or "<model>"
         try:  # what load parses before it touches a model
             read_module_spec(source.root, entry)
-            backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+            backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
         except XpupackError as exc:
             result["ok"] = False
             result["problems"].append(f"{path}: {exc}")
             continue
-        changed = differences(manifest["environment"], here, backend.depends_on)
-        device_here = torch.device(here["device_type"])
-        if not backend.available(device_here):
-            status = f"{backend.why_unavailable(device_here)}: runs the original module"
-        elif changed:
-            status = "rebuilt on load: " + ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
-        elif backend.compiled_artifacts and not source.trusted:
-            status = "compiled artifacts not trusted (revision not pinned): compiled on load"
-        else:
-            status = "compatible"
-        result["compatibility"][path] = {"backend": backend.name, "status": status,
+        status = plans[entry["path"]]["status"]
+        result["compatibility"][path] = {"backend": entry["backend"]["name"], "status": status,
                                          "compatible": status == "compatible"}
     return result
 

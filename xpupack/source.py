@@ -16,6 +16,9 @@ class Source:
     description: str = ""
     #: why the compiled artifacts may (or may not) run, shown by `inspect`
     trust_reason: str = ""
+    #: files the manifest does not list are ignored rather than refused (a Hub snapshot may hold
+    #: the repo's other files: a LICENSE, its model card); they are never read
+    ignore_unlisted: bool = False
 
 
 def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,

@@ -33,6 +33,7 @@ from torch import nn
 
 from .._compare import mismatch
 from ..errors import BackendError, BackendUnavailableError, PackageFormatError, UnknownConfigError
+from ..manifest import artifact_file, check_depth
 from ..signature import dtype_from_name, dtype_name
 from .base import Backend, ModuleSpec, Runner, Target, register_backend
 
@@ -397,14 +398,15 @@ class TorchAOBackend(Backend):
         the package holds no other form of them to rebuild from.
         """
         _require_torchao()
-        where = str(folder / WEIGHTS_FILE)
+        weights = artifact_file(folder, config.get("weights", WEIGHTS_FILE))
+        where = str(weights)
         if "config" in config:
             config_from_json(config["config"], f"{folder} (torchao config)")
         expected = config.get("tensors")
         if not isinstance(expected, dict) or not expected:
             raise PackageFormatError(f"the torchao config of {folder} lists no tensors; rebuild the package",
                                      path=where)
-        tensors = read_quantized(folder / WEIGHTS_FILE, device)
+        tensors = read_quantized(weights, device)
         if set(tensors) != set(expected):
             raise PackageFormatError(f"{where} holds {sorted(tensors)}, the manifest lists {sorted(expected)}; "
                                      "rebuild the package", path=where)
@@ -442,20 +444,26 @@ def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as exc:
         raise PackageFormatError(f"{path} is not a readable safetensors file ({exc}); rebuild the package",
                                  path=str(path)) from None
+    where = f"{path}: the torchao header"
     try:
         names = json.loads(metadata.get("tensor_names", "null"))
+        check_depth(names, where)
         if not isinstance(names, list) or not names:
             raise ValueError("no tensor_names")
         for name in names:
             entry = json.loads(metadata[name])
+            check_depth(entry, f"{where} ({name})")
             if not isinstance(entry, dict) or entry.get("_type") not in TENSOR_CLASSES:
                 kind = entry.get("_type") if isinstance(entry, dict) else entry
                 raise UnknownConfigError(f"{path} holds {name!r} as {kind!r}, which xpupack does not load; "
                                          f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}")
             check_types(entry.get("_data"), _TENSOR_PARTS, f"{path} ({name})")
         tensors, leftover = unflatten_tensor_state_dict(data, metadata)
-    except UnknownConfigError:
+    except (UnknownConfigError, PackageFormatError):
         raise
+    except RecursionError:
+        raise PackageFormatError(f"{where} is nested too deep to parse; rebuild the package",
+                                 path=str(path)) from None
     except (ValueError, KeyError, TypeError) as exc:
         raise PackageFormatError(f"{path}: the torchao header cannot be read ({type(exc).__name__}: {exc}); "
                                  "rebuild the package", path=str(path)) from None

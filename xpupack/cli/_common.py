@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -17,8 +18,13 @@ from ..errors import XpupackError
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
 
-def handle_errors(command: Callable) -> Callable:
-    """Maps errors to one line on stderr and exit code 1 (a traceback only with XPUPACK_DEBUG=1)."""
+def handle_errors(command: Callable | None = None, *, exit_code: int = 1) -> Callable:
+    """Maps errors to one line on stderr and exit status ``exit_code`` (a traceback only with XPUPACK_DEBUG=1).
+
+    ``@handle_errors`` or ``@handle_errors(exit_code=3)``.
+    """
+    if command is None:
+        return functools.partial(handle_errors, exit_code=exit_code)
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -33,23 +39,32 @@ def handle_errors(command: Callable) -> Callable:
             click.echo(f"{label}: {exc}", err=True)
             if not isinstance(exc, XpupackError) and os.environ.get("XPUPACK_DEBUG") != "1":
                 click.echo("set XPUPACK_DEBUG=1 for the full traceback", err=True)
-            sys.exit(1)
+            sys.exit(exit_code)
 
     return wrapper
 
 
-def import_object(reference: str, what: str) -> Any:
-    """Imports ``package.module:attribute`` (the current directory is importable)."""
+def import_object(reference: str, what: str, *, package: str | Path | None = None) -> Any:
+    """Imports ``package.module:attribute``; the current directory is importable, unless it is
+    (inside) the package directory ``package``: nothing is ever imported from a package."""
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
         raise click.BadParameter(f"{reference!r} is not MODULE:NAME (e.g. xpupack.examples:tiny_transformer)",
                                  param_hint=what)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    cwd = Path.cwd().resolve()
+    root = Path(package).resolve() if package is not None and Path(package).is_dir() else None
+    hint = ""
+    if root is not None and cwd.is_relative_to(root):
+        # a package's files are data: keep its directory off the path (`python -m` put it first)
+        sys.path[:] = [entry for entry in sys.path if not Path(entry or ".").resolve().is_relative_to(root)]
+        hint = (f" (the current directory is inside the package {package}, which xpupack never imports from: "
+                "run from your project directory, or install the module)")
+    elif str(cwd) not in sys.path:
+        sys.path.insert(0, str(cwd))
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise click.BadParameter(f"cannot import {module_name!r}: {exc}", param_hint=what) from None
+        raise click.BadParameter(f"cannot import {module_name!r}: {exc}{hint}", param_hint=what) from None
     try:
         value = module
         for part in attribute.split("."):

@@ -20,11 +20,12 @@ def bench(package, model_factory, device, iterations, revision, as_json):
     """Load PACKAGE into MODULE:FACTORY's model and report, per recorded signature, the tuned
     module's latency against eager (device-synchronized; median and p90, in microseconds)."""
     import xpupack
-    from xpupack._device import resolve
     from xpupack.bench import benchmark
+    from xpupack.environment import resolve_device
 
-    model = import_object(model_factory, "--model")()
-    model = xpupack.load(model, package, device=resolve(device), revision=revision)
+    device = resolve_device(device)
+    model = import_object(model_factory, "--model", package=package)()
+    model = xpupack.load(model, package, device=device, revision=revision)
     rows = benchmark(model, iterations=iterations)
     if as_json:
         echo_json({"package": package, "device": str(xpupack.tuned.session_of(model).device), "results": rows})

@@ -69,8 +69,12 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     """
     out_console = console()
     started = time.perf_counter()
-    make_model = import_object(model_factory, "MODULE:FACTORY")
-    make_samples = import_object(samples_factory, "--samples")
+    if device is not None:
+        from ..environment import resolve_device
+
+        resolve_device(device)  # before minutes of tuning
+    make_model = import_object(model_factory, "MODULE:FACTORY", package=out)
+    make_samples = import_object(samples_factory, "--samples", package=out)
     with out_console.status("importing torch") as status:
         import xpupack
 
@@ -95,5 +99,5 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     from .inspect import print_report
     from ..report import package_report
 
-    print_report(package_report(out), out_console)
+    print_report(package_report(out, device), out_console)
     out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s")

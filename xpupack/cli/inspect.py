@@ -39,7 +39,7 @@ def print_report(report: dict, out) -> None:
               f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
               f"package {_size(report['total_bytes'])}")
     out.print(_trust_line(report))
-    table = Table("module", "backend", "signatures", "candidates", "size")
+    table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
@@ -48,19 +48,21 @@ def print_report(report: dict, out) -> None:
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
         table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
-                      _size(module["size_bytes"]))
+                      module["on_load"], _size(module["size_bytes"]))
     out.print(table)
 
 
 def _trust_line(report: dict) -> str:
     """Whether the package's compiled artifacts may run here (DESIGN §5)."""
-    compiled = ", ".join(f"{m['path'] or '<model>'} ({m['backend']})" for m in report["modules"]
-                         if m["compiled_artifacts"])
+    compiled = ", ".join(f"{m['path'] or '<model>'} ({m['runs_here']})" for m in report["modules"]
+                         if m["compiled_here"])
     if report["trusted"]:
         return (f"trust: {report['trust_reason']} — " + (f"compiled artifacts of {compiled} are trusted"
                                                          if compiled else "no compiled artifacts"))
     if not compiled:
-        return f"trust: {report['trust_reason']}; the package has no compiled artifacts, so nothing is rebuilt"
+        what = ("the package has no compiled artifacts" if not any(m["compiled_artifacts"] for m in report["modules"])
+                else "no module runs the package's compiled artifacts here")
+        return f"trust: {report['trust_reason']}; {what}, so nothing is rebuilt"
     return (f"[yellow]trust: compiled artifacts of {compiled} will be rebuilt on load: {report['trust_reason']} — "
             "pin that commit (--revision, or revision= in xpupack.load) or pass trust_compiled=True to "
             "xpupack.load to run them[/yellow]")
@@ -83,19 +85,35 @@ def inspect(package, revision, as_json):
         print_report(report, console())
 
 
-@click.command()
+#: `verify`'s exit status when it could not check the package at all (not "damaged" 1, not "degraded" 2)
+CANNOT_CHECK = 3
+
+
+class _VerifyCommand(click.Command):
+    """Usage errors exit with `CANNOT_CHECK`: click's own status for them, 2, means "degraded" here."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as exc:
+            exc.exit_code = CANNOT_CHECK
+            raise
+
+
+@click.command(cls=_VerifyCommand)
 @click.argument("package", metavar="DIR|ORG/NAME")
 @_revision
 @click.option("--device", default=None, help="Device to check compatibility against. Default: the best here.")
 @json_option
-@handle_errors
+@handle_errors(exit_code=CANNOT_CHECK)
 def verify(package, revision, device, as_json):
     """Check a package: schema, every file's sha256, and compatibility with this machine.
 
     \b
     Exit status: 0 when the package is intact and everything in it runs here as built;
     1 when it is damaged (nothing is loaded from such a package);
-    2 when it is intact but some modules would be rebuilt or run the original module here.
+    2 when it is intact but some modules would be rebuilt or run the original module here;
+    3 when it could not be checked (a device not here, the Hub unreachable, no such repo, a bad option).
     """
     from ..report import verify_package
 

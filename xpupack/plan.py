@@ -1,0 +1,172 @@
+"""What runs each module of a package here, and whether its compiled artifacts may run (DESIGN §5).
+
+One decision, made here, that `load` acts on and `verify` and `inspect` report:
+
+1. The package's backend runs if it is available here; otherwise the first of
+   its bases that is (``graph+inductor`` on a CPU runs ``inductor``);
+   otherwise the original module (unless only the backend holds the weights).
+2. If the build environment differs in something the chosen backend depends
+   on, ``on_mismatch`` decides: ``"rebuild"`` it here without its artifacts,
+   ``"fallback"`` to the next of the chain, ``"error"``.
+3. Whatever runs uses compiled artifacts (pickles, native code) only from a
+   trusted source. This applies on every path above, and again when a restore
+   fails and the module falls back (`Choice.after_failure`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .backends.base import Backend
+from .backends.eager import EagerBackend
+from .environment import differences
+from .errors import IncompatiblePackageError
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything besides the module that the decision depends on."""
+
+    device: torch.device
+    #: this machine's environment and the package's build environment (`xpupack.environment`)
+    here: dict
+    built: dict
+    trusted: bool
+    #: why the source is not trusted (shown to the user), e.g. "revision 'main' ... is not pinned by commit hash"
+    untrusted_why: str = ""
+    on_mismatch: str = "rebuild"
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One way in which what runs differs from the package as built: `load`'s and `verify`'s wording."""
+
+    note: str
+    status: str
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What runs one module here."""
+
+    path: str
+    #: the package's backend, the start of the chain this choice was made from
+    built: Backend
+    #: what runs: ``built``, one of its bases, or `EagerBackend` (the original module)
+    backend: Backend
+    #: how many ``base`` levels below ``built`` the backend is (None for the original module)
+    depth: int | None
+    use_artifacts: bool
+    owned: tuple[str, ...] = ()
+    steps: tuple[_Step, ...] = field(default=())
+
+    @property
+    def note(self) -> str:
+        """Why the module does not run as built (empty when it does), for `load`'s log and report."""
+        return "; ".join(step.note for step in self.steps)
+
+    @property
+    def status(self) -> str:
+        """``"compatible"``, or what happens instead, for `verify`."""
+        return "; ".join(step.status for step in self.steps) or "compatible"
+
+    def locate(self, config: dict, folder: Path) -> tuple[dict, Path]:
+        """The chosen backend's config and folder, given the package's backend's."""
+        if self.depth is None:
+            return {}, folder
+        backend = self.built
+        for _ in range(self.depth):
+            config, folder, backend = config.get("base", {}), folder / backend.base.name, backend.base
+        return config, folder
+
+    def without_artifacts(self, why: str) -> Choice:
+        """The same backend, built here: its compiled artifacts cannot be used (``why``)."""
+        return replace(self, use_artifacts=False, steps=(*self.steps, _Step(
+            f"{self.backend.name} compiled here: {why}", f"compiled on load: {why}")))
+
+    def after_failure(self, why: str, context: Context) -> Choice:
+        """What runs when restoring this choice failed (``why``): the next of the chain, same rules.
+
+        Raises `IncompatiblePackageError` when only the failed backend can hold the module's weights.
+        """
+        if self.depth is None:
+            raise ValueError("the original module has nothing to fall back to")
+        step = _Step(f"{self.backend.name} -> {_next_name(self.built, self.depth)} (restore failed: {why})",
+                     f"restore failed ({why}): runs {_next_label(self.built, self.depth)}")
+        return choose(self.path, self.built, context, owned=self.owned, start=self.depth + 1,
+                      steps=(*self.steps, step))
+
+
+def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, ...] = (), start: int = 0,
+           steps: tuple[_Step, ...] = ()) -> Choice:
+    """What runs the module at ``path`` whose package backend is ``backend`` (see the module docstring).
+
+    Args:
+        owned: state-dict names only the backend's files hold (quantized weights): the original
+            module cannot take over.
+        start: skip this many backends of the chain (those that already failed).
+
+    Raises:
+        IncompatiblePackageError: with ``on_mismatch="error"``, the backend cannot run as built;
+            or nothing but the backend could run a module whose weights only it holds.
+    """
+    where = path or "<model>"
+    chain = _chain(backend)
+    for depth in range(start, len(chain)):
+        candidate = chain[depth]
+        changed = differences(context.built, context.here, candidate.depends_on)
+        available = candidate.available(context.device)
+        if available and not changed:
+            use_artifacts = True
+        else:
+            what = (", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items()) if available
+                    else candidate.why_unavailable(context.device))
+            if context.on_mismatch == "error":
+                raise IncompatiblePackageError(
+                    f"{where}: the {candidate.name} artifacts cannot run here ({what}); load with "
+                    "on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
+                    differences=changed)
+            if not available or context.on_mismatch == "fallback":
+                verify_what = what if not available else ", ".join(
+                    f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
+                steps += (_Step(f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
+                                f"{verify_what}: runs {_next_label(backend, depth)}"),)
+                continue
+            use_artifacts = False
+            steps += (_Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + ", ".join(
+                f"{k} built {a}, here {b}" for k, (a, b) in changed.items())),)
+        if use_artifacts and candidate.compiled_artifacts and not context.trusted:
+            use_artifacts = False
+            steps += (_Step(f"{candidate.name} compiled here: {context.untrusted_why} (pin the commit, or pass "
+                            "trust_compiled=True to use its compiled artifacts)",
+                            f"compiled artifacts not trusted ({context.untrusted_why}): compiled on load"),)
+        return Choice(path, backend, candidate, depth, use_artifacts, owned, steps)
+    if owned:
+        why = "; ".join(step.note for step in steps[-1:]) or "it cannot run here"
+        raise IncompatiblePackageError(
+            f"{where}: the {backend.label} backend cannot run here ({why}), and the package holds "
+            f"{', '.join(owned[:3])} only in that backend's form, so the original module cannot take "
+            "over — load on a device where it runs, or rebuild the package here from the original weights",
+            differences=differences(context.built, context.here, backend.depends_on))
+    return Choice(path, backend, EagerBackend(), None, False, owned, steps)
+
+
+def _chain(backend: Backend) -> list[Backend]:
+    """The backend, its base, its base's base..."""
+    chain = [backend]
+    while getattr(chain[-1], "base", None) is not None:
+        chain.append(chain[-1].base)
+    return chain
+
+
+def _next_name(backend: Backend, depth: int) -> str:
+    chain = _chain(backend)
+    return chain[depth + 1].name if depth + 1 < len(chain) else "original module"
+
+
+def _next_label(backend: Backend, depth: int) -> str:
+    chain = _chain(backend)
+    return chain[depth + 1].label if depth + 1 < len(chain) else "the original module"
