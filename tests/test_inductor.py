@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack
+from models import make_stack, stack_samples
 from xpupack.errors import IncompatiblePackageError
 from xpupack.source import Source
 
@@ -29,9 +29,11 @@ def test_compiled_modules_match_eager(inductor_package):
     assert all(f"backends/inductor/kernels/{k}" in manifest["files"] for k in kernels)
 
 
-def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_python, tmp_path):
-    """A fresh process with an empty Inductor cache hits the package's artifacts: nothing compiles from scratch."""
-    _, root = inductor_package
+def _load_in_fresh_process(root, run_python, cache) -> dict:
+    """Loads the package in a fresh process whose Inductor cache (``cache``) starts empty; returns what it saw.
+
+    ``built``: the libraries in that cache afterwards; ``carried``: the kernels the package lists.
+    """
     result = run_python(f"""
         import json, torch, xpupack
         from torch._dynamo.utils import counters
@@ -41,15 +43,80 @@ def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_py
         with torch.no_grad():
             close = torch.allclose(model(x), make_stack()(x), atol=1e-5)
         print(json.dumps({{"close": close, "stats": xpupack.stats(model), **counters["inductor"]}}))
-    """, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh-cache")})
+    """, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     report = json.loads(result.stdout.strip().splitlines()[-1])
+    report["built"] = {p.relative_to(cache).as_posix() for p in cache.rglob("*.so")}
+    report["carried"] = set(json.loads((root / "xpupack.json").read_text())["backends"]["inductor"]["config"]
+                            .get("kernels", []))
+    return report
+
+
+def _assert_loaded_from_the_package(report):
     assert report["close"]
     assert report.get("fxgraph_cache_hit", 0) >= 1
     assert report.get("fxgraph_cache_miss", 0) == 0
     assert report["stats"]["layers.0.mlp"]["fallbacks"] == 0
-    built = {p.relative_to(tmp_path / "fresh-cache").as_posix() for p in (tmp_path / "fresh-cache").rglob("*.so")}
-    carried = set(json.loads((root / "xpupack.json").read_text())["backends"]["inductor"]["config"]["kernels"])
-    assert built <= carried  # every library the load needed came from the package: nothing was compiled
+    assert report["built"] <= report["carried"]  # every library the load needed came from the package
+
+
+def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_python, tmp_path):
+    """A fresh process with an empty Inductor cache hits the package's artifacts: nothing compiles from scratch."""
+    _assert_loaded_from_the_package(_load_in_fresh_process(inductor_package[1], run_python, tmp_path / "fresh-cache"))
+
+
+def _carried_files(root) -> dict[str, bytes]:
+    return {path.relative_to(root).as_posix(): path.read_bytes()
+            for path in (root / "backends" / "inductor").rglob("*") if path.is_file()}
+
+
+def _generated_kernels(carried: dict[str, bytes]) -> list[str]:
+    """The carried C++ sources that Inductor generated for a model (the vector-ISA probe's programs aside)."""
+    return [name for name, data in carried.items() if name.endswith(".cpp") and b"cpp_prefix.h" in data]
+
+
+def _unrelated_before(x):
+    return torch.atan2(x, x + 1.0)  # ops the stack's MLPs never use: finding their names in a package is a leak
+
+
+def _unrelated_after(x):
+    return torch.hypot(x, x - 1.0)
+
+
+def test_unrelated_compiles_stay_out_of_the_package(tmp_path):
+    """Code compiled in the process, before tuning or between tuning and save, does not travel in the package."""
+    x = torch.randn(3, 5)
+    torch.compile(_unrelated_before)(x)
+    model = xpupack.tune(make_stack(seed=5), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    torch.compile(_unrelated_after)(x)
+    root = xpupack.save(model, tmp_path / "pkg")
+    carried = _carried_files(root)
+    assert "backends/inductor/cache.bin" in carried
+    assert _generated_kernels(carried)  # the package's own kernels are there
+    for marker in (b"atan2", b"hypot"):
+        assert [name for name, data in carried.items() if marker in data] == []
+
+
+def test_warm_cache_package_carries_its_own_kernels(inductor_package, run_python, tmp_path):
+    """Tuning where the kernels exist already (older files; the same module compiled earlier in the process too)
+    still carries every artifact a fresh process needs."""
+    # the session's Inductor cache, which this process inherits, already holds the stack's kernels
+    root = tmp_path / "pkg"
+    run_python(f"""
+        import torch, xpupack
+        from models import make_stack, stack_samples
+        model = make_stack()  # the weights the load compares with
+        compiled = torch.compile(model.layers[0]["mlp"].forward, dynamic=False)
+        with torch.no_grad():
+            for sample in stack_samples():
+                compiled(sample)
+        model = xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.InductorBackend()))
+        xpupack.save(model, {str(root)!r})
+    """)
+    report = _load_in_fresh_process(root, run_python, tmp_path / "fresh-cache")
+    assert _generated_kernels(_carried_files(root))
+    _assert_loaded_from_the_package(report)
 
 
 def _forbid_artifacts(monkeypatch):

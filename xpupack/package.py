@@ -121,7 +121,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
                   str(staging / WEIGHTS), metadata={"format": "pt"})
 
-    modules, used_backends = [], {}
+    modules, used_backends, runners = [], {}, {}
     for path, tuned in session.modules.items():
         folder = module_folder(path)
         (staging / folder).mkdir(parents=True)
@@ -132,6 +132,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         backend = tuned.backend
         config = backend.save(tuned.runner, staging / folder / backend.name)
         used_backends.setdefault(backend.name, backend)
+        runners.setdefault(backend.name, []).append(tuned.runner)
         modules.append({"path": path, "folder": folder, "spec": spec_file,
                         "owned_tensors": sorted(tuned.runner.owned_tensors()),
                         "backend": {"name": backend.name, "options": backend.options(), "config": config},
@@ -141,7 +142,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
     for name, backend in used_backends.items():
         if hasattr(backend, "save_shared"):
             folder = f"backends/{name}"
-            shared[name] = {"folder": folder, "config": backend.save_shared(staging / folder)}
+            shared[name] = {"folder": folder, "config": backend.save_shared(staging / folder, runners[name])}
 
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -435,8 +435,10 @@ class GraphBackend(ComposedBackend):
             raise
         return runner
 
-    def save_shared(self, folder: Path) -> dict:
-        return self.base.save_shared(folder) if self.base and hasattr(self.base, "save_shared") else {}
+    def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
+        if not (self.base and hasattr(self.base, "save_shared")):
+            return {}
+        return self.base.save_shared(folder, [runner.base_runner for runner in runners])
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
         if self.base and hasattr(self.base, "restore_shared"):

@@ -1,6 +1,6 @@
 """The Inductor backend: ``torch.compile`` per module, compiled artifacts carried in the package.
 
-At save, PyTorch's portable cache artifacts ("mega-cache",
+At save, PyTorch's portable cache artifacts ("mega-cache", the format of
 ``torch.compiler.save_cache_artifacts``) go into ``backends/inductor/``; at
 load, ``torch.compiler.load_cache_artifacts`` puts them back into the local
 Inductor caches before the modules are compiled again from synthesised
@@ -8,9 +8,14 @@ inputs, so compilation hits the caches instead of starting from scratch.
 
 The mega-cache holds generated source, not the C++ libraries Inductor builds
 from it on CPU (nor the results of its vector-ISA probe, about 7 s on a fresh
-cache); so the libraries built while tuning are carried too
-(``backends/inductor/kernels/``) and put back into the local cache, where
-Inductor finds them by the hash of their source.
+cache); so those libraries are carried too (``backends/inductor/kernels/``)
+and put back into the local cache, where Inductor finds them by the hash of
+their source.
+
+A package carries exactly what its modules' compiles produced or used,
+recorded while the backend compiles them (`_recording`): never code that
+something else compiled in the process, and all of its own even when every
+compile hit a warm cache.
 
 All of these are pickles and native code: they load only when trusted
 (DESIGN §5); otherwise the module is compiled locally.
@@ -18,13 +23,18 @@ All of these are pickles and native code: they load only when trusted
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-import time
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
+from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 
 from .._compare import mismatch
 from ..errors import PackageFormatError
@@ -36,16 +46,126 @@ log = logging.getLogger(__name__)
 
 CACHE_FILE = "cache.bin"
 KERNELS = "kernels"
-#: files of Inductor's local cache that hold compiled code (not locks or in-flight temporaries)
-_KERNEL_SUFFIXES = (".so", ".cpp", ".h", ".json")
-#: when this process first compiled through the backend: kernels built since belong to packages
-_first_build: list[float] = []
+#: what Inductor builds from a C++ source ``name.cpp`` in its cache: ``name.so`` (``name.o``: a part linked later)
+_BUILT_SUFFIXES = (".so", ".o")
 
 
 def _inductor_cache_dir() -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return Path(cache_dir())
+    return Path(cache_dir()).absolute()
+
+
+@dataclass
+class _Compiled:
+    """What compiling one module produced or used: what a package of it carries."""
+
+    #: PyTorch's cache artifacts: Inductor's graphs, AOTAutograd's entries...
+    artifacts: list[CacheArtifact] = field(default_factory=list)
+    #: C++ sources of the libraries its code loads, as the path relative to the Inductor cache -> the file
+    sources: dict[str, Path] = field(default_factory=dict)
+
+
+class InductorRunner(CallableRunner):
+    """Runs the compiled module; knows what its compilation recorded (`_Compiled`)."""
+
+    def __init__(self, function: Callable[..., Any], supported: set[int], compiled: _Compiled):
+        super().__init__(function, supported)
+        self.compiled = compiled
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[_Compiled]:
+    """Records what the compiles inside the block produce or use.
+
+    PyTorch records cache artifacts for the whole process, each artifact once:
+    saving that record put code compiled for other models into a package, and
+    left out a module's graphs that an earlier compile had recorded. A fresh
+    record for the block (as ``torch._inductor.standalone_compile`` keeps one)
+    holds exactly the block's artifacts, cache hits included; they are added
+    to the process's record afterwards, which thus sees what it always saw.
+
+    Kernel libraries have no record and file times cannot tell whose they are:
+    Inductor writes or finds each C++ source through ``codecache.write`` before
+    it builds or loads the library, whether or not it built it before, so the
+    sources passing through there are those of the block's libraries.
+
+    Dynamo's compile lock, held throughout, keeps other threads' compiles out.
+    """
+    from torch._dynamo.convert_frame import compile_lock
+    from torch._inductor import codecache
+
+    compiled = _Compiled()
+    root = _inductor_cache_dir()
+    write = codecache.write
+
+    def observed_write(content, extension, *args, **kwargs):
+        key, path = write(content, extension, *args, **kwargs)
+        source = Path(path).absolute()
+        if extension.endswith("cpp") and source.is_relative_to(root):
+            compiled.sources[source.relative_to(root).as_posix()] = source
+        return key, path
+
+    with compile_lock:
+        with CacheArtifactManager.with_fresh_cache():
+            codecache.write = observed_write
+            try:
+                yield compiled
+            finally:
+                codecache.write = write
+            compiled.artifacts = list(chain.from_iterable(CacheArtifactManager._new_cache_artifacts.values()))
+        _add_to_record(compiled.artifacts)
+
+
+def _add_to_record(artifacts: Iterable[CacheArtifact]) -> None:
+    """Adds recorded artifacts to PyTorch's current record, as ``CacheArtifactManager.record_artifact`` does
+    (which cannot take them: it encodes its input again)."""
+    for artifact in artifacts:
+        if artifact not in CacheArtifactManager._seen_artifacts:
+            CacheArtifactManager._new_cache_artifacts[artifact.type()].append(artifact)
+            CacheArtifactManager._seen_artifacts.add(artifact)
+
+
+def _serialize(artifacts: Iterable[CacheArtifact]) -> bytes | None:
+    """The mega-cache of exactly these artifacts (None when there are none)."""
+    with CacheArtifactManager.with_fresh_cache():
+        _add_to_record(artifacts)
+        saved = torch.compiler.save_cache_artifacts()
+    return None if saved is None else saved[0]
+
+
+def _own_entry(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` behind a code object of its own, for ``torch.compile``.
+
+    Dynamo keeps compiled code per code object and reuses it for any equal
+    ``torch.compile`` whose guards pass: compiling a module whose class (same
+    shapes) was compiled before in the process would compile nothing, and so
+    record nothing. Its own code object makes Dynamo compile it (cheaply when
+    Inductor's caches hold the result).
+    """
+    def entry(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace()  # a copy: equal, but another object
+    return entry
+
+
+def _vec_isa_probes(root: Path) -> dict[str, Path]:
+    """The sources of Inductor's vector-ISA probe libraries in its cache at ``root`` (they hold no model code).
+
+    The probe runs once per process, at the first CPU compile (perhaps not one
+    of this backend's), so it is found by its programs, torch's own, not recorded.
+    Probes built by other torch versions or compilers in the same cache come along too.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    programs = {value.encode() for isa in vars(cpu_vec_isa).values()
+                if isinstance(isa, type) and issubclass(isa, cpu_vec_isa.VecISA)
+                for name, value in vars(isa).items() if name.endswith("_code") and isinstance(value, str)}
+    sizes = {len(program) for program in programs}
+    return {source.relative_to(root).as_posix(): source for source in sorted(root.glob("*/*.cpp"))
+            if source.stat().st_size in sizes and source.read_bytes() in programs
+            and source.with_suffix(".so").is_file()}
 
 
 @register_backend
@@ -110,18 +230,16 @@ class InductorBackend(ComposedBackend):
             raise
 
     def _compile(self, target: Target, spec: ModuleSpec, base_runner: Runner | None) -> Runner:
-        if not _first_build:
-            _first_build.append(time.time() - 1.0)  # file times can be a little coarse
         # a base transforms the module in place, so its own forward is what gets compiled
-        compiled = torch.compile(target.forward, dynamic=False, mode=self.mode)
-        with torch.no_grad():
+        compiled = torch.compile(_own_entry(target.forward), dynamic=False, mode=self.mode)
+        with _recording() as recorded, torch.no_grad():
             for index in range(len(spec.signatures)):
                 try:
                     args, kwargs = spec.example(index)
                 except Unsynthesizable:
                     continue  # a call with a KV cache at load: it compiles on its first real call
                 compiled(*args, **kwargs)  # compile now, not on the user's first call
-        runner = CallableRunner(compiled, set(range(len(spec.signatures))))
+        runner = InductorRunner(compiled, set(range(len(spec.signatures))), recorded)
         runner.base_runner = base_runner
         return runner
 
@@ -130,31 +248,24 @@ class InductorBackend(ComposedBackend):
         return self._compile_or_undo(target, spec,
                                      self._restore_base(target, spec, config, folder, device, use_artifacts))
 
-    def save_shared(self, folder: Path) -> dict:
-        """Writes the process's Inductor cache artifacts (all modules share one blob)."""
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            return {}
-        blob, _info = saved
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / CACHE_FILE).write_bytes(blob)
-        return {"cache": CACHE_FILE, KERNELS: self._save_kernels(folder / KERNELS)}
+    def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
+        """Writes what compiling the modules of ``runners`` recorded (all modules share one blob).
 
-    def _save_kernels(self, folder: Path) -> list[str]:
-        """Copies the compiled libraries built since this process first compiled through the backend."""
-        if not _first_build:
-            return []
-        root = _inductor_cache_dir()
-        saved = []
-        for path in sorted(root.rglob("*")):
-            if (path.suffix in _KERNEL_SUFFIXES and path.is_file() and not path.is_symlink()
-                    and path.stat().st_mtime >= _first_build[0]
-                    and path.relative_to(root).parts[0] not in ("locks", "fxgraph", "aotautograd")):
-                relative = path.relative_to(root).as_posix()
-                (folder / relative).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, folder / relative)
-                saved.append(relative)
-        return saved
+        The vector-ISA probe's libraries come along with the kernels, so that a
+        loader with an empty Inductor cache does not run the probe's compiles.
+        """
+        compiled = [runner.compiled for runner in runners if isinstance(runner, InductorRunner)]
+        config = {}
+        blob = _serialize(chain.from_iterable(record.artifacts for record in compiled))
+        if blob is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / CACHE_FILE).write_bytes(blob)
+            config["cache"] = CACHE_FILE
+        sources = {relative: source for record in compiled for relative, source in record.sources.items()}
+        if sources:
+            sources.update(_vec_isa_probes(_inductor_cache_dir()))
+        config[KERNELS] = _save_kernels(sources, folder / KERNELS)
+        return config
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
         if not use_artifacts:
@@ -177,3 +288,16 @@ class InductorBackend(ComposedBackend):
                 shutil.copy2(source, temporary)
                 os.replace(temporary, destination)
         log.info("loaded Inductor cache artifacts and %d compiled kernels from %s", len(kernels), folder)
+
+
+def _save_kernels(sources: dict[str, Path], folder: Path) -> list[str]:
+    """Copies each C++ source and what was built from it into ``folder``; returns their relative paths."""
+    saved = []
+    for relative, source in sorted(sources.items()):
+        for name, path in [(relative, source), *((str(PurePosixPath(relative).with_suffix(suffix)),
+                                                   source.with_suffix(suffix)) for suffix in _BUILT_SUFFIXES)]:
+            if path.is_file() and not path.is_symlink():
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, folder / name)
+                saved.append(name)
+    return saved
