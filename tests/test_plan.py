@@ -19,7 +19,7 @@ from click.testing import CliRunner
 import xpupack
 from backends_for_tests import ArtifactBackend
 from models import make_stack, stack_samples
-from package_tools import copy_package, rewrite_manifest
+from package_tools import copy_package, redigest, rewrite_manifest
 from xpupack.cli import main
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package
@@ -117,31 +117,49 @@ def test_verify_and_inspect_say_what_load_runs(graph_artifact_package):
 
 # -- the real thing: Inductor's pickled cache behind a graph fallback -----------------------------------
 
-_FIND_CLASS = {"active": False, "events": 0}
+PLANTED = b"planted by a hostile package"
 
 
-def _count_find_class(event, args):
-    if _FIND_CLASS["active"] and event == "pickle.find_class":
-        _FIND_CLASS["events"] += 1
+def plant_kernels(root: Path) -> None:
+    """Replaces every carried kernel file with a recognisable one, digests updated (a hostile author's
+    package is consistent with itself)."""
+    kernels = [path for path in root.rglob("kernels/**/*") if path.is_file()]
+    assert kernels
+    for kernel in kernels:
+        kernel.write_bytes(PLANTED)
+    redigest(root)
 
 
-sys.addaudithook(_count_find_class)  # cannot be removed: does nothing unless a test activates it
+def load_watching_artifacts(monkeypatch, tmp_path, source: Source):
+    """Loads ``source`` into an empty Inductor cache of its own; returns ``(model or error, blobs torch was
+    asked to unpickle, planted files copied into that cache)``."""
+    blobs = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", blobs.append)
+    cache = tmp_path / "inductor-cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    try:
+        model = load_from(monkeypatch, source)
+    except xpupack.XpupackError as exc:
+        model = exc
+    copied = [path for path in cache.rglob("*") if path.is_file() and path.read_bytes() == PLANTED]
+    return model, blobs, copied
+
+
+def test_the_planted_artifacts_do_reach_torch_when_trusted(graph_inductor_package, tmp_path, monkeypatch):
+    """The control for the test below: the same package, trusted, hands torch its pickles and kernels."""
+    root = copy_package(graph_inductor_package[1], tmp_path / "pkg")
+    plant_kernels(root)
+    _, blobs, copied = load_watching_artifacts(
+        monkeypatch, tmp_path, Source(root, trusted=True, description=str(root), trust_reason="local"))
+    assert blobs and copied
 
 
 def test_graph_over_inductor_from_an_unpinned_revision_never_unpickles(graph_inductor_package, tmp_path,
                                                                        monkeypatch):
     root = copy_package(graph_inductor_package[1], tmp_path / "pkg")
-
-    def forbidden(blob):
-        raise AssertionError("untrusted compiled artifacts must not be loaded")
-
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", forbidden)
-    _FIND_CLASS.update(active=True, events=0)
-    try:
-        model = load_from(monkeypatch, untrusted(root))
-    finally:
-        _FIND_CLASS["active"] = False
-    assert _FIND_CLASS["events"] == 0
+    plant_kernels(root)
+    model, blobs, copied = load_watching_artifacts(monkeypatch, tmp_path, untrusted(root))
+    assert blobs == [] and copied == []
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
     assert all("inductor compiled here" in reason and UNTRUSTED in reason for reason in reasons(model))
     x = torch.randn(2, 8)

@@ -491,6 +491,15 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_changes(package,
     assert f"device {device!r} is not available here" in str(error) and "devices here: cpu" in str(error)
 
 
+@pytest.mark.parametrize("device", ["cuda:99", "warp"])
+def test_tuning_on_a_device_this_machine_lacks_is_refused_before_anything_changes(device):
+    model = make_stack()
+    before = snapshot(model)
+    with pytest.raises(xpupack.DeviceUnavailableError, match=f"device {device!r} is not available here"):
+        xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"], device=device)
+    assert_unchanged(model, before)
+
+
 # -- the wrong model ---------------------------------------------------------------------------------
 
 class Renamed(nn.Module):

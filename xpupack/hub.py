@@ -1,4 +1,4 @@
-"""The Hugging Face Hub: load a package by repo id and revision, and push one (DESIGN §2, §5).
+"""The Hugging Face Hub: load a package by repo id and revision, and push one (README: "Packages"; "Safety and reliability").
 
 A Hub repo holds a package as it is on disk. Downloads go through
 ``huggingface_hub``'s cache: the manifest first, then exactly the files it
@@ -70,7 +70,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
 
     Returns:
         A `Source` on the cached snapshot; ``trusted`` only for a full commit
-        hash revision or ``trust_compiled=True`` (DESIGN §5).
+        hash revision or ``trust_compiled=True`` (README: "Safety and reliability").
 
     Raises:
         RepoNotFoundError: no such repo, or the token cannot read it.

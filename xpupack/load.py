@@ -1,4 +1,4 @@
-"""`xpupack.load`: verify a package, restore weights and backends, activate (DESIGN §2, §5).
+"""`xpupack.load`: verify a package, restore weights and backends, activate (README: "Packages"; "Safety and reliability").
 
 Everything that can be checked is checked before the model is touched. For
 the changes that follow (weights, device, backends, activation) a `_ModelEdit`

@@ -1,4 +1,4 @@
-"""`xpupack.save`: writes a package directory, atomically (DESIGN §2)."""
+"""`xpupack.save`: writes a package directory, atomically (README: "Packages")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What runs each module of a package here, and whether its compiled artifacts may run (DESIGN §5).
+"""What runs each module of a package here, and whether its compiled artifacts may run (README: "Safety and reliability").
 
 One decision, made here, that `load` acts on and `verify` and `inspect` report:
 

@@ -30,7 +30,7 @@ def describe_signature(data: dict) -> str:
 
 
 def compiled_backends(manifest: dict) -> dict[str, str]:
-    """``{module path: backend name}`` for the modules whose artifacts are compiled code (DESIGN §5).
+    """``{module path: backend name}`` for the modules whose artifacts are compiled code (README: "Safety and reliability").
 
     The backend registry decides (``Backend.compiled_artifacts``); a backend
     this xpupack does not know is left out here and reported by `verify_package`.

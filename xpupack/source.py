@@ -8,7 +8,7 @@ from pathlib import Path
 
 @dataclass
 class Source:
-    """A package directory on disk and whether its compiled artifacts may run (DESIGN §5)."""
+    """A package directory on disk and whether its compiled artifacts may run (README: "Safety and reliability")."""
 
     root: Path
     trusted: bool

@@ -1,4 +1,4 @@
-"""Strategies: which backend a module gets, and why the others were refused (DESIGN §1, §3).
+"""Strategies: which backend a module gets, and why the others were refused (README: "Tuning"; "What it does").
 
 Every candidate must build and reproduce eager's outputs on the recorded
 samples within its tolerances before it can be chosen; each refusal is kept

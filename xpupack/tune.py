@@ -12,7 +12,7 @@ from torch import nn
 from . import _device
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
-from .environment import environment
+from .environment import environment, resolve_device
 from .recorder import record, same_values, select_modules, snapshot
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
@@ -49,6 +49,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         The same model object.
 
     Raises:
+        DeviceUnavailableError: ``device`` names a device this machine lacks.
         TuningError: no samples, or no module matches ``modules``.
         NoCandidateError: a module no backend of the strategy could tune.
 
@@ -56,7 +57,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """
-    device = _device.resolve(device, default=_device.model_device(model))
+    device = resolve_device(device, default=_device.model_device(model))
     strategy = strategy or default_strategy(device)
     previous = find_session(model)
     if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights

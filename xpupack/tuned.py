@@ -1,4 +1,4 @@
-"""Tuned modules: the fit check, the fallback rule, and stats (DESIGN §4).
+"""Tuned modules: the fit check, the fallback rule, and stats (README: "Calls, fit and fallback").
 
 A tuned module keeps its class, parameters and state-dict keys. Activation
 sets an instance attribute ``forward`` to a `TunedModule`, which checks each
@@ -118,7 +118,8 @@ class TunedModule:
             signature = Signature.of_call(args, kwargs)
         except Unrecordable:
             signature = None
-        if signature is None or signature.state_layout in self._families.get(signature.family, (signature.state_layout,)):
+        tuned_layouts = self._families.get(signature.family) if signature is not None else None
+        if tuned_layouts is None or signature.state_layout in tuned_layouts:
             if len(self._refused) > 1024:
                 self._refused.clear()
             self._refused.add(key)
@@ -127,7 +128,7 @@ class TunedModule:
         self.spec.signatures.append(signature)
         self.runner.add_signature(index)
         self._table[key] = index
-        self._families[signature.family].add(signature.state_layout)
+        tuned_layouts.add(signature.state_layout)
         self.new_sizes += 1
         log.info("%s: taking calls of %s (a new size of a tuned signature with state)",
                  self.target.path or "<model>", signature.describe())
@@ -204,8 +205,6 @@ class Session:
     architecture: dict = field(default_factory=dict)
     #: the model this session tunes (`attach` sets it)
     owner: "weakref.ref[nn.Module] | None" = None
-    #: ``generation_config.disable_compile`` as it was before activation (None: not switched)
-    _generate_compile: bool | None = None
 
     def activate(self) -> None:
         for tuned in self.modules.values():
@@ -224,15 +223,17 @@ class Session:
 
     def _switch_generate_compile(self, *, off: bool) -> None:
         """A tuned model has transformers' own compile switched off while active (`generate_compile_off`),
-        and back as it was on deactivation."""
-        config = _generation_config(self.owner() if self.owner else None)
+        and back as it was once no session of it is active (a load replacing a session deactivates the
+        old one after the new one is active)."""
+        model = self.owner() if self.owner else None
+        config = _generation_config(model)
         if config is None:
             return
-        if off and self._generate_compile is None:
-            self._generate_compile = bool(config.disable_compile)
+        if off:
+            _generate_compile_before.setdefault(model, bool(config.disable_compile))
             config.disable_compile = True
-        elif not off and self._generate_compile is not None:
-            config.disable_compile, self._generate_compile = self._generate_compile, None
+        elif find_session(model) in (None, self) and model in _generate_compile_before:
+            config.disable_compile = _generate_compile_before.pop(model)
 
 
 def _generation_config(model: nn.Module | None) -> Any:
@@ -257,6 +258,8 @@ def generate_compile_off(model: nn.Module):
 
 
 _sessions: "weakref.WeakKeyDictionary[nn.Module, Session]" = weakref.WeakKeyDictionary()
+#: model -> its ``generation_config.disable_compile`` from before any of its sessions was active
+_generate_compile_before: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 def describe_architecture(model: nn.Module) -> dict[str, dict]:

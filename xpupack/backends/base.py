@@ -153,12 +153,12 @@ class CallableRunner(Runner):
 
 
 class Backend:
-    """Base class of backends; see the module docstring and DESIGN §3."""
+    """Base class of backends; see the module docstring and the README's "What it does"."""
 
     name: ClassVar[str]
     #: environment keys whose change invalidates this backend's saved artifacts
     depends_on: ClassVar[tuple[str, ...]] = ()
-    #: True when saved artifacts may unpickle or run native code (DESIGN §5)
+    #: True when saved artifacts may unpickle or run native code (README: "Safety and reliability")
     compiled_artifacts: ClassVar[bool] = False
     #: True when the runner's outputs carry autograd history like eager's (device graphs do not)
     supports_autograd: ClassVar[bool] = False

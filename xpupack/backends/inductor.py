@@ -18,7 +18,7 @@ something else compiled in the process, and all of its own even when every
 compile hit a warm cache.
 
 All of these are pickles and native code: they load only when trusted
-(DESIGN §5); otherwise the module is compiled locally.
+(README: "Safety and reliability"); otherwise the module is compiled locally.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The TorchAO backend: quantized weights in the package, no re-quantization on load (DESIGN §3).
+"""The TorchAO backend: quantized weights in the package, no re-quantization on load (README: "What it does").
 
 At tune time `build` runs ``torchao.quantization.quantize_`` on the module:
 its Linear weights become torchao tensor subclasses (``Int8Tensor``,

@@ -53,7 +53,7 @@ def print_report(report: dict, out) -> None:
 
 
 def _trust_line(report: dict) -> str:
-    """Whether the package's compiled artifacts may run here (DESIGN §5)."""
+    """Whether the package's compiled artifacts may run here (README: "Safety and reliability")."""
     compiled = ", ".join(f"{m['path'] or '<model>'} ({m['runs_here']})" for m in report["modules"]
                          if m["compiled_here"])
     if report["trusted"]:
