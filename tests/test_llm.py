@@ -207,6 +207,14 @@ def test_a_dynamic_cache_falls_back_and_says_how_to_tune_it(emulated_graphs, fal
     assert fallback_calls and all('cache_implementation="static"' in e.reason for e in fallback_calls)
 
 
+def test_bench_leaves_out_calls_with_a_cache(emulated_graphs, caplog):
+    from xpupack.bench import benchmark
+
+    model, _ = tune_llm()
+    assert benchmark(model, iterations=3, warmup=1) == []  # the decode step is its only signature
+    assert "with a KV cache are not timed" in caplog.text
+
+
 def test_generate_does_not_compile_a_tuned_model(emulated_graphs):
     model, _ = tune_llm()
     assert model.generation_config.disable_compile is True

@@ -5,23 +5,33 @@ Uses the same device-synchronized timing as `Fastest`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from . import _timing
 from .tuned import session_of
 
+log = logging.getLogger("xpupack")
+
 
 def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> list[dict]:
     """Times every tuned module of ``model`` on each recorded signature, tuned and eager side by side.
 
-    Inputs are synthesised from the signatures. Both sides call the module the
+    Inputs are synthesised from the signatures (signatures with state, a KV
+    cache, are left out: nothing can synthesise one). Both sides call the module the
     same way (``module(*args)``): first with the tuned modules active (fit check
     and dispatch included), then deactivated, which is plain eager PyTorch.
     """
     session = session_of(model)
     cases = [(path, tuned, signature, *signature.synthesize())
-             for path, tuned in session.modules.items() for signature in tuned.spec.signatures]
+             for path, tuned in session.modules.items() for signature in tuned.spec.signatures
+             if not signature.state_slots]
+    skipped = sum(bool(s.state_slots) for tuned in session.modules.values() for s in tuned.spec.signatures)
+    if skipped:
+        log.warning("%d signature(s) with a KV cache are not timed: only a real call brings a cache "
+                    "(benchmarks/llm_decode.py times decoding)", skipped)
 
     def time_all() -> list[_timing.Timing]:
         with torch.no_grad():
