@@ -161,3 +161,14 @@ def test_negative_zero_is_another_constant():
     assert Signature.of_call((x,), {"scale": -0.0}).key == key_of(x, scale=-0.0)
     restored = Signature.from_json(json.loads(json.dumps(Signature.of_call((x,), {"scale": -0.0}).to_json())))
     assert restored.key == key_of(x, scale=-0.0)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "state"])
+def test_a_terabyte_tensor_claim_is_refused_when_parsed(kind):
+    from xpupack.signature import _leaf_from_json
+
+    huge = {"shape": [1024, 1024, 1024, 1024], "dtype": "float32", "device": "cpu"}
+    data = {"kind": "tensor", **huge} if kind == "tensor" else \
+        {"kind": "state", "type": "x.Cache", "tensors": [{**huge, "stride": [2**30, 2**20, 2**10, 1]}]}
+    with pytest.raises(ValueError, match="4096 GiB"):
+        _leaf_from_json(data)

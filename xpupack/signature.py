@@ -393,6 +393,11 @@ def _plain(context: str) -> bool:
     return all(isinstance(item, (type(None), bool, int, float, str)) for item in items)
 
 
+#: the largest tensor a stored signature may describe: loading synthesises its inputs, and a hostile
+#: spec must not make the loader allocate terabytes
+MAX_LEAF_BYTES = 64 * 2**30
+
+
 def _sizes(data: dict, field: str) -> tuple[int, ...]:
     sizes = data.get(field)
     if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
@@ -400,18 +405,26 @@ def _sizes(data: dict, field: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _tensor_layout(data: dict) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    shape, dtype = _sizes(data, "shape"), dtype_from_name(data.get("dtype"))
+    size = math.prod(shape) * dtype.itemsize
+    if size > MAX_LEAF_BYTES:
+        raise ValueError(f"a tensor of shape {list(shape)} ({size / 2**30:.0f} GiB) is larger than the "
+                         f"{MAX_LEAF_BYTES // 2**30} GiB a signature may describe")
+    return shape, dtype, device_from_name(data.get("device"))
+
+
 def _leaf_from_json(data: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind == "tensor":
-        return TensorLeaf(_sizes(data, "shape"), dtype_from_name(data.get("dtype")),
-                          device_from_name(data.get("device")))
+        return TensorLeaf(*_tensor_layout(data))
     if kind == "state":
         tensors = data.get("tensors")
         if not isinstance(data.get("type"), str) or not isinstance(tensors, list) or not tensors \
                 or not all(isinstance(t, dict) for t in tensors):
             raise ValueError(f"a state leaf needs a type name and a list of tensors, not {str(data)[:80]}")
-        layouts = tuple((_sizes(t, "shape"), _sizes(t, "stride"), dtype_from_name(t.get("dtype")),
-                         device_from_name(t.get("device"))) for t in tensors)
+        layouts = tuple((shape, _sizes(t, "stride"), dtype, device)
+                        for t in tensors for shape, dtype, device in [_tensor_layout(t)])
         if any(len(shape) != len(stride) for shape, stride, _, _ in layouts):
             raise ValueError("a state tensor's shape and stride differ in length")
         return StateLeaf(data["type"], layouts)
