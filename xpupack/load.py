@@ -200,9 +200,12 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
                                  f"for {entry['path']!r}; the package is damaged — rebuild it", path=entry["spec"])
     try:
         signatures = [Signature.from_json(s) for s in data["signatures"]]
+        counts = data.get("signature_calls", [])
+        if counts and len(counts) != len(signatures):
+            raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")
     except ValueError as exc:
         raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
-    return ModuleSpec(signatures, calls=data["calls"], unrecordable=data["unrecordable"],
+    return ModuleSpec(signatures, calls=data["calls"], signature_calls=list(counts), unrecordable=data["unrecordable"],
                       mutates_inputs=data.get("mutates_inputs", False))
 
 

@@ -165,7 +165,9 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
 def spec_to_json(path: str, spec: ModuleSpec) -> dict:
     return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
             "unrecordable": dict(spec.unrecordable), "mutates_inputs": spec.mutates_inputs,
-            "signatures": [signature.to_json() for signature in spec.signatures]}
+            "signatures": [signature.to_json() for signature in spec.signatures],
+            "signature_calls": [spec.signature_calls[i] if i < len(spec.signature_calls) else 0
+                                for i in range(len(spec.signatures))]}
 
 
 def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -40,6 +40,8 @@ class ModuleSpec:
     signatures: list[Signature]
     samples: list[list[tuple[tuple, dict]]] = field(default_factory=list)
     calls: int = 0
+    #: ``signature_calls[i]``: how many recorded calls had ``signatures[i]`` (weights for timing)
+    signature_calls: list[int] = field(default_factory=list)
     unrecordable: dict[str, int] = field(default_factory=dict)
     #: eager changed an input tensor in place on a recorded sample (a replay would change its copy)
     mutates_inputs: bool = False
@@ -57,6 +59,11 @@ class ModuleSpec:
         if index < len(self.samples) and self.samples[index]:
             return self.sample(index, 0)
         return self.signatures[index].synthesize()
+
+    def signature_weights(self) -> list[int]:
+        """How often each signature was called while recording (1 where that is not known)."""
+        counts = self.signature_calls
+        return [counts[i] if i < len(counts) and counts[i] > 0 else 1 for i in range(len(self.signatures))]
 
     def sample(self, index: int, number: int) -> tuple[tuple, dict]:
         """Recorded sample ``number`` of signature ``index``, its state objects put back as they were
