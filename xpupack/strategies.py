@@ -140,7 +140,7 @@ def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: Modul
         if not speedup > strategy.min_speedup:
             runner.undo()
             report.append({"backend": backend.label, "status": "rejected", **facts,
-                           "reason": f"not faster than eager: {speedup:.2f}x eager's speed ({candidate_us:.1f} vs "
+                           "reason": f"not faster than eager: {facts['speedup']}x eager's speed ({candidate_us:.1f} vs "
                                      f"{eager_us:.1f} µs per recorded call); min_speedup={strategy.min_speedup}"})
             return None
     return runner, facts

@@ -47,6 +47,8 @@ def print_report(report: dict, out) -> None:
             + (f" [{c['speedup']}x eager]" if "speedup" in c and c["status"] != "rejected" else "")
             for c in module["candidates"])
         signatures = "\n".join(module["signatures"]) or "—"
+        if module.get("padding"):
+            signatures += "\n" + module["padding"]
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
         table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
