@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from xpupack.backends.base import Backend, Runner, register_backend
@@ -86,3 +88,39 @@ class ArtifactBackend(Backend):
             return self.build(target, spec, device)
         artifact_file(folder, config["artifact"]).read_text()
         return ArtifactRunner(target.forward, set(range(len(spec.signatures))), from_artifacts=True)
+
+
+class DelayRunner(CountingRunner):
+    def __init__(self, forward, supported, delay):
+        super().__init__(forward, supported)
+        self.delay = delay
+
+    def run(self, index, args, kwargs, leaves):
+        time.sleep(self.delay)
+        return super().run(index, args, kwargs, leaves)
+
+
+@register_backend
+class DelayBackend(Backend):
+    """Gives eager's outputs, ``delay`` seconds late: a candidate slower than eager by construction."""
+
+    name = "delay"
+
+    def __init__(self, delay: float = 0.005):
+        self.delay = delay
+
+    def options(self):
+        return {"delay": self.delay}
+
+    def build(self, target, spec, device):
+        return DelayRunner(target.forward, set(range(len(spec.signatures))), self.delay)
+
+
+@register_backend
+class ShortcutBackend(Backend):
+    """Runs the module's ``shortcut`` method (`models.SlowEager`): faster than eager by construction."""
+
+    name = "shortcut"
+
+    def build(self, target, spec, device):
+        return CountingRunner(target.module.shortcut, set(range(len(spec.signatures))))

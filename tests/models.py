@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -61,3 +63,19 @@ class Accumulator(nn.Module):
         cache.total.add_(self.linear(x))
         cache.steps.add_(1)
         return cache.total / cache.steps
+
+
+class SlowEager(nn.Module):
+    """A linear layer whose forward waits ``delay`` seconds first; ``shortcut`` gives the same without waiting."""
+
+    def __init__(self, width: int = 8, delay: float = 0.005):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.delay = delay
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        return self.shortcut(x)
+
+    def shortcut(self, x):
+        return self.linear(x)

@@ -90,6 +90,8 @@ def test_bench_json(built):
     (["build", *DEMO, "--out", "o", "--backends", "warp"], "unknown backend 'warp'"),
     (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
     (["inspect", "no/such/dir"], "not a directory"),
+    (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
+    (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
 ])
 def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -11,7 +11,9 @@ from backends_for_tests import CountingBackend
 from models import make_stack, stack_samples
 from xpupack.manifest import read_manifest
 
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()])
+#: the emulated graph re-runs the module on every replay, so it is slower than eager by construction:
+#: these tests, about the graph's logic, switch the speed gate off
+GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def tune_stack(strategy=GRAPH, samples=None):
@@ -175,7 +177,9 @@ def test_a_signature_that_fails_to_record_at_load_falls_back_alone(emulated_grap
     model, reference = tune_stack()
     root = xpupack.save(model, tmp_path / "pkg")
     attempts = iter(range(100))
-    emulated_graphs.fail_capture = lambda: next(attempts) == 0  # the first recording at load fails
+    # the second recording at load (batch 4 of layers.0) fails: the largest batch, so no call of it
+    # can be padded up to another recording
+    emulated_graphs.fail_capture = lambda: next(attempts) == 1
     loaded = xpupack.load(make_stack(), root)
     stats = xpupack.stats(loaded)["layers.0.mlp"]
     assert stats["recordings"] == 1 and "emulated capture failure" in str(stats["not_recorded"])
@@ -183,7 +187,7 @@ def test_a_signature_that_fails_to_record_at_load_falls_back_alone(emulated_grap
         for batch in (2, 4):
             x = torch.randn(batch, 8)
             assert torch.allclose(loaded(x), reference(x), atol=1e-6)
-    assert [e.path for e in fallback_calls] == ["layers.0.mlp"]  # batch 2 of layers.0 only
+    assert [e.path for e in fallback_calls] == ["layers.0.mlp"]  # batch 4 of layers.0 only
 
 
 def test_graph_records_another_backends_runner(emulated_graphs, tmp_path):

@@ -23,7 +23,8 @@ from .errors import (BackendError, IncompatiblePackageError, IntegrityError, Mod
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
 from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
 from .plan import Choice, Context, choose
-from .signature import Signature, device_from_name, dtype_name, flatten
+from .padding import BatchAxes
+from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
 from .source import Source, resolve_source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
@@ -200,10 +201,33 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
                                  f"for {entry['path']!r}; the package is damaged — rebuild it", path=entry["spec"])
     try:
         signatures = [Signature.from_json(s) for s in data["signatures"]]
+        counts = data.get("signature_calls", [])
+        if counts and len(counts) != len(signatures):
+            raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")
+        batch_axes = _batch_axes(data.get("batch_axes", []), signatures)
     except ValueError as exc:
         raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
-    return ModuleSpec(signatures, calls=data["calls"], unrecordable=data["unrecordable"],
-                      mutates_inputs=data.get("mutates_inputs", False))
+    return ModuleSpec(signatures, calls=data["calls"], signature_calls=list(counts), unrecordable=data["unrecordable"],
+                      mutates_inputs=data.get("mutates_inputs", False), batch_axes=batch_axes,
+                      padding_refused=data.get("padding_refused"))
+
+
+def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:
+    """The spec's ``batch_axes`` (one entry or null per signature), each checked against its signature."""
+    if data and len(data) != len(signatures):
+        raise ValueError(f"batch_axes has {len(data)} entries for {len(signatures)} signatures")
+    found = {}
+    for index, entry in enumerate(data):
+        if entry is None:
+            continue
+        axes = BatchAxes.from_json(entry)
+        leaves = signatures[index].leaves
+        if signatures[index].state_slots or len(axes.inputs) != len(leaves) or any(
+                axis is not None and not (isinstance(leaf, TensorLeaf) and axis < len(leaf.shape))
+                for axis, leaf in zip(axes.inputs, leaves)):
+            raise ValueError(f"the batch axes of signature {index} do not fit {signatures[index].describe()}")
+        found[index] = axes
+    return found
 
 
 def manifest_device(manifest: dict, root: Path) -> torch.device:

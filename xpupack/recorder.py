@@ -82,6 +82,8 @@ class _Recording:
             spec.signatures.append(signature)
             spec.samples.append([])
             spec.states.append([])
+            spec.signature_calls.append(0)
+        spec.signature_calls[index] += 1
         if len(spec.samples[index]) < SAMPLES_PER_SIGNATURE:
             spec.samples[index].append((snapshot(args), snapshot(kwargs)))
             # a state object is kept by reference; its tensors as they are before this call are copied,

@@ -72,6 +72,18 @@ def plans_here(manifest: dict, source: Source, device=None) -> dict[str, dict]:
     return plans
 
 
+def _padding(spec: dict) -> str | None:
+    """What the module's spec says about padding calls up to a recorded batch."""
+    if spec.get("padding_refused"):
+        return "never padded: " + spec["padding_refused"]
+    axes = spec.get("batch_axes") or []
+    if any(axes):
+        batches = sorted({s["leaves"][i]["shape"][a] for s, entry in zip(spec["signatures"], axes) if entry
+                          for i, a in enumerate(entry["inputs"]) if a is not None})
+        return "smaller batches padded up to " + ", ".join(map(str, batches))
+    return None
+
+
 def package_report(source: Source | str | Path, device=None) -> dict:
     """Modules, backends, candidates and reasons, signatures, environment, sizes and trust of a package,
     and what `xpupack.load` would run for each module on ``device`` (default: the best here)."""
@@ -92,6 +104,7 @@ def package_report(source: Source | str | Path, device=None) -> dict:
             "signatures": [describe_signature(s) for s in spec["signatures"]],
             "calls_recorded": spec["calls"],
             "unrecordable": spec["unrecordable"],
+            "padding": _padding(spec),
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,
             "runs_here": here[entry["path"]]["runs"],

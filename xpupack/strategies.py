@@ -23,7 +23,11 @@ log = logging.getLogger("xpupack")
 
 
 class Rejected(Exception):
-    """A candidate backend was refused; the message is the reason."""
+    """A candidate backend was refused; the message is the reason, ``facts`` go into its report entry."""
+
+    def __init__(self, reason: str, **facts: Any):
+        super().__init__(reason)
+        self.facts = facts
 
 
 def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
@@ -67,14 +71,79 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
                     raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
 
 
-def _attempt(backend: Backend, target: Target, spec: ModuleSpec, references: list[list[Any]],
-             device: torch.device, report: list[dict]) -> Runner | None:
-    """`check_candidate`, with a refusal recorded in ``report`` instead of raised."""
+class _SpeedGate:
+    """Times eager and a candidate on the recorded signatures of one module (README: "Tuning").
+
+    Each signature's median (device-synchronized) is weighted by how often the
+    samples called it; a signature the candidate cannot run costs what eager
+    costs, since such calls fall back. Eager is timed once, before any
+    candidate is built (TorchAO changes the module in place).
+    """
+
+    def __init__(self, target: Target, spec: ModuleSpec, device: torch.device, iterations: int):
+        self.target, self.spec, self.device, self.iterations = target, spec, device, iterations
+        self._eager: dict[int, float] | None = None
+
+    def times(self, runner: Runner) -> dict[int, float]:
+        """Median microseconds per call of each signature ``runner`` supports."""
+        return {index: _timing.measure(_timed_call(runner, self.spec, index), self.device,
+                                       iterations=self.iterations).median_us
+                for index in sorted(runner.supported)}
+
+    def per_call_us(self, times: dict[int, float], fill: dict[int, float] | None = None) -> float:
+        """The mean time of one recorded call from per-signature ``times``; signatures missing there
+        take their time from ``fill`` (eager's, for calls that would fall back) or are left out."""
+        weights, fill = self.spec.signature_weights(), fill or {}
+        pairs = [(weights[i], times[i] if i in times else fill[i])
+                 for i in range(len(weights)) if i in times or i in fill]
+        return sum(w * t for w, t in pairs) / max(1, sum(w for w, _ in pairs))
+
+    def eager_times(self) -> dict[int, float]:
+        if self._eager is None:
+            from .backends.eager import EagerBackend
+
+            self._eager = self.times(EagerBackend().build(self.target, self.spec, self.device))
+        return self._eager
+
+    def compare(self, times: dict[int, float]) -> tuple[float, float, float]:
+        """``(speedup, candidate µs, eager µs)`` per recorded call; a speedup above 1 is faster than eager."""
+        eager = self.per_call_us(self.eager_times())
+        candidate = self.per_call_us(times, fill=self.eager_times())
+        return eager / max(candidate, 1e-3), candidate, eager
+
+
+def is_reference(backend: Backend) -> bool:
+    """Eager is what every candidate is compared with: never gated, never timed against itself."""
+    return backend.name == "eager"
+
+
+def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: ModuleSpec,
+             references: list[list[Any]], device: torch.device, report: list[dict],
+             gate: _SpeedGate) -> tuple[Runner, dict] | None:
+    """`check_candidate`, then the speed gate; returns the runner and the facts for its report entry
+    (``median_us``, ``speedup``), or records the refusal in ``report`` and returns None."""
+    gated = strategy.min_speedup is not None and not is_reference(backend)
     try:
-        return check_candidate(backend, target, spec, references, device)
+        if gated and backend.available(device):
+            gate.eager_times()  # before the candidate changes the module
+        runner = check_candidate(backend, target, spec, references, device)
     except Rejected as exc:
-        report.append({"backend": backend.label, "status": "rejected", "reason": str(exc)})
+        report.append({"backend": backend.label, "status": "rejected", "reason": str(exc), **exc.facts})
         return None
+    facts: dict = {}
+    if gated or strategy.times_candidates:
+        times = gate.times(runner)
+        facts["median_us"] = round(gate.per_call_us(times), 2)
+    if gated:
+        speedup, candidate_us, eager_us = gate.compare(times)
+        facts["speedup"] = round(speedup, 3)
+        if not speedup > strategy.min_speedup:
+            runner.undo()
+            report.append({"backend": backend.label, "status": "rejected", **facts,
+                           "reason": f"not faster than eager: {facts['speedup']}x eager's speed ({candidate_us:.1f} vs "
+                                     f"{eager_us:.1f} µs per recorded call); min_speedup={strategy.min_speedup}"})
+            return None
+    return runner, facts
 
 
 def _first_line(exc: BaseException) -> str:
@@ -83,34 +152,67 @@ def _first_line(exc: BaseException) -> str:
 
 
 class Strategy:
-    """Base class: picks one backend per module from a list of candidates."""
+    """Base class: picks one backend per module from a list of candidates.
 
-    def __init__(self, backends: Sequence[Backend]):
+    Args:
+        backends: the candidates, in order.
+        min_speedup: a candidate other than eager is rejected unless it runs the
+            recorded calls more than ``min_speedup`` times as fast as eager
+            (device-synchronized medians per signature, weighted by how often
+            the samples made each call). ``None`` switches the gate off.
+        iterations: timed calls per signature.
+    """
+
+    #: whether every passing candidate is timed even with the speed gate off
+    times_candidates = False
+
+    def __init__(self, backends: Sequence[Backend], *, min_speedup: float | None = 1.0, iterations: int = 20):
         if not backends:
             raise ValueError(f"{type(self).__name__} needs at least one backend")
+        if min_speedup is not None and (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
+                                        or not min_speedup > 0):
+            raise ValueError(f"{type(self).__name__}(min_speedup={min_speedup!r}): give a positive number, "
+                             "or None to keep candidates slower than eager")
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"{type(self).__name__}(iterations={iterations!r}): give a positive integer")
         self.backends = list(backends)
+        self.min_speedup = min_speedup
+        self.iterations = iterations
 
     def choose(self, target: Target, spec: ModuleSpec, references: list[list[Any]],
                device: torch.device) -> tuple[Backend, Runner, list[dict]]:
         raise NotImplementedError
 
+    def _options(self) -> dict:
+        """Options that differ from their defaults, as `__repr__` shows them."""
+        options: dict = {}
+        if self.min_speedup != 1.0:
+            options["min_speedup"] = self.min_speedup
+        if self.iterations != 20:
+            options["iterations"] = self.iterations
+        return options
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}([{', '.join(map(repr, self.backends))}])"
+        options = "".join(f", {name}={value!r}" for name, value in self._options().items())
+        return f"{type(self).__name__}([{', '.join(map(repr, self.backends))}]{options})"
 
 
 class FirstWins(Strategy):
-    """The first backend, in order, that builds and matches eager wins.
+    """The first backend, in order, that builds, matches eager and is faster than eager wins.
 
     Example:
         >>> xpupack.FirstWins([xpupack.GraphBackend(), xpupack.InductorBackend(), xpupack.EagerBackend()])
+        >>> xpupack.FirstWins([xpupack.InductorBackend(), xpupack.EagerBackend()], min_speedup=1.2)
     """
 
     def choose(self, target, spec, references, device):
         report: list[dict] = []
+        gate = _SpeedGate(target, spec, device, self.iterations)
         for backend in self.backends:
-            runner = _attempt(backend, target, spec, references, device, report)
-            if runner is not None:
-                report.append({"backend": backend.label, "status": "chosen", "reason": "first to pass"})
+            attempt = _attempt(self, backend, target, spec, references, device, report, gate)
+            if attempt is not None:
+                runner, facts = attempt
+                report.append({"backend": backend.label, "status": "chosen", "reason": "first to pass", **facts})
                 return backend, runner, report
         raise NoCandidateError(_explain(target, report))
 
@@ -118,18 +220,17 @@ class FirstWins(Strategy):
 class Fastest(Strategy):
     """Builds every candidate that passes, times each (device-synchronized), keeps the fastest."""
 
-    def __init__(self, backends: Sequence[Backend], *, iterations: int = 20):
-        super().__init__(backends)
-        self.iterations = iterations
+    times_candidates = True
 
     def choose(self, target, spec, references, device):
         report: list[dict] = []
         timed = []
+        gate = _SpeedGate(target, spec, device, self.iterations)
         for backend in self.backends:
-            runner = _attempt(backend, target, spec, references, device, report)
-            if runner is not None:
-                entry = {"backend": backend.label, "status": "accepted",
-                         "median_us": round(self._time(runner, spec, device), 2)}
+            attempt = _attempt(self, backend, target, spec, references, device, report, gate)
+            if attempt is not None:
+                runner, facts = attempt
+                entry = {"backend": backend.label, "status": "accepted", **facts}
                 runner.undo()  # the next candidate starts from the original module
                 report.append(entry)
                 timed.append((entry, backend, runner))
@@ -140,32 +241,29 @@ class Fastest(Strategy):
         entry["status"], entry["reason"] = "chosen", "fastest"
         return backend, runner, report
 
-    def _time(self, runner: Runner, spec: ModuleSpec, device: torch.device) -> float:
-        total = 0.0
-        for index in sorted(runner.supported):
-            timing = _timing.measure(_timed_call(runner, spec, index), device, iterations=self.iterations)
-            total += timing.median_us
-        return total
-
 
 def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], Any]:
     """One call of signature ``index`` to time; a call with state starts from the recorded state each
-    time (a decode step must not run past the end of its KV cache)."""
+    time (a decode step must not run past the end of its KV cache). Other calls run on a copy of the
+    sample, which a module that changes its inputs may change at will."""
     if spec.signatures[index].state_slots:
         def call() -> Any:
             args, kwargs = spec.sample(index, 0)
             return runner.run(index, args, kwargs, flatten(args, kwargs)[0])
         return call
-    args, kwargs = spec.example(index)
+    args, kwargs = snapshot(spec.example(index))
     leaves, _ = flatten(args, kwargs)
     return lambda: runner.run(index, args, kwargs, leaves)
 
 
 class Only(Strategy):
-    """Uses one backend and raises its error if it cannot tune a module."""
+    """Uses one backend and raises its error if it cannot tune a module; never timed against eager."""
 
     def __init__(self, backend: Backend):
-        super().__init__([backend])
+        super().__init__([backend], min_speedup=None)
+
+    def _options(self) -> dict:
+        return {}
 
     def choose(self, target, spec, references, device):
         backend = self.backends[0]

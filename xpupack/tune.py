@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device
+from . import _device, padding
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
@@ -24,7 +24,7 @@ log = logging.getLogger("xpupack")
 
 def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
          device: str | torch.device | None = None, strategy: Strategy | None = None,
-         run: Callable[[nn.Module, Any], Any] | None = None, *,
+         run: Callable[[nn.Module, Any], Any] | None = None, *, batch_sizes: Iterable[int] | None = None,
          progress: Callable[[str], None] | None = None) -> nn.Module:
     """Tunes ``model`` in place and returns it, with the tuned modules active.
 
@@ -43,6 +43,9 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         strategy: default ``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``, and on a
             GPU ``GraphBackend(base=InductorBackend())`` first.
         run: ``run(model, item)`` drives the model for one sample (e.g. a ``generate()`` loop).
+        batch_sizes: also record these batch sizes, made from each sample by repeating or cutting
+            its rows (the first axis of its tensors); each is checked against eager like any call.
+            Smaller batches than a recorded one are then padded up to it where the module allows.
         progress: called with short status messages (the CLI shows them).
 
     Returns:
@@ -58,6 +61,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> xpupack.save(model, "pkg/")
     """
     device = resolve_device(device, default=_device.model_device(model))
+    sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
     strategy = strategy or default_strategy(device)
     previous = find_session(model)
     if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
@@ -69,6 +73,8 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     model.eval()
     if run is None:
         samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
+    if sizes is not None:
+        samples = padding.batch_ladder(list(samples), sizes)
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
     with generate_compile_off(model):
@@ -109,6 +115,7 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
                 outputs.append(spec.observe(index, *call, target.forward(*call[0], **call[1])))
                 spec.mutates_inputs |= not same_values(call, (args, kwargs))
             references.append(outputs)
+    padding.plan(spec, target.forward, references)
     backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
     return TunedModule(target, spec, backend, runner, report)

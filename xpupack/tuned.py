@@ -22,6 +22,7 @@ from torch import nn
 
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
+from .padding import PadTable, cut_outputs, pad_call
 from .signature import Signature, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, state_type, unrecordable_hint
 
@@ -79,6 +80,9 @@ class TunedModule:
                 self._families.setdefault(signature.family, set()).add(signature.state_layout)
         self.new_sizes = 0
         self._refused: set = set()
+        #: calls served by padding up to a recorded batch (`xpupack.padding`)
+        self.padded = 0
+        self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -88,8 +92,11 @@ class TunedModule:
             index = self._table.get(key)
         except TypeError:  # an unhashable constant never fits
             index = None
+        padding = None
         if index is None and (not self._families or (index := self._take_new_size(key, args, kwargs)) is None):
-            return self._fallback(args, kwargs, "signature", leaves)
+            if not self._padding or (padding := self._padding.fit(key, leaves)) is None:
+                return self._fallback(args, kwargs, "signature", leaves)
+            index = padding[0]
         if module.training:
             return self._fallback(args, kwargs, "training mode", leaves)
         if self._check_grad and torch.is_grad_enabled() and self._needs_grad(leaves):
@@ -97,14 +104,26 @@ class TunedModule:
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
             return self._fallback(args, kwargs, "autocast enabled", leaves)
         try:
-            return self.runner.run(index, args, kwargs, leaves)
+            if padding is None:
+                return self.runner.run(index, args, kwargs, leaves)
+            return self._run_padded(padding, args, kwargs)
         except Exception as exc:  # a broken backend must never break the model: fall back
             self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
             self._table = {k: i for k, i in self._table.items() if i != index}
+            if self._padding:
+                self._padding.retire(index)
             self._refused.add(key)
             log.warning("%s: %s backend failed (%s); this signature now runs the original module",
                         self.target.path or "<model>", self.backend_name, exc)
             return self._fallback(args, kwargs, "backend error", leaves)
+
+    def _run_padded(self, padding: tuple, args: tuple, kwargs: dict) -> Any:
+        """Runs a call padded up to the recorded batch ``padding`` names and cuts the outputs back."""
+        index, axes, batch, recorded = padding
+        padded_args, padded_kwargs, padded_leaves = pad_call(args, kwargs, axes, recorded)
+        outputs = self.runner.run(index, padded_args, padded_kwargs, padded_leaves)
+        self.padded += 1
+        return cut_outputs(outputs, axes, batch)
 
     def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
         """A call of a tuned signature's family whose state has a new layout (a KV cache of another
@@ -161,7 +180,7 @@ class TunedModule:
         return self.target.forward(*args, **kwargs)
 
     def stats(self) -> dict:
-        return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks,
+        return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
                 **({"new_sizes": self.new_sizes} if self._families else {}),

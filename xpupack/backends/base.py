@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from .._compare import DEFAULT_TOLERANCES, mismatch
 from ..errors import UnknownConfigError
 from ..signature import Signature, flatten
+
+if TYPE_CHECKING:
+    from ..padding import BatchAxes
 
 
 @dataclass
@@ -40,7 +43,14 @@ class ModuleSpec:
     signatures: list[Signature]
     samples: list[list[tuple[tuple, dict]]] = field(default_factory=list)
     calls: int = 0
+    #: ``signature_calls[i]``: how many recorded calls had ``signatures[i]`` (weights for timing)
+    signature_calls: list[int] = field(default_factory=list)
     unrecordable: dict[str, int] = field(default_factory=dict)
+    #: signature index -> its batch axes, for the signatures a smaller batch may be padded up to
+    #: (`xpupack.padding`); empty when nothing is padded
+    batch_axes: dict[int, BatchAxes] = field(default_factory=dict)
+    #: why this module's calls are never padded (its rows mix), or None
+    padding_refused: str | None = None
     #: eager changed an input tensor in place on a recorded sample (a replay would change its copy)
     mutates_inputs: bool = False
     #: ``states[i][k]``: copies of the state tensors of ``samples[i][k]`` from before that call
@@ -57,6 +67,11 @@ class ModuleSpec:
         if index < len(self.samples) and self.samples[index]:
             return self.sample(index, 0)
         return self.signatures[index].synthesize()
+
+    def signature_weights(self) -> list[int]:
+        """How often each signature was called while recording (1 where that is not known)."""
+        counts = self.signature_calls
+        return [counts[i] if i < len(counts) and counts[i] > 0 else 1 for i in range(len(self.signatures))]
 
     def sample(self, index: int, number: int) -> tuple[tuple, dict]:
         """Recorded sample ``number`` of signature ``index``, its state objects put back as they were
@@ -168,6 +183,9 @@ class Backend:
     #: True when build/restore change the module itself and the runner runs the module's own
     #: forward (TorchAO quantizes in place): another backend can then compile it (``base=``)
     transforms_module: ClassVar[bool] = False
+    #: True when the runner takes only the recorded shapes (graph, Inductor): a smaller batch is
+    #: then padded up to a recorded one where the module allows it (`xpupack.padding`)
+    pads_calls: ClassVar[bool] = False
 
     def available(self, device: torch.device) -> bool:
         return True

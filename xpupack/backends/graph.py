@@ -358,6 +358,7 @@ class GraphBackend(ComposedBackend):
     """
 
     name = "graph"
+    pads_calls = True
 
     def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = 16,
                  copy_outputs: bool = True):

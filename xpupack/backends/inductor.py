@@ -181,6 +181,7 @@ class InductorBackend(ComposedBackend):
     """
 
     name = "inductor"
+    pads_calls = True
     #: SQNR (dB) a bfloat16/float16 output missing the elementwise tolerance must still reach: fusions
     #: round differently from eager's op-by-op kernels, and through a deep model (an LLM's logits)
     #: that adds up past any elementwise bound fit for one op, while a wrong kernel falls far below

@@ -39,6 +39,15 @@ def parse_backends(text: str):
     return backends
 
 
+def _ratio(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give a number such as 1.0, or none", param_hint="--min-speedup") from None
+
+
 @click.command()
 @click.argument("model_factory", metavar="MODULE:FACTORY")
 @click.option("--samples", "samples_factory", required=True, metavar="MODULE:FN",
@@ -57,9 +66,12 @@ def parse_backends(text: str):
 @click.option("--strategy", type=click.Choice(["first-wins", "fastest"]), default="first-wins",
               show_default=True, help="first-wins keeps the first backend that matches eager; "
                                       "fastest times all that match and keeps the fastest.")
+@click.option("--min-speedup", "min_speedup", default="1.0", show_default=True, metavar="RATIO|none",
+              help="Reject a candidate (other than eager) unless it runs the samples' calls more than RATIO "
+                   "times as fast as eager; 'none' keeps slower ones (quantizing for size, say).")
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
 @handle_errors
-def build(model_factory, samples_factory, out, modules, device, backends, strategy, no_weights):
+def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, no_weights):
     """Tune MODULE:FACTORY's model on its samples and write a package to --out.
 
     \b
@@ -83,7 +95,8 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
 
         device = _device.resolve(device)
         candidates = parse_backends(backends) if backends is not None else default_backends(device)
-        chosen = (xpupack.Fastest if strategy == "fastest" else xpupack.FirstWins)(candidates)
+        chosen = (xpupack.Fastest if strategy == "fastest" else xpupack.FirstWins)(
+            candidates, min_speedup=_ratio(min_speedup))
         status.update("building the model")
         model = make_model()
         samples = make_samples()

@@ -43,8 +43,12 @@ def print_report(report: dict, out) -> None:
     for module in report["modules"]:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
-            + (f" ({c['median_us']} µs)" if "median_us" in c else "") for c in module["candidates"])
+            + (f" ({c['median_us']} µs)" if "median_us" in c else "")
+            + (f" [{c['speedup']}x eager]" if "speedup" in c and c["status"] != "rejected" else "")
+            for c in module["candidates"])
         signatures = "\n".join(module["signatures"]) or "—"
+        if module.get("padding"):
+            signatures += "\n" + module["padding"]
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
         table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,

@@ -1,0 +1,314 @@
+"""Padding a call up to a recorded batch (README: "Calls, fit and fallback").
+
+A backend with static signatures (graph, Inductor) runs only the shapes it
+recorded. A call that differs from a recorded signature only by a smaller
+batch can run the smallest larger recorded batch instead: its rows go first,
+zeros fill the rest, and the outputs are cut back to its rows.
+
+That is right only for a module whose rows do not mix (no batch statistics,
+no attention across the batch). At tune time `plan` finds each input's and
+output's batch axis from the recorded signatures (the one axis whose size
+changes, together across leaves and outputs, from one batch size to the
+next) and checks on the samples that padded rows cannot change real rows: it
+runs each sample with some rows replaced by two different fillers and
+compares the real rows. A module that fails is never padded, and the spec
+says why.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._compare import DEFAULT_TOLERANCES, mismatch
+from .backends.base import ModuleSpec
+from .errors import TuningError
+from .recorder import snapshot
+from .signature import TensorLeaf, flatten, map_tensors, unflatten
+
+_Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class BatchAxes:
+    """The batch axis of each leaf of a call (``inputs``) and of its outputs (``outputs``); None: no batch axis."""
+
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+
+    def to_json(self) -> dict:
+        return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "BatchAxes":
+        """Parses `to_json`'s output; raises ``ValueError`` on anything else."""
+        if not isinstance(data, dict) or set(data) != {"inputs", "outputs"}:
+            raise ValueError(f"batch axes must be an object with 'inputs' and 'outputs', not {str(data)[:80]}")
+        axes = []
+        for field in ("inputs", "outputs"):
+            values = data[field]
+            if not isinstance(values, list) or not all(v is None or (type(v) is int and 0 <= v < 64) for v in values):
+                raise ValueError(f"batch axes {field} must be a list of axes or nulls, not {str(values)[:80]}")
+            axes.append(tuple(values))
+        if not any(axis is not None for axis in axes[0]):
+            raise ValueError("batch axes name no input axis")
+        return cls(*axes)
+
+
+# -- tune time: finding the batch axes and checking that rows do not mix -----------------------------
+
+def plan(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> None:
+    """Sets ``spec.batch_axes`` for the signatures that may be padded into, or ``spec.padding_refused``.
+
+    ``references[i][k]`` is eager's output for ``spec.samples[i][k]``.
+    """
+    spec.batch_axes, spec.padding_refused = {}, None
+    groups: dict[tuple, list[int]] = {}
+    for index, signature in enumerate(spec.signatures):
+        if not signature.state_slots and signature.tensor_leaves:  # calls with state are never padded
+            groups.setdefault(signature.family, []).append(index)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        found = _batch_axes(spec, members, references)
+        if isinstance(found, str):
+            continue  # the sizes differ in another way than a batch: nothing to pad
+        axes, batches = found
+        problem = _why_not_paddable(spec, forward, members, axes, batches)
+        if problem:
+            spec.batch_axes, spec.padding_refused = {}, problem
+            return
+        spec.batch_axes.update({index: axes for index in members})
+
+
+def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]]
+                ) -> tuple[BatchAxes, list[int]] | str:
+    """The batch axes shared by the signatures ``members`` (of one family) and each one's batch size,
+    or why there are none."""
+    leaves = [spec.signatures[index].leaves for index in members]
+    inputs: list[int | None] = []
+    batches: list[int] | None = None
+    for position, column in enumerate(zip(*leaves)):
+        if not isinstance(column[0], TensorLeaf):
+            inputs.append(None)
+            continue
+        axis = _varying_axis([leaf.shape for leaf in column])
+        if axis == -1:
+            return f"input {position} changes in more than one axis"
+        inputs.append(axis)
+        if axis is not None:
+            sizes = [leaf.shape[axis] for leaf in column]
+            if batches is not None and sizes != batches:
+                return "inputs change size independently"
+            batches = sizes
+    if batches is None:
+        return "no input changes size"
+    outputs_of = [flatten((references[index][0],), {}) for index in members]
+    if any(spec_ != outputs_of[0][1] for _, spec_ in outputs_of):
+        return "the outputs' structure changes with the batch"
+    outputs: list[int | None] = []
+    for position, column in enumerate(zip(*(out for out, _ in outputs_of))):
+        if not isinstance(column[0], _Tensor):
+            outputs.append(None)
+            continue
+        axis = _varying_axis([tuple(tensor.shape) for tensor in column])
+        if axis is None or axis == -1 or [tensor.shape[axis] for tensor in column] != batches:
+            return f"output {position} does not follow the batch"
+        outputs.append(axis)
+    return BatchAxes(tuple(inputs), tuple(outputs)), batches
+
+
+def _varying_axis(shapes: list[tuple[int, ...]]) -> int | None:
+    """The one axis whose size differs among ``shapes``; None if none does, -1 if several do."""
+    varying = [axis for axis in range(len(shapes[0])) if len({shape[axis] for shape in shapes}) > 1]
+    if not varying:
+        return None
+    return varying[0] if len(varying) == 1 else -1
+
+
+def _why_not_paddable(spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes,
+                      batches: list[int]) -> str | None:
+    """Runs eager on each recorded sample of a batch above 1 with its last rows replaced, once by zeros
+    (what padding fills in) and once by other values: the real rows must come out as eager gives them."""
+    if spec.mutates_inputs:
+        return "the module changes its input tensors in place (a padded call would change a copy)"
+    generator = torch.Generator().manual_seed(0)
+    for index, batch in zip(members, batches):
+        if batch < 2:
+            continue
+        rows = batch // 2
+        for args, kwargs in spec.samples[index]:
+            leaves, tree = flatten(*snapshot((args, kwargs)))
+            real = [_cut(leaf, axis, rows) for leaf, axis in zip(leaves, axes.inputs)]
+            real_args, real_kwargs = unflatten(real, tree)
+            with torch.no_grad():
+                expected = _cut_outputs(forward(*real_args, **real_kwargs), axes, rows)
+                for filler in ("zeros", "other"):
+                    padded = [_pad(leaf, axis, batch, filler, generator, source)
+                              for leaf, axis, source in zip(real, axes.inputs, leaves)]
+                    args_, kwargs_ = unflatten(padded, tree)
+                    problem = mismatch(_cut_outputs(forward(*args_, **kwargs_), axes, rows), expected,
+                                       DEFAULT_TOLERANCES)
+                    if problem:
+                        return (f"rows mix: {rows} real row(s) of {spec.signatures[index].describe()} padded with "
+                                f"{filler} to {batch} came out unlike eager on the real rows alone ({problem})")
+    return None
+
+
+def _cut(leaf: Any, axis: int | None, rows: int) -> Any:
+    return leaf.narrow(axis, 0, rows) if axis is not None else leaf
+
+
+def _cut_outputs(outputs: Any, axes: BatchAxes, rows: int) -> Any:
+    if isinstance(outputs, _Tensor) and len(axes.outputs) == 1:
+        return outputs.narrow(axes.outputs[0], 0, rows)
+    leaves, tree = flatten((outputs,), {})
+    return unflatten([_cut(leaf, axis, rows) for leaf, axis in zip(leaves, axes.outputs)], tree)[0][0]
+
+
+def _pad(leaf: Any, axis: int | None, batch: int, filler: str = "zeros",
+         generator: torch.Generator | None = None, source: Any = None) -> Any:
+    """``leaf`` grown to ``batch`` rows along ``axis``: its own rows first, then the filler.
+
+    ``"zeros"`` is what serving fills in; ``"other"`` (tune-time check only) is random normal values
+    for floating leaves and the recorded sample's own rows (valid indices, say) for the others.
+    """
+    if axis is None:
+        return leaf
+    shape = list(leaf.shape)
+    shape[axis] = batch
+    padded = leaf.new_zeros(shape)
+    padded.narrow(axis, 0, leaf.shape[axis]).copy_(leaf)
+    if filler == "other":
+        rest = padded.narrow(axis, leaf.shape[axis], batch - leaf.shape[axis])
+        if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
+            rest.copy_(torch.randn(rest.shape, generator=generator, dtype=leaf.dtype) * 3 + 1)
+        else:
+            rest.copy_(source.narrow(axis, leaf.shape[axis], batch - leaf.shape[axis]))
+    return padded
+
+
+# -- tune time: a ladder of batch sizes from the samples ----------------------------------------------
+
+def batch_ladder(samples: list, sizes: list[int]) -> list:
+    """``samples`` followed by each sample resized to each of ``sizes`` along its first axis.
+
+    A sample's batch is the first axis of its first tensor; every tensor whose first axis has that
+    size gets its rows repeated (cycled) or cut to the new size, other leaves stay as they are.
+    """
+    ladder = list(samples)
+    for sample in samples:
+        tensors = [leaf for leaf in flatten((sample,), {})[0] if isinstance(leaf, _Tensor) and leaf.dim()]
+        if not tensors:
+            raise TuningError(f"batch_sizes needs samples holding tensors with a batch axis, not a "
+                              f"{type(sample).__name__}; record each batch size through samples instead")
+        batch = tensors[0].shape[0]
+        for size in sizes:
+            if size != batch:
+                rows = torch.arange(size, device=tensors[0].device) % batch
+                ladder.append(map_tensors(lambda x: x.index_select(0, rows.to(x.device))
+                                          if x.dim() and x.shape[0] == batch else x, sample))
+    return ladder
+
+
+def check_batch_sizes(sizes: Any) -> list[int]:
+    """``sizes`` as a sorted list of distinct positive integers; raises `TuningError` otherwise."""
+    try:
+        values = list(sizes)
+    except TypeError:
+        values = None
+    if not values or not all(type(v) is int and v > 0 for v in values):
+        raise TuningError(f"batch_sizes={sizes!r}: give a list of positive integers, e.g. [1, 2, 4, 8]")
+    return sorted(set(values))
+
+
+# -- call time ---------------------------------------------------------------------------------------
+
+class PadTable:
+    """Finds, for a call no recording fits, a recorded signature it can be padded up to.
+
+    Built from the spec's batch axes; looked up only after the exact fit check missed.
+    """
+
+    def __init__(self, spec: ModuleSpec, active: set[int]):
+        #: batch axes -> {the fit key without batch sizes: sorted [(batch, signature index)]}
+        self.groups: dict[BatchAxes, dict[tuple, list[tuple[int, int]]]] = {}
+        for index, axes in spec.batch_axes.items():
+            if index in active:
+                signature = spec.signatures[index]
+                shapes = [leaf.shape if isinstance(leaf, TensorLeaf) else None for leaf in signature.leaves]
+                masked, batch = _mask(signature.key, axes.inputs, shapes)
+                bisect.insort(self.groups.setdefault(axes, {}).setdefault(masked, []), (batch, index))
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def fit(self, key: tuple, leaves: list) -> tuple[int, BatchAxes, int, int] | None:
+        """``(signature index, batch axes, the call's batch, the recorded batch it is padded to)`` or None."""
+        shapes = [leaf.shape if isinstance(leaf, _Tensor) else None for leaf in leaves]
+        for axes, table in self.groups.items():
+            if len(axes.inputs) != len(leaves):
+                continue
+            try:
+                masked, batch = _mask(key, axes.inputs, shapes)
+            except _NoBatch:
+                continue
+            entries = table.get(masked)
+            if entries:
+                position = bisect.bisect_right(entries, (batch, _LAST))  # the smallest larger batch
+                if position < len(entries):
+                    return entries[position][1], axes, batch, entries[position][0]
+        return None
+
+    def retire(self, index: int) -> None:
+        """Stops padding into signature ``index`` (its backend failed)."""
+        for table in self.groups.values():
+            for entries in table.values():
+                entries[:] = [entry for entry in entries if entry[1] != index]
+
+
+_LAST = 1 << 62
+
+
+class _NoBatch(Exception):
+    """The call's leaves do not have the batch axes (a constant where a tensor was, sizes that disagree)."""
+
+
+def _mask(key: tuple, axes: tuple[int | None, ...], shapes: list) -> tuple[tuple, int]:
+    """The fit ``key`` of a call with each batch axis' size replaced by -1, and the batch size.
+
+    ``shapes`` holds each leaf's shape (None for a leaf that is no tensor); the leaf keys are
+    the last entries of ``key`` (`xpupack.signature.fit_key`).
+    """
+    count = len(shapes)
+    leaf_keys = list(key[len(key) - count:])
+    batch = None
+    for position, axis in enumerate(axes):
+        if axis is None:
+            continue
+        shape = shapes[position]
+        if shape is None or len(shape) <= axis or (batch is not None and shape[axis] != batch):
+            raise _NoBatch
+        batch = shape[axis]
+        _, dtype, device = leaf_keys[position]
+        leaf_keys[position] = ((*shape[:axis], -1, *shape[axis + 1:]), dtype, device)
+    if not batch:
+        raise _NoBatch
+    return (*key[:len(key) - count], *leaf_keys), batch
+
+
+def pad_call(args: tuple, kwargs: dict, axes: BatchAxes, batch: int) -> tuple[tuple, dict, list]:
+    """The call grown to ``batch`` rows, zeros filling the rows it lacks; returns ``(args, kwargs, leaves)``."""
+    leaves, tree = flatten(args, kwargs)
+    padded = [_pad(leaf, axis, batch) for leaf, axis in zip(leaves, axes.inputs)]
+    args, kwargs = unflatten(padded, tree)
+    return args, kwargs, padded
+
+
+def cut_outputs(outputs: Any, axes: BatchAxes, rows: int) -> Any:
+    """The outputs of a padded call cut back to the caller's ``rows`` (views of the padded outputs)."""
+    return _cut_outputs(outputs, axes, rows)
