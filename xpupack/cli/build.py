@@ -18,20 +18,22 @@ def parse_backends(text: str):
     """``"graph,inductor,eager"`` -> backend instances; ``name:argument`` passes one argument
     (``torchao:int8-weight-only``); ``graph+name:argument`` records that backend as a device graph,
     ``inductor+name:argument`` compiles it."""
-    from ..backends.base import BACKENDS
+    from ..backends.base import known_backends
+
+    known = known_backends()
 
     def one(item: str):
         name, _, argument = item.partition(":")
-        if name not in BACKENDS:
-            raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(BACKENDS))}",
+        if name not in known:
+            raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(known))}",
                                      param_hint="--backends")
-        return BACKENDS[name](argument) if argument else BACKENDS[name]()
+        return known[name](argument) if argument else known[name]()
 
     backends = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         outer, plus, inner = item.partition("+")
         if plus and outer in _COMPOSERS:
-            backends.append(BACKENDS[outer](base=one(inner)))
+            backends.append(known[outer](base=one(inner)))
         else:
             backends.append(one(item))
     if not backends:
