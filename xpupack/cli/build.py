@@ -48,7 +48,10 @@ def parse_backends(text: str):
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Package directory to write (an existing package there is replaced atomically).")
 @click.option("--modules", "modules", multiple=True, metavar="GLOB",
-              help="Submodules to tune, as globs over object paths (repeatable), e.g. 'layers.*.mlp'. "
+              help="Submodules to tune, as globs over named_modules() object paths (repeatable), e.g. "
+                   "'layers.*.mlp'. '*' matches one dot-separated segment ('model.layers.*' selects "
+                   "model.layers.0, not model.layers.0.self_attn), '**' any number of segments, none "
+                   "included ('**.mlp'). A module and one inside it cannot both be selected. "
                    "Default: the whole model as one unit.")
 @click.option("--device", default=None, help="xpu, cuda, cuda:1 or cpu. Default: the best device here.")
 @click.option("--backends", "backends", default=None,
