@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import xpupack
+import xpupack.load  # noqa: F401 (patched below through sys.modules; `import xpupack` imports it lazily)
 from models import make_stack
 from xpupack.source import Source
 

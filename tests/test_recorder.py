@@ -4,7 +4,7 @@ from torch import nn
 
 from models import make_stack
 from xpupack.errors import TuningError
-from xpupack.recorder import SAMPLES_PER_SIGNATURE, record, select_modules
+from xpupack.recorder import SAMPLES_PER_SIGNATURE, path_matches, record, select_modules
 
 
 def test_globs_select_siblings_by_full_object_path():
@@ -27,6 +27,67 @@ def test_no_match_lists_existing_paths():
 def test_nested_selection_is_refused():
     with pytest.raises(TuningError, match="both"):
         select_modules(make_stack(), ["layers.*", "layers.*.mlp"])
+
+
+@pytest.mark.parametrize("pattern, path, matches", [
+    ("model.layers.*", "model.layers.0", True),
+    ("model.layers.*", "model.layers.0.self_attn", False),   # `*` is one segment: it never crosses a dot
+    ("model.layers.*", "model.layers", False),
+    ("layers.*.mlp", "layers.10.mlp", True),
+    ("layers.*.mlp", "layers.0.block.mlp", False),
+    ("layers.**.mlp", "layers.0.block.mlp", True),
+    ("layers.**.mlp", "layers.mlp", True),                    # `**` may match no segment at all
+    ("**.mlp", "mlp", True),
+    ("**.mlp", "layers.0.mlp", True),
+    ("**.mlp", "layers.0.mlp.fc", False),
+    ("**", "a.b.c", True),
+    ("model.**.**.proj", "model.proj", True),
+    ("layers.1?", "layers.12", True),
+    ("layers.1?", "layers.1", False),
+    ("layers.[01].mlp", "layers.1.mlp", True),
+    ("layers.[01].mlp", "layers.2.mlp", False),
+    ("lay*", "layers.0", False),
+    ("layers.0.mlp", "layers.0.mlp", True),
+    ("layers.0", "layers.0.mlp", False),
+])
+def test_globs_match_by_path_segment(pattern, path, matches):
+    assert path_matches(path, pattern) is matches
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(4, 4)
+        self.o_proj = nn.Linear(4, 4)
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+
+class _Llama(nn.Module):
+    """The module tree of a transformers Llama: model.layers.N.{self_attn,mlp}, and lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.lm_head = nn.Linear(4, 4)
+
+
+def test_one_segment_star_selects_the_decoder_layers_of_a_llama():
+    """fnmatch's `*` crossed dots: `model.layers.*` used to select each layer and its submodules (refused)."""
+    model = _Llama()
+    assert list(select_modules(model, ["model.layers.*"])) == ["model.layers.0", "model.layers.1"]
+    assert list(select_modules(model, "**.mlp")) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert list(select_modules(model, ["model.layers.*.self_attn.*_proj"])) == [
+        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.o_proj"]
+    with pytest.raises(TuningError, match="both 'model.layers.0' and its submodule 'model.layers.0.mlp'"):
+        select_modules(model, ["model.layers.*", "**.mlp"])
 
 
 def test_recording_keeps_each_signature_and_a_few_samples():

@@ -41,3 +41,40 @@ def test_fallback_without_the_fixture_fails_and_with_it_is_recorded(pytester, fa
     result.assert_outcomes(passed=3, errors=1)
     result.stdout.fnmatch_lines(["*2 call(s) of tuned modules ran the original module*",
                                  "*layers.0.mlp: no recorded signature fits*"])
+
+
+USER_TESTS = """
+    import pytest, torch
+
+    def test_unexpected_fallback(model):
+        with torch.no_grad():
+            model(torch.randn(16, 8))
+
+    @pytest.mark.xpupack_allow_fallbacks
+    def test_marked(model):
+        with torch.no_grad():
+            model(torch.randn(16, 8))
+"""
+
+
+def test_the_marker_allows_fallbacks_under_strict_markers_and_the_failure_names_the_switches(
+        pytester, fallback_calls):
+    import os
+
+    pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__)))
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("--strict-markers")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*take the `fallback_calls` fixture*@pytest.mark.xpupack_allow_fallbacks*"
+                                 "xpupack_fail_on_fallback = false*"])
+    assert "xpupack_allow_fallbacks" in pytester.runpytest("--markers").stdout.str()
+
+
+def test_the_ini_option_switches_failing_off_for_a_project(pytester, fallback_calls):
+    import os
+
+    pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__)))
+    pytester.makeini("[pytest]\nxpupack_fail_on_fallback = false\n")
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest("--strict-markers")
+    result.assert_outcomes(passed=2)

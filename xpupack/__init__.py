@@ -1,5 +1,11 @@
 """xpupack: build, ship and load tuned PyTorch models for Intel GPUs (XPU), NVIDIA GPUs and CPU.
 
+``import xpupack`` imports no torch: every public name below is resolved on
+first use (PEP 562 module ``__getattr__``), so ``xpupack.__version__``, the
+errors (``except xpupack.XpupackError``), ``xpupack inspect`` and ``xpupack
+verify`` stay light. Using ``xpupack.tune``, ``xpupack.load``, a backend and
+so on imports torch then.
+
 Example:
     >>> import xpupack
     >>> model = xpupack.tune(model, samples, modules=["layers.*.mlp"])
@@ -7,21 +13,73 @@ Example:
     >>> model = xpupack.load(make_model(), "pkg/")
 """
 
-from .backends.eager import EagerBackend
-from .backends.graph import GraphBackend
-from .backends.inductor import InductorBackend
-from .backends.torchao import TorchAOBackend
-from .environment import __version__
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
 from .errors import (BackendError, BackendUnavailableError, DestinationExistsError, DeviceUnavailableError, HubError,
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
-from .load import load
-from .package import save
-from .state import register_state
-from .strategies import Fastest, FirstWins, Only, Strategy
-from .tune import tune
-from .tuned import activate, deactivate, stats
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from .backends.eager import EagerBackend
+    from .backends.graph import GraphBackend
+    from .backends.inductor import InductorBackend
+    from .backends.torchao import TorchAOBackend
+    from .load import load
+    from .package import save
+    from .state import register_state
+    from .strategies import Fastest, FirstWins, Only, Strategy
+    from .tune import tune
+    from .tuned import activate, deactivate, stats
+
+#: public name -> the submodule defining it (imported, with torch, on first access)
+_LAZY = {
+    "EagerBackend": ".backends.eager",
+    "GraphBackend": ".backends.graph",
+    "InductorBackend": ".backends.inductor",
+    "TorchAOBackend": ".backends.torchao",
+    "load": ".load",
+    "save": ".package",
+    "register_state": ".state",
+    "Fastest": ".strategies", "FirstWins": ".strategies", "Only": ".strategies", "Strategy": ".strategies",
+    "tune": ".tune",
+    "activate": ".tuned", "deactivate": ".tuned", "stats": ".tuned",
+}
+
+
+def __getattr__(name: str) -> Any:
+    submodule = _LAZY.get(name)
+    if submodule is None:
+        raise AttributeError(f"module 'xpupack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(submodule, __name__), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``xpupack.load`` and ``xpupack.tune`` the functions once their submodules are imported.
+
+    Importing the submodule ``xpupack.load`` sets the package attribute ``load`` to that module;
+    an eager ``from .load import load`` used to bind it back to the function, a lazy name cannot.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}" and name in _LAZY:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def push(path, repo_id, revision=None, private=None, token=None):

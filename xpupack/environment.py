@@ -1,16 +1,33 @@
-"""The environment fingerprint stored in a package, and the comparison with the running one."""
+"""The environment fingerprint stored in a package, and the comparison with the running one.
+
+Importing this module imports no torch, and neither does describing a CPU
+machine (`device_here`, `environment` of a CPU device): `xpupack inspect` and
+`xpupack verify` use them to tell whether a package runs here without paying
+for ``import torch``. Where torch is imported already, or a fact can only come
+from it (a GPU's name, whether a GPU is there at all), torch answers.
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
 import platform
+import sys
+from dataclasses import dataclass
+from functools import cache
 from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from . import _device
+from ._version import __version__
 from .errors import DeviceUnavailableError
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["__version__", "environment", "differences", "devices_here", "resolve_device", "device_here",
+           "CPU"]
 
 
 def _version(distribution: str) -> str | None:
@@ -20,17 +37,116 @@ def _version(distribution: str) -> str | None:
         return None
 
 
-def environment(device: torch.device) -> dict:
-    """What a compiled artifact may depend on: library versions and the device."""
+@dataclass(frozen=True)
+class CPU:
+    """This machine's CPU as a device, for the questions `device_here` answers without torch.
+
+    Only ``type`` and ``index`` are read there (what ``torch.device("cpu")`` has).
+    """
+
+    type: str = "cpu"
+    index: None = None
+
+    def __str__(self) -> str:
+        return "cpu"
+
+
+@cache
+def _torch_build() -> dict[str, Any]:
+    """``torch/version.py``'s constants (``__version__``, ``cuda``, ``hip``, ``xpu``), read without importing
+    torch: the file holds nothing but literal assignments. Empty when torch is not installed or the
+    file is not what this expects."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    try:
+        tree = ast.parse(Path(spec.submodule_search_locations[0], "version.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    facts = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and node.value is not None:
+            try:
+                facts[target.id] = ast.literal_eval(node.value)
+            except ValueError:
+                continue
+    return facts
+
+
+def _torch_loaded() -> bool:
+    return "torch" in sys.modules
+
+
+def _torch_version() -> str:
+    if not _torch_loaded():
+        version = _torch_build().get("__version__")
+        if isinstance(version, str):
+            return version
+    import torch
+
+    return torch.__version__
+
+
+def _cpu_capability() -> str:
+    """The vector instruction set PyTorch's CPU kernels use here (``torch.backends.cpu.get_cpu_capability``)."""
+    if not _torch_loaded():
+        known = _cpu_capability_without_torch()
+        if known is not None:
+            return known
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _cpu_capability_without_torch() -> str | None:
+    """ATen's own choice (``compute_cpu_capability`` in ATen/native/DispatchStub.cpp), read from
+    ``ATEN_CPU_CAPABILITY`` and ``/proc/cpuinfo``: only on Linux x86-64, where PyTorch's builds carry
+    AVX2 and AVX-512 kernels; None elsewhere (torch answers then)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    chosen = {"avx512": "AVX512", "avx2": "AVX2", "default": "DEFAULT"}.get(os.environ.get("ATEN_CPU_CAPABILITY", ""))
+    if chosen is not None:
+        return chosen
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as stream:
+            flags = next((set(line.split(":", 1)[1].split()) for line in stream if line.startswith("flags")), None)
+    except OSError:
+        return None
+    if flags is None:
+        return None
+    if {"avx512vl", "avx512bw", "avx512dq", "fma"} <= flags:
+        return "AVX512"
+    if {"avx2", "fma"} <= flags:
+        return "AVX2"
+    return "DEFAULT"
+
+
+def environment(device: torch.device | CPU) -> dict:
+    """What a compiled artifact may depend on: library versions and the device.
+
+    A CPU's facts are read without importing torch (where it is not imported yet).
+    """
     env = {
         "xpupack": __version__,
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": _torch_version(),
         "torchao": _version("torchao"),
         "triton": _version("triton") or _version("pytorch-triton-xpu"),
         "device_type": device.type,
-        "device_name": _device.device_name(device),
     }
+    if device.type == "cpu":
+        env["device_name"] = platform.processor() or platform.machine()
+        # compiled CPU kernels use the vector instructions of the machine that built them (AVX-512
+        # code dies of SIGILL on an AVX2 machine); the device name (e.g. x86_64) does not say which
+        env["architecture"] = _cpu_capability()
+        return env
+    import torch
+
+    from . import _device
+
+    env["device_name"] = _device.device_name(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         env["architecture"] = f"sm_{major}{minor}"
@@ -39,10 +155,6 @@ def environment(device: torch.device) -> dict:
         props = torch.xpu.get_device_properties(device)
         env["architecture"] = getattr(props, "architecture", None) and str(props.architecture)
         env["driver"] = getattr(props, "driver_version", None)
-    elif device.type == "cpu":
-        # compiled CPU kernels use the vector instructions of the machine that built them (AVX-512
-        # code dies of SIGILL on an AVX2 machine); the device name (e.g. x86_64) does not say which
-        env["architecture"] = torch.backends.cpu.get_cpu_capability()
     return env
 
 
@@ -53,6 +165,8 @@ def differences(built: dict, here: dict, keys: tuple[str, ...]) -> dict[str, tup
 
 def devices_here() -> list[str]:
     """Every device this process can use: ``cpu``, then ``cuda:N`` and ``xpu:N``."""
+    import torch
+
     devices = ["cpu"]
     for device_type in ("cuda", "xpu"):
         module = getattr(torch, device_type, None)
@@ -67,6 +181,8 @@ def resolve_device(device: str | torch.device | None, *, default: torch.device |
     Raises:
         DeviceUnavailableError: not a device name, or a GPU this machine or PyTorch build lacks.
     """
+    from . import _device
+
     here = devices_here()
 
     def refuse(why: str) -> DeviceUnavailableError:
@@ -81,3 +197,18 @@ def resolve_device(device: str | torch.device | None, *, default: torch.device |
     if resolved.type in ("cuda", "xpu") and str(resolved) not in here:
         raise refuse(f"this machine has {sum(d.startswith(resolved.type) for d in here)} {resolved.type} device(s)")
     return resolved
+
+
+def device_here(device: str | None) -> torch.device | CPU:
+    """`resolve_device` for the commands that only read a package (inspect, verify).
+
+    Returns `CPU` without importing torch when the answer is this machine's CPU and torch is not
+    imported yet: ``device`` is ``"cpu"``, or None and the installed PyTorch was built for no GPU
+    (its ``version.py`` names no CUDA, ROCm or XPU). Anything else needs torch to answer.
+    """
+    if not _torch_loaded():
+        build = _torch_build()
+        gpu_build = any(build.get(key) for key in ("cuda", "hip", "rocm", "xpu"))
+        if device == "cpu" or (device is None and build and "__version__" in build and not gpu_build):
+            return CPU()
+    return resolve_device(device)

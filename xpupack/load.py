@@ -253,8 +253,7 @@ def _plan(model: nn.Module, entry: dict, source: Source, build_device: torch.dev
 
 def untrusted_why(source: Source) -> str:
     """Why ``source``'s compiled artifacts may not run, for messages."""
-    return source.trust_reason if not source.trusted and source.trust_reason else \
-        f"{source.description or source.root} is not pinned by commit hash"
+    return source.untrusted_why
 
 
 def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor] | None:

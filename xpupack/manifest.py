@@ -1,4 +1,4 @@
-"""The package format, version 1 (README: "Packages"): manifest, specs, schemas, paths and digests.
+"""The package format, version 1 (docs/format.md): manifest, specs, schemas, paths and digests.
 
 Everything here reads or writes JSON and bytes; nothing imports torch, so the
 commands that only look at a package stay fast.

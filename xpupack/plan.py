@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .backends.base import Backend
-from .backends.eager import EagerBackend
+from .backends._facts import EAGER, BackendFacts
 from .environment import differences
 from .errors import IncompatiblePackageError
+
+if TYPE_CHECKING:  # this module imports no torch: `xpupack inspect` and `verify` decide with `BackendFacts`
+    import torch
+
+    from .backends.base import Backend
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,16 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
             f"{', '.join(owned[:3])} only in that backend's form, so the original module cannot take "
             "over — load on a device where it runs, or rebuild the package here from the original weights",
             differences=differences(context.built, context.here, backend.depends_on))
-    return Choice(path, backend, EagerBackend(), None, False, owned, steps)
+    return Choice(path, backend, _original_module(backend), None, False, owned, steps)
+
+
+def _original_module(backend: Backend | BackendFacts) -> Backend | BackendFacts:
+    """What runs the original module, of the same kind as ``backend`` (a real backend for `load`)."""
+    if isinstance(backend, BackendFacts):
+        return EAGER
+    from .backends.eager import EagerBackend
+
+    return EagerBackend()
 
 
 def _chain(backend: Backend) -> list[Backend]:

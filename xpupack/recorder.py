@@ -17,8 +17,33 @@ from .signature import Signature, Unrecordable, flatten, map_tensors
 SAMPLES_PER_SIGNATURE = 2
 
 
+def path_matches(path: str, pattern: str) -> bool:
+    """Whether the object path ``path`` matches the glob ``pattern``, segment by segment.
+
+    Both are split at dots. ``**`` matches any number of segments, none
+    included; any other pattern segment matches exactly one path segment
+    with `fnmatch` rules (``*``, ``?``, ``[seq]``), so ``*`` never crosses a
+    dot: ``layers.*`` matches ``layers.0`` but not ``layers.0.mlp``;
+    ``**.mlp`` matches ``mlp`` and ``layers.0.mlp``.
+    """
+    return _match(path.split(".") if path else [], pattern.split("."))
+
+
+def _match(parts: list[str], pattern: list[str]) -> bool:
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        # collapse runs of "**", then let this one take 0..len(parts) segments
+        while rest and rest[0] == "**":
+            rest = rest[1:]
+        return any(_match(parts[skip:], rest) for skip in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], head) and _match(parts[1:], rest)
+
+
 def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str, nn.Module]:
-    """Object path -> module for every ``named_modules()`` path matching a glob pattern.
+    """Object path -> module for every ``named_modules()`` path matching a glob pattern (`path_matches`:
+    ``*`` is one path segment, ``**`` any number of them).
 
     ``None`` selects the whole model as one unit (object path ``""``). Nested
     selections are refused: a module and one of its ancestors cannot both be
@@ -31,10 +56,11 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
     patterns = list(patterns)
     named = dict(model.named_modules())
     selected = {path: module for path, module in named.items()
-                if path and any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)}
+                if path and any(path_matches(path, pattern) for pattern in patterns)}
     if not selected:
         examples = ", ".join(list(p for p in named if p)[:8])
-        raise TuningError(f"no submodule matches {patterns}; object paths look like: {examples}")
+        raise TuningError(f"no submodule matches {patterns} (`*` matches one dot-separated segment, `**` any "
+                          f"number of them); object paths look like: {examples}")
     for path in selected:
         for other in selected:
             if other != path and path.startswith(other + "."):

@@ -3,15 +3,25 @@
 `package_report` reads the package's JSON (and asks the backend registry
 which modules carry compiled code); `verify_package` also checks every digest
 and compares the build environment with this machine.
+
+Neither imports torch where the question does not need it (a local package
+on a CPU, whose backends `backends._facts` describes): reading JSON and
+hashing files should not cost ``import torch``. Where torch is imported
+already (in a process that tuned or loaded), the real backends answer. What
+stays for `load`, which imports torch anyway, is parsing each signature's
+tree with PyTorch's own parser: without torch, `verify` checks the specs
+against their schema only.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
-from .backends.base import backend_from_json
-from .errors import XpupackError
-from .manifest import check_package, read_json, read_manifest
+from .backends._facts import describe
+from .errors import PackageFormatError, XpupackError
+from .manifest import MANIFEST, check_package, read_json, read_manifest
 from .source import Source
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
@@ -29,6 +39,20 @@ def describe_signature(data: dict) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _backend(name: Any, options: Any, device: Any = None) -> Any:
+    """The backend a manifest names: its `BackendFacts` where those answer without torch, else the
+    real backend (`backend_from_json`, which imports torch and refuses bad options with its message)."""
+    if "torch" not in sys.modules:
+        from .environment import CPU
+
+        facts = describe(name, options, device if device is not None else CPU())
+        if facts is not None:
+            return facts
+    from .backends.base import backend_from_json
+
+    return backend_from_json(name, options)
+
+
 def compiled_backends(manifest: dict) -> dict[str, str]:
     """``{module path: backend name}`` for the modules whose artifacts are compiled code (README: "Safety and reliability").
 
@@ -38,7 +62,7 @@ def compiled_backends(manifest: dict) -> dict[str, str]:
     compiled = {}
     for entry in manifest["modules"]:
         try:
-            backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+            backend = _backend(entry["backend"]["name"], entry["backend"]["options"])
         except (XpupackError, ValueError):
             continue
         if backend.compiled_artifacts:
@@ -52,16 +76,15 @@ def plans_here(manifest: dict, source: Source, device=None) -> dict[str, dict]:
 
     A module whose backend this xpupack does not know, or that cannot load here, gets only a status.
     """
-    from .environment import environment, resolve_device
-    from .load import untrusted_why
+    from .environment import device_here, environment
     from .plan import Context, choose
 
-    device = resolve_device(device)
-    context = Context(device, environment(device), manifest["environment"], source.trusted, untrusted_why(source))
+    device = device_here(device) if device is None or isinstance(device, str) else device
+    context = Context(device, environment(device), manifest["environment"], source.trusted, source.untrusted_why)
     plans = {}
     for entry in manifest["modules"]:
         try:
-            backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+            backend = _backend(entry["backend"]["name"], entry["backend"]["options"], device)
             choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())))
         except XpupackError as exc:
             plans[entry["path"]] = {"runs": None, "use_artifacts": False, "compiled": False,
@@ -134,10 +157,9 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
     Raises:
         DeviceUnavailableError: ``device`` is not a device of this machine (nothing was checked).
     """
-    from .environment import environment, resolve_device
-    from .load import manifest_device, read_module_spec
+    from .environment import device_here, environment
 
-    here_device = resolve_device(device)
+    here_device = device_here(device)
     source = source if isinstance(source, Source) else _local(source)
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [],
                     "compatibility": {}}
@@ -151,7 +173,7 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
 
     result["environment_here"] = environment(here_device)
     try:
-        manifest_device(manifest, source.root)
+        _check_build_device(manifest, source.root)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
@@ -159,8 +181,8 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
     for entry in manifest["modules"]:
         path = entry["path"] or "<model>"
         try:  # what load parses before it touches a model
-            read_module_spec(source.root, entry)
-            backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
+            _check_spec(source.root, entry)
+            _backend(entry["backend"]["name"], entry["backend"]["options"], here_device)
         except XpupackError as exc:
             result["ok"] = False
             result["problems"].append(f"{path}: {exc}")
@@ -169,6 +191,34 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
         result["compatibility"][path] = {"backend": entry["backend"]["name"], "status": status,
                                          "compatible": status == "compatible"}
     return result
+
+
+def _check_build_device(manifest: dict, root: Path) -> None:
+    """`load.manifest_device`'s check where torch is loaded; without torch, that the name looks like one."""
+    if "torch" in sys.modules:
+        from .load import manifest_device
+
+        manifest_device(manifest, root)
+        return
+    device_type, _, index = manifest["device"].partition(":")
+    if not (device_type.isidentifier() and device_type.islower() and (not index or index.isdigit())):
+        raise PackageFormatError(f"{root / MANIFEST}: unknown device {manifest['device']!r}; the package is "
+                                 "damaged — rebuild it", path=MANIFEST)
+
+
+def _check_spec(root: Path, entry: dict) -> None:
+    """`load.read_module_spec` (every signature parsed by PyTorch's pytree) where torch is loaded;
+    without torch, the spec's schema and that it belongs to its module."""
+    if "torch" in sys.modules:
+        from .load import read_module_spec
+
+        read_module_spec(root, entry)
+        return
+    data = read_json(root, entry["spec"], "spec")
+    if data["path"] != entry["path"]:
+        raise PackageFormatError(f"{root / entry['spec']} describes the module {data['path']!r}, but "
+                                 f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
+                                 "rebuild it", path=entry["spec"])
 
 
 def _local(path: str | Path) -> Source:

@@ -20,6 +20,12 @@ class Source:
     #: the repo's other files: a LICENSE, its model card); they are never read
     ignore_unlisted: bool = False
 
+    @property
+    def untrusted_why(self) -> str:
+        """Why the compiled artifacts may not run, for messages."""
+        return self.trust_reason if not self.trusted and self.trust_reason else \
+            f"{self.description or self.root} is not pinned by commit hash"
+
 
 def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
                    token: str | bool | None = None) -> Source:

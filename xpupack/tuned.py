@@ -13,13 +13,13 @@ import contextlib
 import inspect
 import logging
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
 from .padding import PadTable, cut_outputs, pad_call
@@ -42,15 +42,6 @@ class FallbackEvent:
 
     path: str
     reason: str
-
-
-_fallback_listeners: list[Callable[[FallbackEvent], None]] = []
-
-
-def add_fallback_listener(listener: Callable[[FallbackEvent], None]) -> Callable[[], None]:
-    """Calls ``listener`` on every fallback; returns a function that removes it."""
-    _fallback_listeners.append(listener)
-    return lambda: _fallback_listeners.remove(listener)
 
 
 class TunedModule:

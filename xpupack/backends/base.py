@@ -275,11 +275,23 @@ class ComposedBackend(Backend):
 
 BACKENDS: dict[str, type[Backend]] = {}
 
+#: the modules of xpupack's own backends; `import xpupack` no longer imports them (it imports no torch)
+_BUILTIN = ("eager", "graph", "inductor", "torchao")
+
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
     """Class decorator: makes a backend resolvable by its ``name`` from a manifest."""
     BACKENDS[cls.name] = cls
     return cls
+
+
+def known_backends() -> dict[str, type[Backend]]:
+    """`BACKENDS`, xpupack's own backends certainly among them: name -> class."""
+    import importlib
+
+    for name in _BUILTIN:
+        importlib.import_module(f"{__package__}.{name}")
+    return BACKENDS
 
 
 def backend_from_json(name: str, options: dict) -> Backend:
@@ -289,11 +301,12 @@ def backend_from_json(name: str, options: dict) -> Backend:
     round-trips), so a damaged or hostile manifest cannot configure a backend
     in a way no build ever did.
     """
+    known = known_backends()
     try:
-        cls = BACKENDS[name]
+        cls = known[name]
     except (KeyError, TypeError):
         raise UnknownConfigError(
-            f"unknown backend {name!r}; this xpupack knows {', '.join(sorted(BACKENDS))} "
+            f"unknown backend {name!r}; this xpupack knows {', '.join(sorted(known))} "
             "— upgrade xpupack if the package was built by a newer one") from None
     try:
         backend = cls(**options)

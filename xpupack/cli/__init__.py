@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..environment import __version__
+from .._version import __version__
 from .bench import bench
 from .build import build
 from .inspect import inspect, verify

@@ -18,20 +18,22 @@ def parse_backends(text: str):
     """``"graph,inductor,eager"`` -> backend instances; ``name:argument`` passes one argument
     (``torchao:int8-weight-only``); ``graph+name:argument`` records that backend as a device graph,
     ``inductor+name:argument`` compiles it."""
-    from ..backends.base import BACKENDS
+    from ..backends.base import known_backends
+
+    known = known_backends()
 
     def one(item: str):
         name, _, argument = item.partition(":")
-        if name not in BACKENDS:
-            raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(BACKENDS))}",
+        if name not in known:
+            raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(known))}",
                                      param_hint="--backends")
-        return BACKENDS[name](argument) if argument else BACKENDS[name]()
+        return known[name](argument) if argument else known[name]()
 
     backends = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         outer, plus, inner = item.partition("+")
         if plus and outer in _COMPOSERS:
-            backends.append(BACKENDS[outer](base=one(inner)))
+            backends.append(known[outer](base=one(inner)))
         else:
             backends.append(one(item))
     if not backends:
@@ -55,7 +57,10 @@ def _ratio(text: str) -> float | None:
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Package directory to write (an existing package there is replaced atomically).")
 @click.option("--modules", "modules", multiple=True, metavar="GLOB",
-              help="Submodules to tune, as globs over object paths (repeatable), e.g. 'layers.*.mlp'. "
+              help="Submodules to tune, as globs over named_modules() object paths (repeatable), e.g. "
+                   "'layers.*.mlp'. '*' matches one dot-separated segment ('model.layers.*' selects "
+                   "model.layers.0, not model.layers.0.self_attn), '**' any number of segments, none "
+                   "included ('**.mlp'). A module and one inside it cannot both be selected. "
                    "Default: the whole model as one unit.")
 @click.option("--device", default=None, help="xpu, cuda, cuda:1 or cpu. Default: the best device here.")
 @click.option("--backends", "backends", default=None,

@@ -1,0 +1,265 @@
+"""Lean import (issue 12.1, 12.2): ``import xpupack``, ``inspect``, ``verify`` and the pytest plugin
+import no torch, and importing xpupack installs nothing process-wide."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import xpupack
+from models import make_stack, stack_samples
+from xpupack.backends._facts import describe
+from xpupack.backends.base import BACKENDS, backend_from_json
+from xpupack.environment import CPU, _cpu_capability_without_torch, device_here
+
+NO_TORCH = "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
+
+
+@pytest.fixture(scope="module")
+def eager_package(tmp_path_factory):
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
+
+
+def test_import_xpupack_imports_no_torch(run_python):
+    output = run_python(f"""
+        import sys
+        import xpupack
+        {NO_TORCH}
+        print(xpupack.__version__)
+        try:
+            raise xpupack.IntegrityError("x")
+        except xpupack.XpupackError:
+            pass
+        {NO_TORCH}
+        assert "tune" in dir(xpupack) and "GraphBackend" in xpupack.__all__
+    """).stdout
+    assert output.strip() == xpupack.__version__
+
+
+def test_public_names_resolve_and_stay_functions_after_their_submodules_are_imported(run_python):
+    run_python("""
+        import inspect
+        import xpupack
+        import xpupack.load, xpupack.tune   # the submodules named like the functions
+        from xpupack.load import load
+        from xpupack.tune import tune
+        assert xpupack.load is load and xpupack.tune is tune
+        for name in xpupack.__all__:
+            assert getattr(xpupack, name) is not None, name
+        assert inspect.isclass(xpupack.GraphBackend) and callable(xpupack.register_state)
+        from xpupack import FirstWins, TorchAOBackend, stats  # noqa: F401
+    """)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eager", "inductor"])
+def test_inspect_and_verify_of_a_local_package_import_no_torch(run_python, eager_package, inductor_package,
+                                                              tmp_path, kind):
+    root = eager_package if kind == "eager" else shutil.copytree(inductor_package[1], tmp_path / "pkg")
+    output = run_python(f"""
+        import json, sys
+        from xpupack.cli import main
+        for argv in (["inspect", {str(root)!r}], ["inspect", {str(root)!r}, "--json"],
+                     ["verify", {str(root)!r}], ["verify", {str(root)!r}, "--json"]):
+            try:
+                main(argv)
+            except SystemExit as exc:
+                assert exc.code in (0, None), (argv, exc.code)
+        {NO_TORCH}
+    """).stdout
+    assert "intact" in output and "compatible" in output
+    # the same answers as in this process, where torch is loaded and the real backends decide
+    from xpupack.report import verify_package
+
+    expected = verify_package(root)
+    verified = json.loads(output[output.rindex('{\n  "compatibility"'):])
+    assert verified["compatibility"] == expected["compatibility"]
+    assert verified["environment_here"] == expected["environment_here"]
+
+
+@pytest.mark.slow
+def test_xpupack_verify_command_imports_no_torch(eager_package, tmp_path):
+    """``python -m xpupack verify DIR`` as a user runs it: the process exits 99 if torch was imported."""
+    watch = ("import atexit, os, runpy, sys\n"
+             "atexit.register(lambda: 'torch' in sys.modules and os._exit(99))\n"
+             "runpy.run_module('xpupack', run_name='__main__', alter_sys=True)\n")
+    for command in ("verify", "inspect"):
+        result = subprocess.run([sys.executable, "-c", watch, command, str(eager_package)],
+                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, (command, result.returncode, result.stderr)
+        assert "layers.0.mlp" in result.stdout
+
+
+@pytest.mark.slow
+def test_verify_without_torch_reports_what_it_reports_with_torch(run_python, eager_package, tmp_path):
+    """A mismatch, a spec of another module, a bad build device: the same verdicts in a fresh process."""
+    from package_tools import copy_package, rewrite_json, rewrite_manifest
+    from xpupack.report import verify_package
+
+    def inductor_built_elsewhere(manifest):
+        manifest["environment"]["torch"] = "1.0.0"
+        manifest["modules"][0]["backend"]["name"] = "inductor"
+        manifest["device"] = "no such device!"
+
+    root = copy_package(eager_package, tmp_path / "pkg")
+    rewrite_manifest(root, inductor_built_elsewhere)
+    rewrite_json(root, "modules/layers.1.mlp/spec.json", lambda spec: spec.update(path="layers.0.mlp"))
+    output = run_python(f"""
+        import json, sys
+        from xpupack.report import verify_package
+        print(json.dumps(verify_package({str(root)!r})))
+        {NO_TORCH}
+    """).stdout
+    result, expected = json.loads(output), json.loads(json.dumps(verify_package(root)))
+    assert not result["ok"] and result["compatibility"] == expected["compatibility"]
+    assert result["compatibility"]["layers.0.mlp"]["status"].startswith("rebuilt on load: torch built 1.0.0")
+    assert [problem.split(":")[0] for problem in result["problems"]] == \
+        [problem.split(":")[0] for problem in expected["problems"]]
+    assert "no such device" in result["problems"][0] and "describes the module" in result["problems"][1]
+
+
+def test_pytest_plugin_imports_nothing_heavy(tmp_path):
+    """A project that never touches torch: the plugin (loaded into every pytest run) costs it nothing."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
+    (tmp_path / "test_plain.py").write_text(textwrap.dedent(f"""
+        import sys
+
+        def test_plain():
+            assert "xpupack.testing" in sys.modules   # the plugin is loaded...
+            {NO_TORCH}                                  # ...and imported no torch
+
+        def test_fixture_works_without_torch(fallback_calls):
+            assert fallback_calls == []
+            {NO_TORCH}
+    """))
+    registered = any(ep.value == "xpupack.testing" for ep in importlib.metadata.entry_points(group="pytest11"))
+    plugin = [] if registered else ["-p", "xpupack.testing"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,
+                             str(tmp_path / "test_plain.py")],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+
+
+def test_cpu_capability_without_torch_is_torchs():
+    capability = _cpu_capability_without_torch()
+    if capability is None:
+        pytest.skip("not Linux x86-64: torch answers there")
+    assert capability == torch.backends.cpu.get_cpu_capability()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["default", "avx2", "AVX2", "bogus"])
+def test_cpu_capability_without_torch_follows_aten_cpu_capability(run_python, setting):
+    run_python("""
+        from xpupack.environment import _cpu_capability_without_torch
+        mine = _cpu_capability_without_torch()
+        import torch
+        assert mine in (None, torch.backends.cpu.get_cpu_capability()), (mine, torch.backends.cpu.get_cpu_capability())
+    """, env={"ATEN_CPU_CAPABILITY": setting})
+
+
+def test_device_here_is_this_cpu_without_torch(run_python):
+    run_python(f"""
+        import sys
+        from xpupack.environment import CPU, device_here, environment
+        device = device_here(None)
+        assert device == CPU() and str(device) == "cpu", device
+        assert device_here("cpu") == CPU()
+        env = environment(device)
+        {NO_TORCH}
+        import torch
+        assert env == environment(torch.device("cpu")), env
+        assert device_here(None) == torch.device("cpu")   # torch loaded: torch answers
+    """)
+
+
+def _options_to_try():
+    base_eager = {"name": "eager", "options": {}}
+    return [
+        ("eager", {}), ("eager", {"x": 1}),
+        ("graph", {}), ("graph", {"max_recordings": 4}), ("graph", {"max_recordings": 16}),
+        ("graph", {"max_recordings": 0}), ("graph", {"max_recordings": True}), ("graph", {"max_recordings": "4"}),
+        ("graph", {"copy_outputs": False}), ("graph", {"copy_outputs": True}), ("graph", {"copy_outputs": 0}),
+        ("graph", {"base": {"name": "inductor", "options": {}}}),
+        ("graph", {"base": {"name": "inductor", "options": {"mode": "default"}}, "max_recordings": 2}),
+        ("graph", {"base": {"name": "graph", "options": {}}}), ("graph", {"base": base_eager}),
+        ("graph", {"base": {"name": "torchao", "options": {"config": "int8-weight-only"}}}),
+        ("graph", {"base": "inductor"}), ("graph", {"other": 1}),
+        ("inductor", {}), ("inductor", {"mode": "default"}), ("inductor", {"mode": "max-autotune-no-cudagraphs"}),
+        ("inductor", {"mode": None}), ("inductor", {"mode": "reduce-overhead"}), ("inductor", {"mode": 3}),
+        ("inductor", {"base": {"name": "torchao", "options": {"config": "int8-weight-only"}}}),
+        ("inductor", {"base": base_eager}),
+        ("torchao", {"config": "int8-weight-only"}), ("nope", {}), (None, {}), ("eager", None),
+    ]
+
+
+@pytest.mark.parametrize("name, options", _options_to_try())
+def test_backend_facts_agree_with_the_backends(name, options):
+    """`backends._facts` answers without torch only where it says what the real backend says."""
+    facts = describe(name, options, CPU())
+    try:
+        real = backend_from_json(name, options)
+    except Exception:
+        assert facts is None, "facts for options the real backend refuses"
+        return
+    if facts is None:
+        assert name not in ("eager", "graph", "inductor") or "torchao" in json.dumps(options)
+        return
+    cpu = torch.device("cpu")
+    assert (facts.name, facts.label, tuple(facts.depends_on), bool(facts.compiled_artifacts)) == \
+        (real.name, real.label, tuple(real.depends_on), bool(real.compiled_artifacts))
+    assert facts.available(CPU()) == real.available(cpu)
+    if not real.available(cpu):
+        assert facts.why_unavailable(CPU()) == real.why_unavailable(cpu)
+    assert set(BACKENDS) >= {"eager", "graph", "inductor"}
+
+
+def test_describe_leaves_other_devices_to_torch():
+    assert describe("eager", {}, torch.device("cuda", 0)) is None
+
+
+def test_importing_everything_installs_nothing_process_wide(run_python):
+    """Issue 12.2: no hooks, handlers, registrations or option changes at import."""
+    run_python("""
+        import copy, logging, sys, warnings
+        import torch
+        import torch._dynamo, torch._inductor.config
+        import torch.utils._pytree as pytree
+        from torch.nn.modules import module as nn_module
+
+        def state():
+            return {
+                "root handlers": list(logging.getLogger().handlers),
+                "xpupack handlers": list(logging.getLogger("xpupack").handlers),
+                "xpupack level": logging.getLogger("xpupack").level,
+                "pytree nodes": set(pytree.SUPPORTED_NODES),
+                "inductor config": torch._inductor.config.save_config_portable(),
+                "dynamo config": torch._dynamo.config.save_config_portable(),
+                "forward hooks": (dict(nn_module._global_forward_hooks), dict(nn_module._global_forward_pre_hooks),
+                                  dict(nn_module._global_module_registration_hooks)),
+                "meta_path": list(sys.meta_path), "path_hooks": list(sys.path_hooks),
+                "warnings": list(warnings.filters), "excepthook": sys.excepthook,
+                "default dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+            }
+
+        before = state()
+        import xpupack
+        for name in xpupack.__all__:
+            getattr(xpupack, name)
+        import xpupack.cli, xpupack.testing, xpupack.report, xpupack.hub, xpupack.bench, xpupack.examples
+        import xpupack.backends.torchao, xpupack.backends.inductor, xpupack.backends.graph
+        after = state()
+        changed = [key for key in before if before[key] != after[key]]
+        assert not changed, {key: (before[key], after[key]) for key in changed}
+    """)

@@ -1,0 +1,84 @@
+"""What `xpupack.plan` asks of a backend, answered without importing torch (inspect, verify).
+
+`xpupack inspect` and `xpupack verify` decide, as `xpupack.load` would, what
+runs each module of a package here. On a CPU, for the backends named below,
+the answers need nothing from torch: whether the backend runs on a CPU, which
+environment keys its artifacts depend on, whether they are compiled code.
+`describe` answers for exactly those cases and returns None for anything else
+(a torchao config, an option it does not recognise, another device), and the
+caller then asks the real backend (`backends.base.backend_from_json`), which
+imports torch. The real classes stay the reference: ``tests/test_lean_import.py``
+checks these facts against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: environment keys the Inductor backend's artifacts depend on (`InductorBackend.depends_on`)
+INDUCTOR_DEPENDS_ON = ("torch", "triton", "python", "device_type", "device_name", "architecture")
+#: the modes `InductorBackend.options` writes (None is written as no "mode" at all)
+_INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """A backend as `xpupack.plan` sees it: the attributes and questions of `backends.base.Backend` it uses."""
+
+    name: str
+    base: BackendFacts | None = None
+    depends_on: tuple[str, ...] = ()
+    compiled_artifacts: bool = False
+    #: device types it runs on (None: all)
+    runs_on: tuple[str, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}+{self.base.label}" if self.base else self.name
+
+    def available(self, device: Any) -> bool:
+        own = self.runs_on is None or device.type in self.runs_on
+        return own and (self.base is None or self.base.available(device))
+
+    def why_unavailable(self, device: Any) -> str:
+        if self.runs_on is not None and device.type not in self.runs_on:
+            return f"no device graphs on {device.type}" if self.name == "graph" else \
+                f"{self.name} cannot run on {device.type}"
+        return self.base.why_unavailable(device) if self.base else f"{self.name} cannot run on {device.type}"
+
+
+EAGER = BackendFacts("eager")
+
+
+def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
+    """The facts of the backend a manifest names with ``options``, for a CPU ``device``; None when only
+    the real backend can say (or refuse the options with its own message)."""
+    if getattr(device, "type", None) != "cpu" or not isinstance(options, dict):
+        return None
+    if name == "eager":
+        return EAGER if not options else None
+    if name == "graph":
+        rest = dict(options)
+        base = rest.pop("base", None)
+        recordings = rest.pop("max_recordings", None)
+        copies = rest.pop("copy_outputs", None)
+        if rest or (recordings is not None and (type(recordings) is not int or recordings < 1 or recordings == 16)) \
+                or (copies is not None and copies is not False):
+            return None
+        inner = None
+        if base is not None:
+            if not isinstance(base, dict) or set(base) - {"name", "options"} or base.get("name") == "graph":
+                return None
+            inner = describe(base.get("name"), base.get("options", {}), device)
+            if inner is None:
+                return None
+        # a CPU has no device graphs (tests emulate them in-process, where torch is loaded and the
+        # real backend answers)
+        return BackendFacts("graph", inner, inner.depends_on if inner else (),
+                            bool(inner and inner.compiled_artifacts), runs_on=("cuda", "xpu"))
+    if name == "inductor":
+        if set(options) - {"mode"} or ("mode" in options and options["mode"] not in _INDUCTOR_MODES):
+            return None  # a base (torchao), or an option the real backend refuses or would not write
+        return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True)
+    return None
