@@ -159,6 +159,7 @@ def test_padding_survives_a_fresh_process_load(emulated_graphs, tmp_path, run_py
     lambda spec: spec["batch_axes"][0].update(inputs=[5, None]),                      # no such axis
     lambda spec: spec["batch_axes"][0].update(inputs=[None, 0]),                      # a constant
     lambda spec: spec["batch_axes"][0].update(inputs=[None, None]),                   # no batch at all
+    lambda spec: spec["signatures"][0]["leaves"][0].update(shape=[0, 8]),               # a batch of no rows
 ])
 def test_damaged_batch_axes_are_refused_at_load(emulated_graphs, tmp_path, damage):
     model, _ = tune_ladder()

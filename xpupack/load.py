@@ -23,7 +23,7 @@ from .errors import (BackendError, IncompatiblePackageError, IntegrityError, Mod
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
 from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
 from .plan import Choice, Context, choose
-from .padding import BatchAxes
+from .padding import BatchAxes, signature_batch
 from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
 from .source import Source, resolve_source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
@@ -226,6 +226,7 @@ def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]
                 axis is not None and not (isinstance(leaf, TensorLeaf) and axis < len(leaf.shape))
                 for axis, leaf in zip(axes.inputs, leaves)):
             raise ValueError(f"the batch axes of signature {index} do not fit {signatures[index].describe()}")
+        signature_batch(signatures[index], axes)
         found[index] = axes
     return found
 

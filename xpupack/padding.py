@@ -28,7 +28,7 @@ from ._compare import DEFAULT_TOLERANCES, mismatch
 from .backends.base import ModuleSpec
 from .errors import TuningError
 from .recorder import snapshot
-from .signature import TensorLeaf, flatten, map_tensors, unflatten
+from .signature import Signature, TensorLeaf, flatten, map_tensors, unflatten
 
 _Tensor = torch.Tensor
 
@@ -228,6 +228,21 @@ def check_batch_sizes(sizes: Any) -> list[int]:
 
 # -- call time ---------------------------------------------------------------------------------------
 
+def signature_batch(signature: Signature, axes: BatchAxes) -> tuple[tuple, int]:
+    """A recorded signature's fit key without batch sizes, and its batch.
+
+    Raises:
+        ValueError: the axes do not give the signature's batched leaves one batch of at least one row
+            (a spec that could only come from a damaged or hostile package).
+    """
+    shapes = [leaf.shape if isinstance(leaf, TensorLeaf) else None for leaf in signature.leaves]
+    try:
+        return _mask(signature.key, axes.inputs, shapes)
+    except _NoBatch:
+        raise ValueError(f"the batch axes {list(axes.inputs)} give {signature.describe()} no batch of "
+                         "at least one row") from None
+
+
 class PadTable:
     """Finds, for a call no recording fits, a recorded signature it can be padded up to.
 
@@ -239,9 +254,7 @@ class PadTable:
         self.groups: dict[BatchAxes, dict[tuple, list[tuple[int, int]]]] = {}
         for index, axes in spec.batch_axes.items():
             if index in active:
-                signature = spec.signatures[index]
-                shapes = [leaf.shape if isinstance(leaf, TensorLeaf) else None for leaf in signature.leaves]
-                masked, batch = _mask(signature.key, axes.inputs, shapes)
+                masked, batch = signature_batch(spec.signatures[index], axes)
                 bisect.insort(self.groups.setdefault(axes, {}).setdefault(masked, []), (batch, index))
 
     def __bool__(self) -> bool:
