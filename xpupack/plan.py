@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # this module imports no torch: `xpupack inspect` and `verify
 
     from .backends.base import Backend
 
+#: what a load may do where a backend cannot run as built (`Context.on_mismatch`)
+ON_MISMATCH = ("rebuild", "fallback", "error")
+
 
 @dataclass(frozen=True)
 class Context:
