@@ -22,15 +22,13 @@ from .environment import environment, resolve_device
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
 from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
-from .plan import Choice, Context, choose
+from .plan import ON_MISMATCH, Choice, Context, choose
 from .padding import BatchAxes, signature_batch
 from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
 from .source import Source, resolve_source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
-
-ON_MISMATCH = ("rebuild", "fallback", "error")
 
 
 @dataclass

@@ -6,8 +6,9 @@ One decision, made here, that `load` acts on and `verify` and `inspect` report:
    its bases that is (``graph+inductor`` on a CPU runs ``inductor``);
    otherwise the original module (unless only the backend holds the weights).
 2. If the build environment differs in something the chosen backend depends
-   on, ``on_mismatch`` decides: ``"rebuild"`` it here without its artifacts,
-   ``"fallback"`` to the next of the chain, ``"error"``.
+   on, ``on_mismatch`` decides: ``"rebuild"`` it here without its artifacts
+   (a backend whose artifacts are the only form of what runs, ``rebuildable``
+   False, uses them as stored), ``"fallback"`` to the next of the chain, ``"error"``.
 3. Whatever runs uses compiled artifacts (pickles, native code) only from a
    trusted source. This applies on every path above, and again when a restore
    fails and the module falls back (`Choice.after_failure`).
@@ -27,6 +28,9 @@ if TYPE_CHECKING:  # this module imports no torch: `xpupack inspect` and `verify
     import torch
 
     from .backends.base import Backend
+
+#: what a load may do where a backend cannot run as built (`Context.on_mismatch`)
+ON_MISMATCH = ("rebuild", "fallback", "error")
 
 
 @dataclass(frozen=True)
@@ -138,9 +142,14 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
                 steps += (_Step(f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
                                 f"{verify_what}: runs {_next_label(backend, depth)}"),)
                 continue
-            use_artifacts = False
-            steps += (_Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + ", ".join(
-                f"{k} built {a}, here {b}" for k, (a, b) in changed.items())),)
+            changes = ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
+            if candidate.rebuildable:
+                use_artifacts = False
+                steps += (_Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + changes),)
+            else:  # nothing to rebuild from (TorchAO's quantized weights): they are loaded as stored
+                use_artifacts = True
+                steps += (_Step(f"{candidate.name} artifacts used as stored ({what}); they cannot be rebuilt here",
+                                f"{changes}: stored {candidate.name} artifacts used as they are"),)
         if use_artifacts and candidate.compiled_artifacts and not context.trusted:
             use_artifacts = False
             steps += (_Step(f"{candidate.name} compiled here: {context.untrusted_why} (pin the commit, or pass "

@@ -70,8 +70,8 @@ def compiled_backends(manifest: dict) -> dict[str, str]:
     return compiled
 
 
-def plans_here(manifest: dict, source: Source, device=None) -> dict[str, dict]:
-    """What `xpupack.load` (default ``on_mismatch``) runs for each module on ``device`` here:
+def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "rebuild") -> dict[str, dict]:
+    """What `xpupack.load` with ``on_mismatch`` runs for each module on ``device`` here:
     ``{path: {"runs": backend label, "use_artifacts": bool, "status": str}}`` (`xpupack.plan`).
 
     A module whose backend this xpupack does not know, or that cannot load here, gets only a status.
@@ -80,7 +80,8 @@ def plans_here(manifest: dict, source: Source, device=None) -> dict[str, dict]:
     from .plan import Context, choose
 
     device = device_here(device) if device is None or isinstance(device, str) else device
-    context = Context(device, environment(device), manifest["environment"], source.trusted, source.untrusted_why)
+    context = Context(device, environment(device), manifest["environment"], source.trusted, source.untrusted_why,
+                      on_mismatch)
     plans = {}
     for entry in manifest["modules"]:
         try:
@@ -107,14 +108,17 @@ def _padding(spec: dict) -> str | None:
     return None
 
 
-def package_report(source: Source | str | Path, device=None) -> dict:
+def package_report(source: Source | str | Path, device=None, on_mismatch: str = "rebuild") -> dict:
     """Modules, backends, candidates and reasons, signatures, environment, sizes and trust of a package,
-    and what `xpupack.load` would run for each module on ``device`` (default: the best here)."""
+    and what `xpupack.load` with ``on_mismatch`` would run for each module on ``device`` (default: the
+    best here): ``runs_here`` (None: the load is refused), ``artifacts_here`` (the package's artifacts
+    are used, not built here), ``on_load`` (why it differs from the package as built)."""
+    _check_on_mismatch(on_mismatch)
     source = source if isinstance(source, Source) else _local(source)
     root = source.root
     manifest = read_manifest(root)
     compiled = compiled_backends(manifest)
-    here = plans_here(manifest, source, device)
+    here = plans_here(manifest, source, device, on_mismatch)
     modules = []
     for entry in manifest["modules"]:
         spec = read_json(root, entry["spec"], "spec")
@@ -131,6 +135,7 @@ def package_report(source: Source | str | Path, device=None) -> dict:
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,
             "runs_here": here[entry["path"]]["runs"],
+            "artifacts_here": here[entry["path"]]["use_artifacts"],
             "compiled_here": here[entry["path"]]["compiled"],
             "on_load": here[entry["path"]]["status"],
         })
@@ -151,14 +156,16 @@ def package_report(source: Source | str | Path, device=None) -> dict:
     }
 
 
-def verify_package(source: Source | str | Path, device: str | None = None) -> dict:
-    """Schema, digests, specs and compatibility with this machine; ``ok`` is False on any problem.
+def verify_package(source: Source | str | Path, device: str | None = None, on_mismatch: str = "rebuild") -> dict:
+    """Schema, digests, specs and compatibility with this machine, for `xpupack.load` with ``on_mismatch``;
+    ``ok`` is False on any problem.
 
     Raises:
         DeviceUnavailableError: ``device`` is not a device of this machine (nothing was checked).
     """
     from .environment import device_here, environment
 
+    _check_on_mismatch(on_mismatch)
     here_device = device_here(device)
     source = source if isinstance(source, Source) else _local(source)
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [],
@@ -177,7 +184,7 @@ def verify_package(source: Source | str | Path, device: str | None = None) -> di
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
-    plans = plans_here(manifest, source, here_device)
+    plans = plans_here(manifest, source, here_device, on_mismatch)
     for entry in manifest["modules"]:
         path = entry["path"] or "<model>"
         try:  # what load parses before it touches a model
@@ -219,6 +226,13 @@ def _check_spec(root: Path, entry: dict) -> None:
         raise PackageFormatError(f"{root / entry['spec']} describes the module {data['path']!r}, but "
                                  f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
                                  "rebuild it", path=entry["spec"])
+
+
+def _check_on_mismatch(on_mismatch: str) -> None:
+    from .plan import ON_MISMATCH
+
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
 
 
 def _local(path: str | Path) -> Source:

@@ -30,6 +30,7 @@ class BackendFacts:
     base: BackendFacts | None = None
     depends_on: tuple[str, ...] = ()
     compiled_artifacts: bool = False
+    rebuildable: bool = True
     #: device types it runs on (None: all)
     runs_on: tuple[str, ...] | None = None
 

@@ -175,6 +175,9 @@ class Backend:
     depends_on: ClassVar[tuple[str, ...]] = ()
     #: True when saved artifacts may unpickle or run native code (README: "Safety and reliability")
     compiled_artifacts: ClassVar[bool] = False
+    #: False when the saved artifacts are the only form of what runs (TorchAO's quantized weights):
+    #: ``on_mismatch="rebuild"`` then uses them as stored, since there is nothing to rebuild from
+    rebuildable: ClassVar[bool] = True
     #: True when the runner's outputs carry autograd history like eager's (device graphs do not)
     supports_autograd: ClassVar[bool] = False
     #: True when the runner follows ``torch.autocast`` like eager (a device graph replays the

@@ -276,6 +276,7 @@ class TorchAOBackend(Backend):
     # a torchao upgrade is reported (on_mismatch="error" refuses it), and a
     # torchao that cannot read them fails the restore with a reason
     depends_on = ("torchao",)
+    rebuildable = False  # restore ignores use_artifacts: the package holds no other form of the weights
     # the runner is the module's own forward, exactly what a fallback would run
     supports_autograd = True
     supports_autocast = True

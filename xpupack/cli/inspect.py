@@ -9,6 +9,9 @@ import click
 from ._common import console, echo_json, handle_errors, json_option
 
 _revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
+_on_mismatch = click.option("--on-mismatch", "on_mismatch", type=click.Choice(["rebuild", "fallback", "error"]),
+                            default="rebuild", show_default=True,
+                            help="Report what xpupack.load(..., on_mismatch=...) does with this setting.")
 
 
 def _source(package: str, revision: str | None):
@@ -75,14 +78,15 @@ def _trust_line(report: dict) -> str:
 @click.command()
 @click.argument("package", metavar="DIR|ORG/NAME")
 @_revision
+@_on_mismatch
 @json_option
 @handle_errors
-def inspect(package, revision, as_json):
+def inspect(package, revision, on_mismatch, as_json):
     """Show a package's modules, chosen backends, rejected candidates and why, recorded signatures,
     build environment, file sizes, and whether its compiled artifacts are trusted."""
     from ..report import package_report
 
-    report = package_report(_source(package, revision))
+    report = package_report(_source(package, revision), on_mismatch=on_mismatch)
     if as_json:
         echo_json(report)
     else:
@@ -108,9 +112,10 @@ class _VerifyCommand(click.Command):
 @click.argument("package", metavar="DIR|ORG/NAME")
 @_revision
 @click.option("--device", default=None, help="Device to check compatibility against. Default: the best here.")
+@_on_mismatch
 @json_option
 @handle_errors(exit_code=CANNOT_CHECK)
-def verify(package, revision, device, as_json):
+def verify(package, revision, device, on_mismatch, as_json):
     """Check a package: schema, every file's sha256, and compatibility with this machine.
 
     \b
@@ -121,7 +126,7 @@ def verify(package, revision, device, as_json):
     """
     from ..report import verify_package
 
-    result = verify_package(_source(package, revision), device=device)
+    result = verify_package(_source(package, revision), device=device, on_mismatch=on_mismatch)
     degraded = any(not entry["compatible"] for entry in result["compatibility"].values())
     if as_json:
         echo_json(result)
