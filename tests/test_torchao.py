@@ -453,3 +453,28 @@ def test_config_resolution_searches_only_the_modules_that_define_known_classes(m
     monkeypatch.setattr(torchao_config, "ALLOWED_AO_MODULES", ["xpupack_no_such_module"])
     assert type(config_from_json(stored)).__name__ == "Int8WeightOnlyConfig"
     assert torchao_config.ALLOWED_AO_MODULES == ["xpupack_no_such_module"]  # torchao's own list is put back
+
+
+def test_concurrent_config_reads_always_put_torchao_s_list_back():
+    """Two threads decoding configs at once: neither may put back the other's narrowed list."""
+    import sys
+    import threading
+
+    import torchao.core.config as torchao_config
+
+    from xpupack.backends.torchao import TorchAOBackend, config_from_json
+
+    stored = torchao_config.config_to_dict(TorchAOBackend("int8-weight-only").config)
+    original = torchao_config.ALLOWED_AO_MODULES
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=lambda: [config_from_json(stored) for _ in range(200)])
+                   for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert torchao_config.ALLOWED_AO_MODULES is original

@@ -24,6 +24,7 @@ the elementwise tolerances of the exact backends.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -194,12 +195,20 @@ def config_from_json(data: Any, where: str = "the torchao config") -> Any:
     # torchao tries every module of its own allow-list, a set in no fixed order,
     # until one has the class; some (torchao.prototype.parq) import transformers,
     # seconds of a load. The classes xpupack accepts all live in these three.
-    allowed = torchao_config.ALLOWED_AO_MODULES
-    torchao_config.ALLOWED_AO_MODULES = _CONFIG_MODULES
-    try:
-        return torchao_config.config_from_dict(data)
-    finally:
-        torchao_config.ALLOWED_AO_MODULES = allowed
+    # torchao has no argument for that, so its process-wide list is narrowed for the
+    # call; the lock keeps two of xpupack's own loads from interleaving there (one
+    # would put back the other's narrowed list). A thread calling torchao's
+    # config_from_dict directly meanwhile still sees the narrowed list.
+    with _NARROWING:
+        allowed = torchao_config.ALLOWED_AO_MODULES
+        torchao_config.ALLOWED_AO_MODULES = _CONFIG_MODULES
+        try:
+            return torchao_config.config_from_dict(data)
+        finally:
+            torchao_config.ALLOWED_AO_MODULES = allowed
+
+
+_NARROWING = threading.Lock()
 
 
 class _Swap(NamedTuple):
