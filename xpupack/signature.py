@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -231,7 +232,7 @@ class Signature:
         """The layouts of the state leaves' tensors (empty without state)."""
         return tuple(leaf.tensors for leaf in self.leaves if isinstance(leaf, StateLeaf))
 
-    @property
+    @cached_property  # read on every call with state (the leaves never change: the signature is frozen)
     def state_slots(self) -> tuple[int, ...]:
         """Positions of the state leaves among the call's leaves (empty for most signatures)."""
         return tuple(i for i, leaf in enumerate(self.leaves) if isinstance(leaf, StateLeaf))
