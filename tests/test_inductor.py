@@ -177,3 +177,53 @@ def test_environment_mismatch_rebuild_compiles_here(inductor_package, tmp_path, 
 def test_cudagraph_modes_are_refused():
     with pytest.raises(ValueError, match="GraphBackend"):
         xpupack.InductorBackend(mode="reduce-overhead")
+
+
+def test_compile_options_reach_torch_compile_at_tune_and_at_load(tmp_path, monkeypatch):
+    """``compile_options`` is this compilation's Inductor settings: stored in the package, used again at load."""
+    seen = []
+    compile_ = torch.compile
+
+    def spy(function, **settings):
+        seen.append(settings)
+        return compile_(function, **settings)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    backend = xpupack.InductorBackend(compile_options={"epilogue_fusion": False})
+    model = xpupack.tune(make_stack(seed=6), stack_samples(), modules=["layers.0.mlp"],
+                         strategy=xpupack.Only(backend))
+    root = xpupack.save(model, tmp_path / "pkg")
+    [entry] = json.loads((root / "xpupack.json").read_text())["modules"]
+    assert entry["backend"]["options"] == {"compile_options": {"epilogue_fusion": False}}
+    loaded = xpupack.load(make_stack(seed=6), root)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), make_stack(seed=6)(x), atol=1e-5)
+    assert seen == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 2
+
+
+def test_compile_options_with_a_mode_keep_the_mode_settings():
+    backend = xpupack.InductorBackend("max-autotune-no-cudagraphs", compile_options={"epilogue_fusion": False})
+    settings = backend._settings(torch.device("cpu"))["options"]
+    assert settings["max_autotune"] is True and settings["epilogue_fusion"] is False
+    assert xpupack.InductorBackend("max-autotune-no-cudagraphs")._settings(torch.device("cpu")) == \
+        {"mode": "max-autotune-no-cudagraphs"}
+
+
+@pytest.mark.parametrize("options, problem", [({"no_such_setting": 1}, "not a setting"),
+                                              ({"epilogue_fusion": [1]}, "not a JSON value"),
+                                              ("max_autotune", "give a dict")])
+def test_compile_options_are_checked(options, problem):
+    with pytest.raises(ValueError, match=problem):
+        xpupack.InductorBackend(compile_options=options)
+
+
+def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():
+    pytest.importorskip("torchao")
+    int8 = xpupack.TorchAOBackend("int8-weight-only")
+    assert int8.inductor_options(torch.device("cuda")) == {"pattern_matcher": False}
+    assert int8.inductor_options(torch.device("cpu")) == {}
+    assert xpupack.TorchAOBackend("int8-dynamic").inductor_options(torch.device("cuda")) == {}
+    composed = xpupack.InductorBackend(base=int8, compile_options={"epilogue_fusion": False})
+    assert composed._settings(torch.device("cuda")) == \
+        {"options": {"pattern_matcher": False, "epilogue_fusion": False}}

@@ -232,6 +232,10 @@ class Backend:
         """Constructor options as JSON, so that a loader can rebuild the same backend."""
         return {}
 
+    def inductor_options(self, device: torch.device) -> dict[str, Any]:
+        """Inductor settings a compilation on top of this backend (``InductorBackend(base=...)``) needs."""
+        return {}
+
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({options})"

@@ -178,6 +178,10 @@ class InductorBackend(ComposedBackend):
         base: a backend that transforms the module in place, compiled on top:
             ``InductorBackend(base=TorchAOBackend("int8-weight-only"))`` compiles
             the quantized module. Its artifacts (quantized weights) are saved with it.
+        compile_options: Inductor settings for this compilation only (``torch.compile``'s
+            ``options``; keys of ``torch._inductor.config``, JSON values), saved in the
+            package so that a loader compiles the same way. A base may add its own
+            defaults (`Backend.inductor_options`); these override them.
     """
 
     name = "inductor"
@@ -189,7 +193,8 @@ class InductorBackend(ComposedBackend):
     compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
     supports_autocast = True  # Dynamo guards on the autocast state and compiles again
 
-    def __init__(self, mode: str | None = None, *, base: Backend | dict | None = None):
+    def __init__(self, mode: str | None = None, *, base: Backend | dict | None = None,
+                 compile_options: dict[str, Any] | None = None):
         if mode not in (None, "default", "max-autotune-no-cudagraphs"):
             raise ValueError(f"InductorBackend(mode={mode!r}) would record CUDA graphs; "
                              "use GraphBackend for that, or mode='max-autotune-no-cudagraphs'")
@@ -198,6 +203,7 @@ class InductorBackend(ComposedBackend):
             raise ValueError(f"InductorBackend(base={self.base!r}): only a backend that transforms the module "
                              "in place (TorchAOBackend) can be compiled on top")
         self.mode = mode
+        self.compile_options = _checked_compile_options(compile_options)
 
     @property
     def depends_on(self) -> tuple[str, ...]:
@@ -205,7 +211,9 @@ class InductorBackend(ComposedBackend):
         return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
 
     def options(self) -> dict:
-        return {**({"mode": self.mode} if self.mode else {}), **self._base_options()}
+        return {**({"mode": self.mode} if self.mode else {}),
+                **({"compile_options": dict(self.compile_options)} if self.compile_options else {}),
+                **self._base_options()}
 
     def compare(self, actual, expected) -> str | None:
         if self.base is not None:
@@ -219,20 +227,30 @@ class InductorBackend(ComposedBackend):
         return self.base.why_unavailable(device) if self.base else super().why_unavailable(device)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
-        return self._compile_or_undo(target, spec, self._build_base(target, spec, device))
+        return self._compile_or_undo(target, spec, device, self._build_base(target, spec, device))
 
-    def _compile_or_undo(self, target: Target, spec: ModuleSpec, base_runner: Runner | None) -> Runner:
+    def _compile_or_undo(self, target: Target, spec: ModuleSpec, device: torch.device,
+                         base_runner: Runner | None) -> Runner:
         """Compiles; if that fails, the base's changes to the module are taken back."""
         try:
-            return self._compile(target, spec, base_runner)
+            return self._compile(target, spec, device, base_runner)
         except BaseException:
             if base_runner is not None:
                 base_runner.undo()
             raise
 
-    def _compile(self, target: Target, spec: ModuleSpec, base_runner: Runner | None) -> Runner:
+    def _settings(self, device: torch.device) -> dict[str, Any]:
+        """``torch.compile``'s mode or options: ``mode`` alone unless a base or the caller sets options."""
+        options = {**(self.base.inductor_options(device) if self.base else {}), **self.compile_options}
+        if not options:
+            return {"mode": self.mode}
+        # torch.compile takes a mode or options, not both: the mode's own options go first
+        return {"options": {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), **options}}
+
+    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device,
+                 base_runner: Runner | None) -> Runner:
         # a base transforms the module in place, so its own forward is what gets compiled
-        compiled = torch.compile(_own_entry(target.forward), dynamic=False, mode=self.mode)
+        compiled = torch.compile(_own_entry(target.forward), dynamic=False, **self._settings(device))
         with _recording() as recorded, torch.no_grad():
             for index in range(len(spec.signatures)):
                 try:
@@ -246,7 +264,7 @@ class InductorBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
-        return self._compile_or_undo(target, spec,
+        return self._compile_or_undo(target, spec, device,
                                      self._restore_base(target, spec, config, folder, device, use_artifacts))
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
@@ -289,6 +307,23 @@ class InductorBackend(ComposedBackend):
                 shutil.copy2(source, temporary)
                 os.replace(temporary, destination)
         log.info("loaded Inductor cache artifacts and %d compiled kernels from %s", len(kernels), folder)
+
+
+def _checked_compile_options(options: Any) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"InductorBackend(compile_options={options!r}): give a dict of Inductor settings")
+    import torch._inductor.config as inductor_config
+
+    for key, value in options.items():
+        if not isinstance(key, str) or not hasattr(inductor_config, key):
+            raise ValueError(f"InductorBackend(compile_options=...): {key!r} is not a setting of "
+                             "torch._inductor.config")
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise ValueError(f"InductorBackend(compile_options=...): {key}={value!r} is not a JSON value; "
+                             "the package stores these settings")
+    return dict(options)
 
 
 def _save_kernels(sources: dict[str, Path], folder: Path) -> list[str]:
