@@ -159,3 +159,29 @@ def test_load_onto_another_device_index(tuned, tmp_path):
         torch.testing.assert_close(loaded(x.to(other)).cpu(), reference(x.to(GRAPH_DEVICE)).cpu())
     assert xpupack.stats(loaded)["layers.0.mlp"]["recordings"] == 2
     assert xpupack.stats(loaded)["layers.0.mlp"]["fallbacks"] == 0
+
+
+def test_recording_memory_is_measured_and_a_budget_bounds_it(fallback_calls):
+    """Real figures: each recording holds at least its static input; a budget of half the ladder's
+    memory keeps the module's recordings within it, and every batch still equals eager."""
+    ladder = (8, 4, 2, 1)
+    model = make_stack().to(GRAPH_DEVICE)
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, device_samples(ladder), modules=["layers.0.mlp"], strategy=GRAPH)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    memory = stats["recording_memory"]
+    assert list(memory) == [f"(f32[{b},8], 1.0)" for b in ladder]  # recorded largest first
+    assert all(memory[f"(f32[{b},8], 1.0)"] >= b * 8 * 4 for b in ladder)
+    assert stats["memory_bytes"] == sum(memory.values()) > 0
+
+    limit = max(1, stats["memory_bytes"] // 2)
+    strategy = xpupack.FirstWins([xpupack.GraphBackend(max_memory=limit), xpupack.EagerBackend()], min_speedup=None)
+    xpupack.tune(model, device_samples(ladder), modules=["layers.0.mlp"], strategy=strategy)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    if stats["backend"] == "graph":
+        assert stats["memory_bytes"] <= limit
+        assert len(stats["recording_memory"]) + len(stats.get("skipped", {})) == len(ladder)
+    with torch.inference_mode():
+        for batch in range(1, 9):
+            x = torch.randn(batch, 8, device=GRAPH_DEVICE)
+            torch.testing.assert_close(model(x), reference(x))

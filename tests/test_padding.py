@@ -74,7 +74,7 @@ def test_a_batch_whose_recording_failed_is_padded_up_to_the_next(emulated_graphs
     model, reference = tune_ladder()
     root = xpupack.save(model, tmp_path / "pkg")
     attempts = iter(range(100))
-    emulated_graphs.fail_capture = lambda: next(attempts) == 1  # batch 2 of layers.0 at load
+    emulated_graphs.fail_capture = lambda: next(attempts) == 2  # batch 2 of layers.0 at load (8, 4, 2, 1)
     loaded = xpupack.load(make_stack(), root)
     serve(loaded, reference, (2,))
     assert fallback_calls == [] and xpupack.stats(loaded)["layers.0.mlp"]["padded"] == 1
@@ -215,3 +215,99 @@ def test_a_ladder_repeats_or_cuts_rows_of_each_batched_tensor():
 def test_batch_sizes_must_be_positive_integers(sizes):
     with pytest.raises(xpupack.TuningError, match="batch_sizes"):
         xpupack.tune(make_stack(), [torch.randn(2, 8)], modules=["layers.0.mlp"], batch_sizes=sizes)
+
+
+# -- recording memory and GraphBackend(max_memory=...) (issue 11 D) ----------------------------------
+# The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
+# inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
+
+def budget(max_memory):
+    return xpupack.FirstWins([xpupack.GraphBackend(max_memory=max_memory), xpupack.EagerBackend()],
+                             min_speedup=None)
+
+
+def test_recordings_report_their_memory_largest_first(emulated_graphs, fallback_calls):
+    model, reference = tune_ladder()
+    serve(model, reference, (3, 9))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["recording_memory"] == {"(f32[8,8], 1.0)": 512, "(f32[4,8], 1.0)": 256,
+                                         "(f32[2,8], 1.0)": 128, "(f32[1,8], 1.0)": 64}
+    assert list(stats["recording_memory"]) == ["(f32[8,8], 1.0)", "(f32[4,8], 1.0)", "(f32[2,8], 1.0)",
+                                               "(f32[1,8], 1.0)"]  # the order they were recorded in
+    assert stats["memory_bytes"] == 960 and "skipped" not in stats and "max_memory" not in stats
+    summed = xpupack.stats(model, totals=True)
+    assert summed["modules"] == xpupack.stats(model)
+    assert summed["totals"] == {"calls": 4, "fallbacks": 2, "padded": 2, "memory_bytes": 2 * 960}
+    assert len(fallback_calls) == 2  # batch 9, in each module
+
+
+def test_a_memory_budget_skips_the_smaller_batches_and_pads_their_calls_up(emulated_graphs, fallback_calls):
+    model, reference = tune_ladder(budget(512 + 256))  # room for batches 8 and 4 only
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["recording_memory"] == {"(f32[8,8], 1.0)": 512, "(f32[4,8], 1.0)": 256}
+    assert stats["memory_bytes"] == 768 and stats["max_memory"] == 768 and stats["recordings"] == 2
+    assert stats["skipped"] == {
+        "(f32[2,8], 1.0)": "over the memory budget (max_memory=768 bytes): it took 128 bytes with 768 spent",
+        "(f32[1,8], 1.0)": "over the memory budget (max_memory=768 bytes): recordings of more benefit took it"}
+    serve(model, reference, range(1, 9))
+    assert fallback_calls == [] and xpupack.stats(model)["layers.0.mlp"]["padded"] == 6  # 1, 2, 3, 5, 6, 7
+
+
+def test_the_budget_keeps_the_most_called_signatures_and_the_rest_fall_back(emulated_graphs, fallback_calls):
+    model = make_stack()
+    reference = copy.deepcopy(model)
+    samples = [torch.randn(8, 8)] + [torch.randn(batch, 8) for batch in (4, 2) for _ in range(3)]
+    xpupack.tune(model, samples, modules=["layers.0.mlp"], strategy=budget(256 + 128))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert list(stats["recording_memory"]) == ["(f32[4,8], 1.0)", "(f32[2,8], 1.0)"]  # 3 calls each, then 1
+    assert list(stats["skipped"]) == ["(f32[8,8], 1.0)"]
+    serve(model, reference, (3, 8, 5))  # 3 padded up to 4; nothing larger is recorded for 8 and 5
+    assert [event.path for event in fallback_calls] == ["layers.0.mlp"] * 2
+    assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 1
+
+
+def test_a_budget_no_recording_fits_rejects_the_graph_backend_with_the_reason(emulated_graphs):
+    model, _ = tune_ladder(budget(63), modules=("layers.0.mlp",))
+    entry = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]
+    assert entry["status"] == "rejected" and "no recording fits the memory budget" in entry["reason"]
+    assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
+
+
+def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emulated_graphs, tmp_path,
+                                                                            fallback_calls):
+    model, reference = tune_ladder(budget(768))
+    root = xpupack.save(model, tmp_path / "pkg")
+    entry = json.loads((root / "xpupack.json").read_text())["modules"][0]
+    assert entry["backend"]["options"] == {"max_memory": 768}
+    captures = emulated_graphs.captures
+    loaded = xpupack.load(make_stack(), root)
+    assert emulated_graphs.captures == captures + 2 * 3  # batches 8, 4, and 2 (taken, then dropped)
+    stats = xpupack.stats(loaded)["layers.0.mlp"]
+    assert list(stats["recording_memory"]) == ["(f32[8,8], 1.0)", "(f32[4,8], 1.0)"]
+    assert list(stats["skipped"]) == ["(f32[2,8], 1.0)", "(f32[1,8], 1.0)"]
+    xpupack.deactivate(loaded)  # releases the recordings; the next call records again, within the budget
+    xpupack.activate(loaded)
+    serve(loaded, reference, (1, 2, 3))
+    stats = xpupack.stats(loaded)["layers.0.mlp"]
+    assert (stats["rerecordings"], stats["memory_bytes"], stats["padded"]) == (1, 768, 3)
+    assert list(stats["skipped"]) == ["(f32[2,8], 1.0)", "(f32[1,8], 1.0)"] and fallback_calls == []
+
+    shown = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(root)]).output)
+    recorded = {m["path"]: m["recorded"] for m in shown["modules"]}
+    assert recorded["layers.0.mlp"]["memory_bytes"] == 768 and recorded["layers.0.mlp"]["max_memory"] == 768
+    assert recorded["layers.0.mlp"]["skipped"] == stats["skipped"] and shown["recording_memory_bytes"] == 2 * 768
+    text = CliRunner().invoke(main, ["inspect", str(root)]).output
+    assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
+
+    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "models:make_stack", "--iterations", "1",
+                                        "--json"])
+    assert benched.exit_code == 0, benched.output
+    assert json.loads(benched.output)["recording_memory"] == {
+        "modules": {"layers.0.mlp": 768, "layers.1.mlp": 768}, "total_bytes": 1536,
+        "skipped": {path: stats["skipped"] for path in ("layers.0.mlp", "layers.1.mlp")}}
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2GiB"])
+def test_max_memory_must_be_a_positive_number_of_bytes(value):
+    with pytest.raises(xpupack.TuningError, match=r"max_memory=.*positive number of bytes"):
+        xpupack.GraphBackend(max_memory=value)

@@ -299,15 +299,29 @@ def detach(model: nn.Module) -> None:
     _sessions.pop(model, None)
 
 
-def stats(model: nn.Module) -> dict[str, dict]:
-    """Per tuned module (by object path): backend, calls, fallbacks, signatures, memory.
+def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
+    """Per tuned module (by object path): backend, calls, fallbacks, padded, signatures, memory.
+
+    ``memory_bytes`` is the device memory the module's recordings hold (graph backend; 0 for the
+    others), ``recording_memory`` each recording's share, ``skipped`` what ``max_memory`` left out.
+
+    Args:
+        model: a tuned or loaded model.
+        totals: return ``{"modules": <the per-module dict>, "totals": {...}}`` instead, where
+            ``totals`` sums ``calls``, ``fallbacks``, ``padded`` and ``memory_bytes`` over the modules.
 
     Example:
         >>> xpupack.stats(model)["layers.0.mlp"]
         {'backend': 'graph', 'calls': 10, 'fallbacks': 1, 'signatures': 2, ...}
+        >>> xpupack.stats(model, totals=True)["totals"]["memory_bytes"]
+        25165824
     """
     session = session_of(model)
-    return {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
+    modules = {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
+    if not totals:
+        return modules
+    return {"modules": modules, "totals": {key: sum(entry[key] for entry in modules.values())
+                                           for key in ("calls", "fallbacks", "padded", "memory_bytes")}}
 
 
 def activate(model: nn.Module) -> nn.Module:

@@ -40,7 +40,9 @@ def print_report(report: dict, out) -> None:
               + (f" ({env['architecture']})" if env.get("architecture") else ""))
     out.print(f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
               f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
-              f"package {_size(report['total_bytes'])}")
+              f"package {_size(report['total_bytes'])}"
+              + (f"; recordings at build {_size(report['recording_memory_bytes'])}"
+                 if report["recording_memory_bytes"] else ""))
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
@@ -52,6 +54,11 @@ def print_report(report: dict, out) -> None:
         signatures = "\n".join(module["signatures"]) or "—"
         if module.get("padding"):
             signatures += "\n" + module["padding"]
+        recorded = module.get("recorded")
+        if recorded:
+            signatures += f"\nrecordings: {_size(recorded['memory_bytes'])}" + (
+                f" (max_memory {_size(recorded['max_memory'])})" if "max_memory" in recorded else "")
+            signatures += "".join(f"\nskipped {sig}: {why}" for sig, why in recorded.get("skipped", {}).items())
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
         table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
