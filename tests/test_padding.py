@@ -311,3 +311,70 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
 def test_max_memory_must_be_a_positive_number_of_bytes(value):
     with pytest.raises(xpupack.TuningError, match=r"max_memory=.*positive number of bytes"):
         xpupack.GraphBackend(max_memory=value)
+
+
+# -- batch_axis: the samples' batch axis when it is not the first -------------------------------------
+
+class SequenceFirst(nn.Module):
+    """Takes ``[sequence, batch, 8]``: adds the sequence's mean (positions mix), rows of the batch stay apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y + y.mean(dim=0, keepdim=True)
+
+
+def sequence_first_model():
+    torch.manual_seed(0)
+    return nn.Sequential(SequenceFirst()).eval()
+
+
+def test_a_declared_batch_axis_builds_the_ladder_along_it_and_pads_there(emulated_graphs, fallback_calls):
+    model = sequence_first_model()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [torch.randn(4, 3, 8)], modules=["0"], strategy=GRAPH, batch_sizes=LADDER, batch_axis=1)
+    spec = spec_of(model, "0")
+    assert [s.describe() for s in spec.signatures] == [f"(f32[4,{b},8])" for b in (3, 1, 2, 4, 8)]
+    assert spec.padding_refused is None and {axes.inputs for axes in spec.batch_axes.values()} == {(1,)}
+    with torch.no_grad():
+        for batch in (5, 6, 7):
+            x = torch.randn(4, batch, 8)
+            assert torch.allclose(model(x), reference(x), atol=1e-5), batch
+    assert fallback_calls == [] and xpupack.stats(model)["0"]["padded"] == 3
+
+
+def test_without_the_declaration_the_ladder_resizes_axis_0_and_padding_there_is_refused(emulated_graphs):
+    model = sequence_first_model()
+    xpupack.tune(model, [torch.randn(4, 3, 8)], modules=["0"], strategy=GRAPH, batch_sizes=LADDER)
+    spec = spec_of(model, "0")
+    assert [s.describe() for s in spec.signatures][:2] == ["(f32[4,3,8])", "(f32[1,3,8])"]
+    assert spec.batch_axes == {} and spec.padding_refused.startswith("rows mix")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_axis": 1}, "pass batch_sizes too"),
+    ({"batch_sizes": [1, 2], "batch_axis": -1}, "non-negative integer"),
+    ({"batch_sizes": [1, 2], "batch_axis": True}, "non-negative integer"),
+    ({"batch_sizes": [1, 2], "batch_axis": 3}, r"a batch axis 3, not tensors of shapes \[\[4, 3, 8\]\]"),
+])
+def test_batch_axis_errors_say_what_to_pass(kwargs, message):
+    with pytest.raises(xpupack.TuningError, match=message):
+        xpupack.tune(sequence_first_model(), [torch.randn(4, 3, 8)], modules=["0"], **kwargs)
+
+
+def test_build_records_a_ladder_from_the_command_line(tmp_path):
+    out = tmp_path / "pkg"
+    result = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
+                                       "--modules", "layers.0.mlp", "--backends", "eager", "--batch-sizes", "1,8",
+                                       "--batch-axis", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    spec = json.loads((out / "modules/layers.0.mlp/spec.json").read_text())
+    assert [s["leaves"][0]["shape"][0] for s in spec["signatures"]] == [2, 4, 1, 8]
+    assert spec["signature_calls"] == [1, 1, 2, 2]  # batches 1 and 8 made from each of the two samples
+    assert spec["batch_axes"] == [{"inputs": [0, None], "outputs": [0]}] * 4
+    bad = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
+                                    "--batch-sizes", "1,x", "--out", str(tmp_path / "other")])
+    assert bad.exit_code != 0 and "give batch sizes separated by commas" in bad.output

@@ -194,25 +194,41 @@ def _pad(leaf: Any, axis: int | None, batch: int, filler: str = "zeros",
 
 # -- tune time: a ladder of batch sizes from the samples ----------------------------------------------
 
-def batch_ladder(samples: list, sizes: list[int]) -> list:
-    """``samples`` followed by each sample resized to each of ``sizes`` along its first axis.
+def batch_ladder(samples: list, sizes: list[int], axis: int = 0) -> list:
+    """``samples`` followed by each sample resized to each of ``sizes`` along its batch ``axis``.
 
-    A sample's batch is the first axis of its first tensor; every tensor whose first axis has that
-    size gets its rows repeated (cycled) or cut to the new size, other leaves stay as they are.
+    A sample's batch is the size along ``axis`` of its first tensor that has that axis; every tensor
+    whose size there is that batch gets its rows repeated (cycled) or cut to the new size, other
+    leaves stay as they are.
     """
     ladder = list(samples)
     for sample in samples:
-        tensors = [leaf for leaf in flatten((sample,), {})[0] if isinstance(leaf, _Tensor) and leaf.dim()]
+        tensors = [leaf for leaf in flatten((sample,), {})[0] if isinstance(leaf, _Tensor) and leaf.dim() > axis]
         if not tensors:
-            raise TuningError(f"batch_sizes needs samples holding tensors with a batch axis, not a "
-                              f"{type(sample).__name__}; record each batch size through samples instead")
-        batch = tensors[0].shape[0]
+            raise TuningError(f"batch_sizes needs samples holding tensors with a batch axis {axis}, not "
+                              f"{_describe_sample(sample)}; record each batch size through samples instead, "
+                              "or name the samples' batch axis with batch_axis=")
+        batch = tensors[0].shape[axis]
         for size in sizes:
             if size != batch:
                 rows = torch.arange(size, device=tensors[0].device) % batch
-                ladder.append(map_tensors(lambda x: x.index_select(0, rows.to(x.device))
-                                          if x.dim() and x.shape[0] == batch else x, sample))
+                ladder.append(map_tensors(lambda x: x.index_select(axis, rows.to(x.device))
+                                          if x.dim() > axis and x.shape[axis] == batch else x, sample))
     return ladder
+
+
+def _describe_sample(sample: Any) -> str:
+    leaves = flatten((sample,), {})[0]
+    shapes = [list(leaf.shape) for leaf in leaves if isinstance(leaf, _Tensor)]
+    return f"tensors of shapes {shapes}" if shapes else f"a {type(sample).__name__} without tensors"
+
+
+def check_batch_axis(axis: Any) -> int:
+    """``axis`` if it is a non-negative integer; raises `TuningError` otherwise."""
+    if type(axis) is not int or axis < 0:
+        raise TuningError(f"batch_axis={axis!r}: give the samples' batch axis as a non-negative integer "
+                          "(0 for [batch, ...], 1 for [sequence, batch, ...])")
+    return axis
 
 
 def check_batch_sizes(sizes: Any) -> list[int]:
