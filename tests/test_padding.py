@@ -378,3 +378,12 @@ def test_build_records_a_ladder_from_the_command_line(tmp_path):
     bad = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
                                     "--batch-sizes", "1,x", "--out", str(tmp_path / "other")])
     assert bad.exit_code != 0 and "give batch sizes separated by commas" in bad.output
+
+
+def test_half_precision_rows_that_mix_are_still_refused(emulated_graphs):
+    torch.manual_seed(0)
+    model = MixingStack().to(torch.bfloat16)
+    samples = [sample.to(torch.bfloat16) for sample in ladder_samples()]
+    xpupack.tune(model, samples, modules=["mix", "mlp"], strategy=GRAPH)
+    assert "rows mix" in spec_of(model, "mix").padding_refused and "SQNR" in spec_of(model, "mix").padding_refused
+    assert spec_of(model, "mlp").batch_axes and spec_of(model, "mlp").padding_refused is None

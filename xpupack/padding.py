@@ -130,6 +130,13 @@ def _varying_axis(shapes: list[tuple[int, ...]]) -> int | None:
     return varying[0] if len(varying) == 1 else -1
 
 
+#: SQNR (dB) the real rows of a padded bfloat16/float16 call must reach where they miss the elementwise
+#: tolerance: a larger batch runs other matrix kernels (other tiling, other summation order), which
+#: through a deep model moves half-precision outputs past any elementwise bound, as running eager at
+#: another batch size does; rows that really mix (a batch mean) come out far below it
+ROWS_SQNR_DB = 25.0
+
+
 def _why_not_paddable(spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes,
                       batches: list[int]) -> str | None:
     """Runs eager on each recorded sample of a batch above 1 with its last rows replaced, once by zeros
@@ -152,7 +159,7 @@ def _why_not_paddable(spec: ModuleSpec, forward: Callable[..., Any], members: li
                               for leaf, axis, source in zip(real, axes.inputs, leaves)]
                     args_, kwargs_ = unflatten(padded, tree)
                     problem = mismatch(_cut_outputs(forward(*args_, **kwargs_), axes, rows), expected,
-                                       DEFAULT_TOLERANCES)
+                                       DEFAULT_TOLERANCES, low_precision_sqnr_db=ROWS_SQNR_DB)
                     if problem:
                         return (f"rows mix: {rows} real row(s) of {spec.signatures[index].describe()} padded with "
                                 f"{filler} to {batch} came out unlike eager on the real rows alone ({problem})")
