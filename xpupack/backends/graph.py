@@ -311,7 +311,7 @@ class GraphRunner(Runner):
                 return self._run_with_state(index, args, kwargs, leaves)
             recording = self.recordings.get(index)
             if recording is None:
-                raise RuntimeError(self.failures.get(index, "signature not recorded"))
+                raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
             return self._replay(recording, leaves)
 
     def _replay(self, recording: _Recording, leaves: list) -> Any:
