@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from .. import _device
-from ..signature import flatten, unflatten
 from ..errors import TuningError
+from ..signature import flatten, unflatten
 from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 

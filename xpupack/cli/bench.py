@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import console, echo_json, handle_errors, import_object, json_option
-from .inspect import _size
+from ._common import byte_size, console, echo_json, handle_errors, import_object, json_option
 
 
 @click.command()
@@ -47,8 +46,8 @@ def bench(package, model_factory, device, iterations, revision, as_json):
                       f"{row['eager']['median_us']:.1f}", f"{row['eager']['p90_us']:.1f}",
                       f"{row['speedup']:.2f}×")
     console().print(table)
-    console().print(f"recording memory: {_size(memory['total_bytes'])} in all; "
-                    + ", ".join(f"{path or '<model>'} {_size(n)}" for path, n in memory["modules"].items()))
+    console().print(f"recording memory: {byte_size(memory['total_bytes'])} in all; "
+                    + ", ".join(f"{path or '<model>'} {byte_size(n)}" for path, n in memory["modules"].items()))
     for path, skipped in memory["skipped"].items():
         for signature, why in skipped.items():
             console().print(f"{path or '<model>'}: skipped {signature}: {why}")
