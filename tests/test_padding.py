@@ -70,6 +70,29 @@ def test_a_padded_call_gets_rows_of_its_own_size_and_the_fit_rules_still_hold(em
     assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 1
 
 
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_padded_graph_call_gets_its_own_rows_copied_or_as_views_of_the_recording(emulated_graphs, copies):
+    strategy = xpupack.FirstWins([xpupack.GraphBackend(copy_outputs=copies)], min_speedup=None)
+    model, reference = tune_ladder(strategy, modules=("layers.0.mlp",))
+    mlp, ref_mlp = model.layers[0]["mlp"], reference.layers[0]["mlp"]
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        first = mlp(x, scale=1.0)
+        kept = first.clone()
+        assert first.shape == (3, 8) and torch.allclose(first, ref_mlp(x, scale=1.0), atol=1e-5)
+        # padded into the batch-4 recording's own buffers: a copy holds 3 rows, a view sees the next replay
+        assert (first.untyped_storage().nbytes() == 3 * 8 * 4) == copies
+        second = mlp(y, scale=1.0)
+        assert torch.allclose(second, ref_mlp(y, scale=1.0), atol=1e-5)
+        assert torch.equal(first, kept) == copies
+        mlp(torch.randn(4, 8), scale=1.0)  # the batch-4 recording itself: all four rows filled
+        mlp(x, scale=1.0)
+    runner = xpupack.tuned.session_of(model).modules["layers.0.mlp"].runner
+    buffer = next(r for r in runner.recordings.values() if r.static_leaves[0].shape[0] == 4).static_leaves[0]
+    assert torch.equal(buffer[:3], x) and torch.equal(buffer[3], torch.zeros(8))  # the filler the check verified
+    assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 3
+
+
 def test_a_batch_whose_recording_failed_is_padded_up_to_the_next(emulated_graphs, tmp_path, fallback_calls):
     model, reference = tune_ladder()
     root = xpupack.save(model, tmp_path / "pkg")

@@ -43,6 +43,7 @@ from torch import nn
 
 from .. import _device
 from ..errors import TuningError
+from ..padding import BatchAxes
 from ..signature import flatten, unflatten
 from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
@@ -113,6 +114,16 @@ class _Recording:
         elif type(leaf) not in _PLAIN_OUTPUTS:
             raise RuntimeError(f"the module returns a {type(leaf).__name__} object a replay cannot renew")
         return leaf
+
+    def cut_outputs(self, axes: BatchAxes, rows: int, copy: bool) -> Any:
+        """The first ``rows`` rows of the static outputs (a padded call's own), copied or as views."""
+        if self.single_output is not None:
+            view = self.single_output.narrow(axes.outputs[0], 0, rows)
+            return view.clone() if copy else view
+        cut = [x.narrow(axis, 0, rows) if axis is not None else x for x, axis in zip(self.output_leaves, axes.outputs)]
+        if copy:
+            cut = [x.clone() if isinstance(x, torch.Tensor) else x for x in cut]
+        return unflatten(cut, self.output_spec)[0][0]
 
     def outputs(self, leaves: list, copy: bool) -> Any:
         """The replayed outputs: copies of the static outputs (or aliases), the caller's state objects."""
@@ -318,6 +329,28 @@ class GraphRunner(Runner):
             if recording is None:
                 raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
             return self._replay(recording, leaves)
+
+    def run_padded(self, index: int, leaves: list, axes: BatchAxes, batch: int) -> Any:
+        """Replays recording ``index`` (of a larger batch) for a call of ``batch`` rows: the call's rows go
+        into the start of the static buffers and zeros into the rest (what the tune-time check verified),
+        and only the call's rows of the outputs come back (copied, or views of the static outputs)."""
+        with self._lock:
+            if self._watch is None or self._watch.changed():
+                self._rerecord()
+            recording = self.recordings.get(index)
+            if recording is None:
+                raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
+            static = recording.static_leaves
+            for slot in recording.tensor_slots:
+                axis = axes.inputs[slot]
+                if axis is None:
+                    static[slot].copy_(leaves[slot])
+                else:
+                    buffer = static[slot]
+                    buffer.narrow(axis, 0, batch).copy_(leaves[slot])
+                    buffer.narrow(axis, batch, buffer.shape[axis] - batch).zero_()
+            recording.replay()
+            return recording.cut_outputs(axes, batch, self.copy_outputs)
 
     def _replay(self, recording: _Recording, leaves: list) -> Any:
         static = recording.static_leaves
