@@ -180,8 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     ladder_entry = variants["ladder"]
     result = {
-        "what": "a seeded stream of calls through TinyTransformer; per-call latency to the result "
-                "(device-synchronized); ratios are the variant's time over the reference's (below 1: faster)",
+        "what": f"a seeded stream of calls through TinyTransformer, every call {args.seq} tokens per row; "
+                "per-call latency to the result (device-synchronized); ratios are the variant's time over the "
+                "reference's (below 1: faster); the exact variant's memory_bytes is measured after the ladder's "
+                "recordings were made and released, so its captures reuse their pool blocks (an underestimate)",
         "config": {"device": str(device), "device_name": _device.device_name(device), "dtype": str(dtype),
                    "hidden": args.hidden, "layers": args.layers, "vocab": VOCAB, "seq": args.seq,
                    "calls": args.calls, "batch_sizes": f"uniform 1..{args.max_batch}", "seed": args.seed,
