@@ -1,7 +1,9 @@
 """A test-only stand-in for device graphs on CPU.
 
 `capture` runs the function once into static outputs; `replay` runs it again
-and copies the results into those same output tensors. The function reads
+and copies the results into those same output tensors. The memory a capture
+reports is the size of its static outputs: deterministic, so tests can set a
+memory budget in bytes. The function reads
 only the static input buffers, so the graph backend's static-buffer,
 signature-dispatch, aliasing and invalidation logic runs exactly as on a GPU.
 """
@@ -31,11 +33,8 @@ class EmulatedGraphs:
     def shared_pool(self, device: torch.device) -> Any:
         return None
 
-    def memory_in_use(self, device: torch.device) -> int:
-        return 0
-
     def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2) -> tuple[Callable[[], None], Any]:
+                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
         with torch.no_grad():
             for _ in range(warmup):
                 fn()
@@ -53,4 +52,5 @@ class EmulatedGraphs:
                 if isinstance(static, torch.Tensor):
                     static.copy_(value)
 
-        return replay, outputs
+        memory = sum(leaf.untyped_storage().nbytes() for leaf in static_leaves if isinstance(leaf, torch.Tensor))
+        return replay, outputs, memory

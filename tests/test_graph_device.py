@@ -10,6 +10,7 @@ from torch import nn
 import xpupack
 from conftest import GRAPH_DEVICE
 from models import make_stack
+from xpupack import _device
 from xpupack.examples import tiny_transformer
 
 pytestmark = pytest.mark.requires_graph_device
@@ -159,3 +160,33 @@ def test_load_onto_another_device_index(tuned, tmp_path):
         torch.testing.assert_close(loaded(x.to(other)).cpu(), reference(x.to(GRAPH_DEVICE)).cpu())
     assert xpupack.stats(loaded)["layers.0.mlp"]["recordings"] == 2
     assert xpupack.stats(loaded)["layers.0.mlp"]["fallbacks"] == 0
+
+
+def test_recording_memory_is_measured_and_a_budget_skips_the_smaller_batches(monkeypatch, fallback_calls):
+    """Real figures: each recording holds at least its static input, and their sum is the module's. With a
+    fresh pool per recording each figure is that recording's own, so a budget of the two largest keeps
+    exactly those; every other batch up to 8 is padded up to them and equals eager."""
+    api = _device.graphs_for(torch.device(GRAPH_DEVICE))
+    monkeypatch.setattr(api, "shared_pool", lambda device: getattr(torch, GRAPH_DEVICE).graph_pool_handle())
+    ladder = (8, 4, 2, 1)
+    model = make_stack().to(GRAPH_DEVICE)
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, device_samples(ladder), modules=["layers.0.mlp"], strategy=GRAPH)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    memory = stats["recording_memory"]
+    assert list(memory) == [f"(f32[{b},8], 1.0)" for b in ladder]  # recorded largest first
+    assert all(memory[f"(f32[{b},8], 1.0)"] >= b * 8 * 4 for b in ladder)
+    assert stats["memory_bytes"] == sum(memory.values())
+
+    limit = memory["(f32[8,8], 1.0)"] + memory["(f32[4,8], 1.0)"]
+    strategy = xpupack.FirstWins([xpupack.GraphBackend(max_memory=limit), xpupack.EagerBackend()], min_speedup=None)
+    xpupack.tune(model, device_samples(ladder), modules=["layers.0.mlp"], strategy=strategy)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["backend"] == "graph" and stats["memory_bytes"] <= limit
+    assert list(stats["recording_memory"]) == ["(f32[8,8], 1.0)", "(f32[4,8], 1.0)"]
+    assert list(stats["skipped"]) == ["(f32[2,8], 1.0)", "(f32[1,8], 1.0)"]
+    with torch.inference_mode():
+        for batch in range(1, 9):
+            x = torch.randn(batch, 8, device=GRAPH_DEVICE)
+            torch.testing.assert_close(model(x), reference(x))
+    assert fallback_calls == [] and xpupack.stats(model)["layers.0.mlp"]["padded"] == 6

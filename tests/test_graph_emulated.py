@@ -149,21 +149,24 @@ def test_capture_failure_rejects_the_backend_with_its_reason(emulated_graphs):
     assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
 
 
-def test_recording_cap_leaves_the_rest_to_fall_back(emulated_graphs, fallback_calls):
+def test_recording_cap_keeps_the_largest_and_the_rest_are_padded_up(emulated_graphs, fallback_calls):
     samples = [torch.randn(b, 8) for b in (1, 2, 3)]
     model, reference = tune_stack(xpupack.Only(xpupack.GraphBackend(max_recordings=2)), samples)
     stats = xpupack.stats(model)["layers.0.mlp"]
-    assert stats["recordings"] == 2 and "over the cap" in next(iter(stats["not_recorded"].values()))
+    assert stats["recordings"] == 2 and stats["not_recorded"] == {
+        "(f32[1,8], 1.0)": "over the cap of 2 recordings per module"}
     with torch.no_grad():
-        assert torch.allclose(model(samples[2]), reference(samples[2]), atol=1e-6)
-    assert {e.path for e in fallback_calls} == {"layers.0.mlp", "layers.1.mlp"}
+        assert torch.allclose(model(samples[0]), reference(samples[0]), atol=1e-6)
+    assert fallback_calls == [] and xpupack.stats(model)["layers.0.mlp"]["padded"] == 1
 
 
 def test_package_stores_signatures_only_and_load_records_again(emulated_graphs, tmp_path):
     model, reference = tune_stack()
     root = xpupack.save(model, tmp_path / "pkg")
     manifest = read_manifest(root)
-    assert all(m["backend"] == {"name": "graph", "options": {}, "config": {}} for m in manifest["modules"])
+    assert all(m["backend"] == {"name": "graph", "options": {}, "config": {"recorded": {
+        "memory_bytes": (4 + 2) * 8 * 4 * 2,  # a static input and output, f32[b,8], of batches 4 and 2
+        "recording_memory": {"(f32[4,8], 1.0)": 256, "(f32[2,8], 1.0)": 128}}}} for m in manifest["modules"])
     assert not any(p.is_file() for p in (root / "modules/layers.0.mlp").rglob("*") if p.name != "spec.json")
     captures = emulated_graphs.captures
     loaded = xpupack.load(make_stack(seed=3), root)
@@ -177,9 +180,9 @@ def test_a_signature_that_fails_to_record_at_load_falls_back_alone(emulated_grap
     model, reference = tune_stack()
     root = xpupack.save(model, tmp_path / "pkg")
     attempts = iter(range(100))
-    # the second recording at load (batch 4 of layers.0) fails: the largest batch, so no call of it
-    # can be padded up to another recording
-    emulated_graphs.fail_capture = lambda: next(attempts) == 1
+    # the first recording at load (batch 4 of layers.0, recorded largest first) fails: the largest
+    # batch, so no call of it can be padded up to another recording
+    emulated_graphs.fail_capture = lambda: next(attempts) == 0
     loaded = xpupack.load(make_stack(), root)
     stats = xpupack.stats(loaded)["layers.0.mlp"]
     assert stats["recordings"] == 1 and "emulated capture failure" in str(stats["not_recorded"])

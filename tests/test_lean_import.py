@@ -191,6 +191,8 @@ def _options_to_try():
         ("graph", {}), ("graph", {"max_recordings": 4}), ("graph", {"max_recordings": 16}),
         ("graph", {"max_recordings": 0}), ("graph", {"max_recordings": True}), ("graph", {"max_recordings": "4"}),
         ("graph", {"copy_outputs": False}), ("graph", {"copy_outputs": True}), ("graph", {"copy_outputs": 0}),
+        ("graph", {"max_memory": 1 << 30}), ("graph", {"max_memory": 0}), ("graph", {"max_memory": True}),
+        ("graph", {"max_memory": 1.5}),
         ("graph", {"base": {"name": "inductor", "options": {}}}),
         ("graph", {"base": {"name": "inductor", "options": {"mode": "default"}}, "max_recordings": 2}),
         ("graph", {"base": {"name": "graph", "options": {}}}), ("graph", {"base": base_eager}),

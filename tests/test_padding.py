@@ -70,11 +70,34 @@ def test_a_padded_call_gets_rows_of_its_own_size_and_the_fit_rules_still_hold(em
     assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 1
 
 
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_padded_graph_call_gets_its_own_rows_copied_or_as_views_of_the_recording(emulated_graphs, copies):
+    strategy = xpupack.FirstWins([xpupack.GraphBackend(copy_outputs=copies)], min_speedup=None)
+    model, reference = tune_ladder(strategy, modules=("layers.0.mlp",))
+    mlp, ref_mlp = model.layers[0]["mlp"], reference.layers[0]["mlp"]
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        first = mlp(x, scale=1.0)
+        kept = first.clone()
+        assert first.shape == (3, 8) and torch.allclose(first, ref_mlp(x, scale=1.0), atol=1e-5)
+        # padded into the batch-4 recording's own buffers: a copy holds 3 rows, a view sees the next replay
+        assert (first.untyped_storage().nbytes() == 3 * 8 * 4) == copies
+        second = mlp(y, scale=1.0)
+        assert torch.allclose(second, ref_mlp(y, scale=1.0), atol=1e-5)
+        assert torch.equal(first, kept) == copies
+        mlp(torch.randn(4, 8), scale=1.0)  # the batch-4 recording itself: all four rows filled
+        mlp(x, scale=1.0)
+    runner = xpupack.tuned.session_of(model).modules["layers.0.mlp"].runner
+    buffer = next(r for r in runner.recordings.values() if r.static_leaves[0].shape[0] == 4).static_leaves[0]
+    assert torch.equal(buffer[:3], x) and torch.equal(buffer[3], torch.zeros(8))  # the filler the check verified
+    assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 3
+
+
 def test_a_batch_whose_recording_failed_is_padded_up_to_the_next(emulated_graphs, tmp_path, fallback_calls):
     model, reference = tune_ladder()
     root = xpupack.save(model, tmp_path / "pkg")
     attempts = iter(range(100))
-    emulated_graphs.fail_capture = lambda: next(attempts) == 1  # batch 2 of layers.0 at load
+    emulated_graphs.fail_capture = lambda: next(attempts) == 2  # batch 2 of layers.0 at load (8, 4, 2, 1)
     loaded = xpupack.load(make_stack(), root)
     serve(loaded, reference, (2,))
     assert fallback_calls == [] and xpupack.stats(loaded)["layers.0.mlp"]["padded"] == 1
@@ -215,3 +238,175 @@ def test_a_ladder_repeats_or_cuts_rows_of_each_batched_tensor():
 def test_batch_sizes_must_be_positive_integers(sizes):
     with pytest.raises(xpupack.TuningError, match="batch_sizes"):
         xpupack.tune(make_stack(), [torch.randn(2, 8)], modules=["layers.0.mlp"], batch_sizes=sizes)
+
+
+# -- recording memory and GraphBackend(max_memory=...) (issue 11 D) ----------------------------------
+# The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
+# inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
+
+def budget(max_memory):
+    return xpupack.FirstWins([xpupack.GraphBackend(max_memory=max_memory), xpupack.EagerBackend()],
+                             min_speedup=None)
+
+
+def test_recordings_report_their_memory_largest_first(emulated_graphs, fallback_calls):
+    model, reference = tune_ladder()
+    serve(model, reference, (3, 9))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["recording_memory"] == {"(f32[8,8], 1.0)": 512, "(f32[4,8], 1.0)": 256,
+                                         "(f32[2,8], 1.0)": 128, "(f32[1,8], 1.0)": 64}
+    assert list(stats["recording_memory"]) == ["(f32[8,8], 1.0)", "(f32[4,8], 1.0)", "(f32[2,8], 1.0)",
+                                               "(f32[1,8], 1.0)"]  # the order they were recorded in
+    assert stats["memory_bytes"] == 960 and "skipped" not in stats and "max_memory" not in stats
+    summed = xpupack.stats(model, totals=True)
+    assert summed["modules"] == xpupack.stats(model)
+    assert summed["totals"] == {"calls": 4, "fallbacks": 2, "padded": 2, "memory_bytes": 2 * 960}
+    assert len(fallback_calls) == 2  # batch 9, in each module
+
+
+def test_a_memory_budget_skips_the_smaller_batches_and_pads_their_calls_up(emulated_graphs, fallback_calls):
+    model, reference = tune_ladder(budget(512 + 256))  # room for batches 8 and 4 only
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["recording_memory"] == {"(f32[8,8], 1.0)": 512, "(f32[4,8], 1.0)": 256}
+    assert stats["memory_bytes"] == 768 and stats["max_memory"] == 768 and stats["recordings"] == 2
+    assert stats["skipped"] == {
+        "(f32[2,8], 1.0)": "over the memory budget (max_memory=768 bytes): it took 128 bytes with 768 spent",
+        "(f32[1,8], 1.0)": "over the memory budget (max_memory=768 bytes): recordings of more benefit took it"}
+    serve(model, reference, range(1, 9))
+    assert fallback_calls == [] and xpupack.stats(model)["layers.0.mlp"]["padded"] == 6  # 1, 2, 3, 5, 6, 7
+
+
+def test_the_budget_keeps_the_most_called_signatures_and_the_rest_fall_back(emulated_graphs, fallback_calls):
+    model = make_stack()
+    reference = copy.deepcopy(model)
+    samples = [torch.randn(8, 8)] + [torch.randn(batch, 8) for batch in (4, 2) for _ in range(3)]
+    xpupack.tune(model, samples, modules=["layers.0.mlp"], strategy=budget(256 + 128))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert list(stats["recording_memory"]) == ["(f32[4,8], 1.0)", "(f32[2,8], 1.0)"]  # 3 calls each, then 1
+    assert list(stats["skipped"]) == ["(f32[8,8], 1.0)"]
+    serve(model, reference, (3, 8, 5))  # 3 padded up to 4; nothing larger is recorded for 8 and 5
+    assert [event.path for event in fallback_calls] == ["layers.0.mlp"] * 2
+    assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 1
+
+
+def test_a_budget_no_recording_fits_rejects_the_graph_backend_with_the_reason(emulated_graphs):
+    model, _ = tune_ladder(budget(63), modules=("layers.0.mlp",))
+    entry = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]
+    assert entry["status"] == "rejected" and "no recording fits the memory budget" in entry["reason"]
+    assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
+
+
+def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emulated_graphs, tmp_path,
+                                                                            fallback_calls):
+    model, reference = tune_ladder(budget(768))
+    root = xpupack.save(model, tmp_path / "pkg")
+    entry = json.loads((root / "xpupack.json").read_text())["modules"][0]
+    assert entry["backend"]["options"] == {"max_memory": 768}
+    captures = emulated_graphs.captures
+    loaded = xpupack.load(make_stack(), root)
+    assert emulated_graphs.captures == captures + 2 * 3  # batches 8, 4, and 2 (taken, then dropped)
+    stats = xpupack.stats(loaded)["layers.0.mlp"]
+    assert list(stats["recording_memory"]) == ["(f32[8,8], 1.0)", "(f32[4,8], 1.0)"]
+    assert list(stats["skipped"]) == ["(f32[2,8], 1.0)", "(f32[1,8], 1.0)"]
+    xpupack.deactivate(loaded)  # releases the recordings; the next call records again, within the budget
+    xpupack.activate(loaded)
+    serve(loaded, reference, (1, 2, 3))
+    stats = xpupack.stats(loaded)["layers.0.mlp"]
+    assert (stats["rerecordings"], stats["memory_bytes"], stats["padded"]) == (1, 768, 3)
+    assert list(stats["skipped"]) == ["(f32[2,8], 1.0)", "(f32[1,8], 1.0)"] and fallback_calls == []
+
+    shown = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(root)]).output)
+    recorded = {m["path"]: m["recorded"] for m in shown["modules"]}
+    assert recorded["layers.0.mlp"]["memory_bytes"] == 768 and recorded["layers.0.mlp"]["max_memory"] == 768
+    assert recorded["layers.0.mlp"]["skipped"] == stats["skipped"] and shown["recording_memory_bytes"] == 2 * 768
+    text = CliRunner().invoke(main, ["inspect", str(root)]).output
+    assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
+
+    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "models:make_stack", "--iterations", "1",
+                                        "--json"])
+    assert benched.exit_code == 0, benched.output
+    assert json.loads(benched.output)["recording_memory"] == {
+        "modules": {"layers.0.mlp": 768, "layers.1.mlp": 768}, "total_bytes": 1536,
+        "skipped": {path: stats["skipped"] for path in ("layers.0.mlp", "layers.1.mlp")}}
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2GiB"])
+def test_max_memory_must_be_a_positive_number_of_bytes(value):
+    with pytest.raises(xpupack.TuningError, match=r"max_memory=.*positive number of bytes"):
+        xpupack.GraphBackend(max_memory=value)
+
+
+# -- batch_axis: the samples' batch axis when it is not the first -------------------------------------
+
+class SequenceFirst(nn.Module):
+    """Takes ``[sequence, batch, 8]``: adds the sequence's mean (positions mix), rows of the batch stay apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y + y.mean(dim=0, keepdim=True)
+
+
+def sequence_first_model():
+    torch.manual_seed(0)
+    return nn.Sequential(SequenceFirst()).eval()
+
+
+def test_a_declared_batch_axis_builds_the_ladder_along_it_and_pads_there(emulated_graphs, fallback_calls):
+    model = sequence_first_model()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [torch.randn(4, 3, 8)], modules=["0"], strategy=GRAPH, batch_sizes=LADDER, batch_axis=1)
+    spec = spec_of(model, "0")
+    assert [s.describe() for s in spec.signatures] == [f"(f32[4,{b},8])" for b in (3, 1, 2, 4, 8)]
+    assert spec.padding_refused is None and {axes.inputs for axes in spec.batch_axes.values()} == {(1,)}
+    with torch.no_grad():
+        for batch in (5, 6, 7):
+            x = torch.randn(4, batch, 8)
+            assert torch.allclose(model(x), reference(x), atol=1e-5), batch
+    assert fallback_calls == [] and xpupack.stats(model)["0"]["padded"] == 3
+
+
+def test_without_the_declaration_the_ladder_resizes_axis_0_and_padding_there_is_refused(emulated_graphs):
+    model = sequence_first_model()
+    xpupack.tune(model, [torch.randn(4, 3, 8)], modules=["0"], strategy=GRAPH, batch_sizes=LADDER)
+    spec = spec_of(model, "0")
+    assert [s.describe() for s in spec.signatures][:2] == ["(f32[4,3,8])", "(f32[1,3,8])"]
+    assert spec.batch_axes == {} and spec.padding_refused.startswith("rows mix")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_axis": 1}, "pass batch_sizes too"),
+    ({"batch_sizes": [1, 2], "batch_axis": -1}, "non-negative integer"),
+    ({"batch_sizes": [1, 2], "batch_axis": True}, "non-negative integer"),
+    ({"batch_sizes": [1, 2], "batch_axis": 3}, r"a batch axis 3, not tensors of shapes \[\[4, 3, 8\]\]"),
+])
+def test_batch_axis_errors_say_what_to_pass(kwargs, message):
+    with pytest.raises(xpupack.TuningError, match=message):
+        xpupack.tune(sequence_first_model(), [torch.randn(4, 3, 8)], modules=["0"], **kwargs)
+
+
+def test_build_records_a_ladder_from_the_command_line(tmp_path):
+    out = tmp_path / "pkg"
+    result = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
+                                       "--modules", "layers.0.mlp", "--backends", "eager", "--batch-sizes", "1,8",
+                                       "--batch-axis", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    spec = json.loads((out / "modules/layers.0.mlp/spec.json").read_text())
+    assert [s["leaves"][0]["shape"][0] for s in spec["signatures"]] == [2, 4, 1, 8]
+    assert spec["signature_calls"] == [1, 1, 2, 2]  # batches 1 and 8 made from each of the two samples
+    assert spec["batch_axes"] == [{"inputs": [0, None], "outputs": [0]}] * 4
+    bad = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
+                                    "--batch-sizes", "1,x", "--out", str(tmp_path / "other")])
+    assert bad.exit_code != 0 and "give batch sizes separated by commas" in bad.output
+
+
+def test_half_precision_rows_that_mix_are_still_refused(emulated_graphs):
+    torch.manual_seed(0)
+    model = MixingStack().to(torch.bfloat16)
+    samples = [sample.to(torch.bfloat16) for sample in ladder_samples()]
+    xpupack.tune(model, samples, modules=["mix", "mlp"], strategy=GRAPH)
+    assert "rows mix" in spec_of(model, "mix").padding_refused and "SQNR" in spec_of(model, "mix").padding_refused
+    assert spec_of(model, "mlp").batch_axes and spec_of(model, "mlp").padding_refused is None

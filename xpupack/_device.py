@@ -96,8 +96,13 @@ class DeviceGraphs:
         return self._pools[device]
 
     def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2) -> tuple[Callable[[], None], Any]:
-        """Warms ``fn`` up on a side stream, records it once, returns ``(replay, outputs)``.
+                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
+        """Warms ``fn`` up on a side stream, records it once, returns ``(replay, outputs, memory)``.
+
+        ``memory`` is what the capture added to ``pool``: the growth of the device's reserved
+        memory while capturing (every allocation of a capture comes from its pool; taken inside
+        the capture block, after its entry has emptied the allocator's cache). A capture into a
+        shared pool reuses blocks that earlier captures freed, so record larger calls first.
 
         Warm-up runs first because lazy initialisation (cuBLAS/oneDNN handles,
         autotuning) must not happen during capture. The last warm-up run raises
@@ -122,14 +127,13 @@ class DeviceGraphs:
             previous_stream = module.current_stream()
             try:
                 with torch.no_grad(), module.graph(graph, pool=pool, stream=stream):
+                    reserved = module.memory_reserved(device)
                     outputs = fn()
             except BaseException:
                 _restore_after_failed_capture(module, previous_stream, generator_states)
                 raise
-        return graph.replay, outputs
-
-    def memory_in_use(self, device: torch.device) -> int:
-        return int(self._module.memory_allocated(device))
+            memory = max(0, int(module.memory_reserved(device)) - int(reserved))
+        return graph.replay, outputs, memory
 
 
 @contextlib.contextmanager

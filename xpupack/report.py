@@ -108,6 +108,15 @@ def _padding(spec: dict) -> str | None:
     return None
 
 
+def _recorded(entry: dict) -> dict | None:
+    """The graph backend's recordings on the build device: their memory and what ``max_memory`` skipped
+    (None for other backends, and for packages saved before xpupack reported it)."""
+    recorded = entry["backend"]["config"].get("recorded") if isinstance(entry["backend"]["config"], dict) else None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("memory_bytes"), int):
+        return None
+    return recorded
+
+
 def package_report(source: Source | str | Path, device=None, on_mismatch: str = "rebuild") -> dict:
     """Modules, backends, candidates and reasons, signatures, environment, sizes and trust of a package,
     and what `xpupack.load` with ``on_mismatch`` would run for each module on ``device`` (default: the
@@ -132,6 +141,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "calls_recorded": spec["calls"],
             "unrecordable": spec["unrecordable"],
             "padding": _padding(spec),
+            "recorded": _recorded(entry),
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,
             "runs_here": here[entry["path"]]["runs"],
@@ -149,6 +159,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         "model": {"class": manifest["model"]["class"], "tensors": len(manifest["model"]["tensors"]),
                   "weights": manifest["model"]["weights"]},
         "modules": modules,
+        "recording_memory_bytes": sum(m["recorded"]["memory_bytes"] for m in modules if m["recorded"]),
         "files": {name: f["size"] for name, f in manifest["files"].items()},
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "trusted": source.trusted,

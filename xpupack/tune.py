@@ -13,6 +13,7 @@ from . import _device, padding
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
+from .errors import TuningError
 from .recorder import record, same_values, select_modules, snapshot
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
@@ -25,7 +26,7 @@ log = logging.getLogger("xpupack")
 def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
          device: str | torch.device | None = None, strategy: Strategy | None = None,
          run: Callable[[nn.Module, Any], Any] | None = None, *, batch_sizes: Iterable[int] | None = None,
-         progress: Callable[[str], None] | None = None) -> nn.Module:
+         batch_axis: int | None = None, progress: Callable[[str], None] | None = None) -> nn.Module:
     """Tunes ``model`` in place and returns it, with the tuned modules active.
 
     The samples run through the model (in eval mode, without autograd) while
@@ -44,8 +45,11 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
             GPU ``GraphBackend(base=InductorBackend())`` first.
         run: ``run(model, item)`` drives the model for one sample (e.g. a ``generate()`` loop).
         batch_sizes: also record these batch sizes, made from each sample by repeating or cutting
-            its rows (the first axis of its tensors); each is checked against eager like any call.
-            Smaller batches than a recorded one are then padded up to it where the module allows.
+            its rows (along ``batch_axis`` of its tensors); each is checked against eager like any
+            call. Smaller batches than a recorded one are then padded up to it where the module
+            allows; each tuned module's own batch axes are found from the recorded sizes.
+        batch_axis: the samples' batch axis for ``batch_sizes`` (default 0); e.g. 1 for
+            ``[sequence, batch, hidden]`` inputs, whose axis 0 must not be resized.
         progress: called with short status messages (the CLI shows them).
 
     Returns:
@@ -53,7 +57,8 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
 
     Raises:
         DeviceUnavailableError: ``device`` names a device this machine lacks.
-        TuningError: no samples, or no module matches ``modules``.
+        TuningError: no samples, no module matches ``modules``, or ``batch_sizes``/``batch_axis`` are not
+            what they must be.
         NoCandidateError: a module no backend of the strategy could tune.
 
     Example:
@@ -62,6 +67,10 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     """
     device = resolve_device(device, default=_device.model_device(model))
     sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
+    if batch_axis is not None and sizes is None:
+        raise TuningError(f"batch_axis={batch_axis!r} names the axis batch_sizes resizes; pass batch_sizes too, "
+                          "e.g. batch_sizes=[1, 2, 4, 8]")
+    axis = padding.check_batch_axis(batch_axis) if batch_axis is not None else 0
     strategy = strategy or default_strategy(device)
     previous = find_session(model)
     if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
@@ -74,7 +83,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     if run is None:
         samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
     if sizes is not None:
-        samples = padding.batch_ladder(list(samples), sizes)
+        samples = padding.batch_ladder(list(samples), sizes, axis)
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
     with generate_compile_off(model):

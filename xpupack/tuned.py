@@ -74,6 +74,7 @@ class TunedModule:
         #: calls served by padding up to a recorded batch (`xpupack.padding`)
         self.padded = 0
         self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
+        self._pads_in_place = getattr(runner, "run_padded", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -97,7 +98,7 @@ class TunedModule:
         try:
             if padding is None:
                 return self.runner.run(index, args, kwargs, leaves)
-            return self._run_padded(padding, args, kwargs)
+            return self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
             self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
             self._table = {k: i for k, i in self._table.items() if i != index}
@@ -108,13 +109,19 @@ class TunedModule:
                         self.target.path or "<model>", self.backend_name, exc)
             return self._fallback(args, kwargs, "backend error", leaves)
 
-    def _run_padded(self, padding: tuple, args: tuple, kwargs: dict) -> Any:
-        """Runs a call padded up to the recorded batch ``padding`` names and cuts the outputs back."""
+    def _run_padded(self, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Runs a call padded up to the recorded batch ``padding`` names and cuts the outputs back.
+
+        A runner with ``run_padded`` (the graph backend) pads into its own static buffers; the others
+        get a padded copy of the call."""
         index, axes, batch, recorded = padding
-        padded_args, padded_kwargs, padded_leaves = pad_call(args, kwargs, axes, recorded)
-        outputs = self.runner.run(index, padded_args, padded_kwargs, padded_leaves)
+        if self._pads_in_place is not None:
+            outputs = self._pads_in_place(index, leaves, axes, batch)
+        else:
+            padded_args, padded_kwargs, padded_leaves = pad_call(args, kwargs, axes, recorded)
+            outputs = cut_outputs(self.runner.run(index, padded_args, padded_kwargs, padded_leaves), axes, batch)
         self.padded += 1
-        return cut_outputs(outputs, axes, batch)
+        return outputs
 
     def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
         """A call of a tuned signature's family whose state has a new layout (a KV cache of another
@@ -299,15 +306,29 @@ def detach(model: nn.Module) -> None:
     _sessions.pop(model, None)
 
 
-def stats(model: nn.Module) -> dict[str, dict]:
-    """Per tuned module (by object path): backend, calls, fallbacks, signatures, memory.
+def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
+    """Per tuned module (by object path): backend, calls, fallbacks, padded, signatures, memory.
+
+    ``memory_bytes`` is the device memory the module's recordings hold (graph backend; 0 for the
+    others), ``recording_memory`` each recording's share, ``skipped`` what ``max_memory`` left out.
+
+    Args:
+        model: a tuned or loaded model.
+        totals: return ``{"modules": <the per-module dict>, "totals": {...}}`` instead, where
+            ``totals`` sums ``calls``, ``fallbacks``, ``padded`` and ``memory_bytes`` over the modules.
 
     Example:
         >>> xpupack.stats(model)["layers.0.mlp"]
         {'backend': 'graph', 'calls': 10, 'fallbacks': 1, 'signatures': 2, ...}
+        >>> xpupack.stats(model, totals=True)["totals"]["memory_bytes"]
+        25165824
     """
     session = session_of(model)
-    return {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
+    modules = {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
+    if not totals:
+        return modules
+    return {"modules": modules, "totals": {key: sum(entry[key] for entry in modules.values())
+                                           for key in ("calls", "fallbacks", "padded", "memory_bytes")}}
 
 
 def activate(model: nn.Module) -> nn.Module:

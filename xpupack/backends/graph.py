@@ -31,8 +31,10 @@ loading device from inputs synthesised from them.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
+from operator import is_
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +42,8 @@ import torch
 from torch import nn
 
 from .. import _device
+from ..errors import TuningError
+from ..padding import BatchAxes
 from ..signature import flatten, unflatten
 from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
@@ -111,6 +115,16 @@ class _Recording:
             raise RuntimeError(f"the module returns a {type(leaf).__name__} object a replay cannot renew")
         return leaf
 
+    def cut_outputs(self, axes: BatchAxes, rows: int, copy: bool) -> Any:
+        """The first ``rows`` rows of the static outputs (a padded call's own), copied or as views."""
+        if self.single_output is not None:
+            view = self.single_output.narrow(axes.outputs[0], 0, rows)
+            return view.clone() if copy else view
+        cut = [x.narrow(axis, 0, rows) if axis is not None else x for x, axis in zip(self.output_leaves, axes.outputs)]
+        if copy:
+            cut = [x.clone() if isinstance(x, torch.Tensor) else x for x in cut]
+        return unflatten(cut, self.output_spec)[0][0]
+
     def outputs(self, leaves: list, copy: bool) -> Any:
         """The replayed outputs: copies of the static outputs (or aliases), the caller's state objects."""
         if self.single_output is not None:
@@ -135,25 +149,29 @@ class _StorageWatch:
     """
 
     def __init__(self, module: nn.Module):
-        self.entries: list[tuple[dict, str, Any]] = []
+        entries = []
         for submodule in module.modules():
             for table in (submodule._parameters, submodule._buffers, submodule._modules):
-                self.entries += [(table, name, value) for name, value in table.items() if value is not None]
-        self.tensors = [value for _, _, value in self.entries if isinstance(value, torch.Tensor)]
+                entries += [(table, name, value) for name, value in table.items() if value is not None]
+        # three parallel lists, so that `changed` runs its loops in C (map) on every call
+        self.tables = [table for table, _, _ in entries]
+        self.names = [name for _, name, _ in entries]
+        self.values = [value for _, _, value in entries]
+        self.tensors = [value for value in self.values if isinstance(value, torch.Tensor)]
         self.pinned = [tensor.detach() for tensor in self.tensors]
         self.addresses = [tensor.data_ptr() for tensor in self.tensors]
         self.indices = list(range(len(self.tensors)))
 
     def changed(self) -> bool:
-        for table, name, value in self.entries:
-            if table.get(name) is not value:
-                return True
+        if not all(map(is_, map(dict.get, self.tables, self.names), self.values)):
+            return True
         if _ptrs_equal is not None:
             return not _ptrs_equal(self.tensors, self.addresses, self.indices)
-        return any(t.data_ptr() != a for t, a in zip(self.tensors, self.addresses))
+        return list(map(_data_ptr, self.tensors)) != self.addresses
 
 
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+_data_ptr = torch.Tensor.data_ptr
 #: state addresses remembered as run once (the next call there is recorded)
 _WARM_RUNS_KEPT = 64
 
@@ -161,7 +179,8 @@ _WARM_RUNS_KEPT = 64
 class GraphRunner(Runner):
     def __init__(self, target: Target, spec: ModuleSpec, device: torch.device,
                  api: _device.DeviceGraphs, function: Callable[..., Any], *,
-                 max_recordings: int, copy_outputs: bool, base_runner: Runner | None = None):
+                 max_recordings: int, copy_outputs: bool, max_memory: int | None = None,
+                 base_runner: Runner | None = None):
         super().__init__(set())
         self.target = target
         self.spec = spec
@@ -169,6 +188,7 @@ class GraphRunner(Runner):
         self.api = api
         self.function = function
         self.max_recordings = max_recordings
+        self.max_memory = max_memory
         self.copy_outputs = copy_outputs
         self.base_runner = base_runner
         self.state_slots = [signature.state_slots for signature in spec.signatures]
@@ -178,6 +198,8 @@ class GraphRunner(Runner):
         self.state_recordings: OrderedDict[tuple, _Recording] = OrderedDict()
         self._warm: OrderedDict[tuple, None] = OrderedDict()
         self.failures: dict[int, str] = {}
+        #: signature index -> why the memory budget left it out (its calls are padded up or fall back)
+        self.skipped: dict[int, str] = {}
         self.rerecordings = 0
         self.warm_runs = 0
         self._watch: _StorageWatch | None = None
@@ -191,22 +213,34 @@ class GraphRunner(Runner):
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
-        """Records every signature without state (up to the cap); ``strict`` raises on the first failure.
+        """Records every signature without state (up to the cap and the memory budget); ``strict``
+        raises on the first failure.
 
-        Signatures with state are recorded during calls (`run`): only a real call brings their state.
+        Largest first, so that smaller recordings reuse the memory the larger ones' captures left
+        free in the shared pool. With ``max_memory``, in order of benefit instead (`_recording_order`):
+        once the recordings' memory passes the budget, the one that passed it is dropped and the rest
+        are skipped. Signatures with state are recorded during calls (`run`): only a real call brings
+        their state.
         """
-        stateless = 0
+        stateless = []
         for index in range(len(self.spec.signatures)):
             if self.state_slots[index]:
                 self.supported.add(index)
-                continue
-            stateless += 1
-            if stateless > self.max_recordings:
+            else:
+                stateless.append(index)
+        self.skipped = {}
+        spent = 0
+        for rank, index in enumerate(self._recording_order(stateless)):
+            if rank >= self.max_recordings:
                 self.failures[index] = f"over the cap of {self.max_recordings} recordings per module"
+                continue
+            if self.skipped:  # the budget is spent: a recording of less benefit comes after
+                self.skipped[index] = (f"over the memory budget (max_memory={self.max_memory} bytes): "
+                                       f"recordings of more benefit took it")
                 continue
             args, kwargs = self.spec.example(index)
             try:
-                self.recordings[index] = self.record(index, args, kwargs)
+                recording = self.record(index, args, kwargs)
             except Exception as exc:
                 reason = _reason(exc)
                 if strict:
@@ -215,9 +249,27 @@ class GraphRunner(Runner):
                 log.warning("%s: recording %s failed (%s); those calls run the original module",
                             self.target.path or "<model>", self.spec.signatures[index].describe(), reason)
                 continue
+            if self.max_memory is not None and spent + recording.memory > self.max_memory:
+                self.skipped[index] = (f"over the memory budget (max_memory={self.max_memory} bytes): it took "
+                                       f"{recording.memory} bytes with {spent} spent")
+                log.info("%s: %s not kept: %s", self.target.path or "<model>",
+                         self.spec.signatures[index].describe(), self.skipped[index])
+                continue
+            spent += recording.memory
+            self.recordings[index] = recording
             self.supported.add(index)
             self.failures.pop(index, None)
         self._watch = _StorageWatch(self.target.module)
+
+    def _recording_order(self, indices: list[int]) -> list[int]:
+        """Largest first (input bytes); with a memory budget, most benefit first: the most calls
+        while recording, then the largest (a smaller batch left out can still be padded up to it)."""
+        sizes = {index: sum(math.prod(leaf.shape) * leaf.dtype.itemsize
+                            for leaf in self.spec.signatures[index].tensor_leaves) for index in indices}
+        if self.max_memory is None:
+            return sorted(indices, key=lambda index: -sizes[index])
+        weights = self.spec.signature_weights()
+        return sorted(indices, key=lambda index: (-weights[index], -sizes[index]))
 
     def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2) -> _Recording:
         """Records one call: tensor inputs copied into new static buffers, state objects used in place.
@@ -236,16 +288,17 @@ class GraphRunner(Runner):
             static_args, static_kwargs = unflatten(now, treespec)
             return self.function(index, static_args, static_kwargs, now)
 
-        before = self.api.memory_in_use(self.device)
         recording.live = {slot: leaves[slot] for slot in slots}
         try:
             with _device.on_device(self.device):
-                recording.replay, outputs = self.api.capture(call, device=self.device, warmup=warmup,
-                                                             pool=self.api.shared_pool(self.device))
+                recording.replay, outputs, pool_memory = self.api.capture(
+                    call, device=self.device, warmup=warmup, pool=self.api.shared_pool(self.device))
             recording.set_outputs(outputs)
         finally:
             recording.live = {}
-        recording.memory = max(0, self.api.memory_in_use(self.device) - before)
+        # its static inputs, and what its capture added to the shared pool (outputs, work space)
+        recording.memory = pool_memory + sum(static[slot].untyped_storage().nbytes()
+                                             for slot in recording.tensor_slots)
         return recording
 
     def release(self) -> None:
@@ -261,6 +314,7 @@ class GraphRunner(Runner):
                  self.target.path or "<model>")
         self.release()
         self.supported.clear()
+        self.failures.clear()
         self.rerecordings += 1
         self.record_all(strict=False)
 
@@ -273,8 +327,30 @@ class GraphRunner(Runner):
                 return self._run_with_state(index, args, kwargs, leaves)
             recording = self.recordings.get(index)
             if recording is None:
-                raise RuntimeError(self.failures.get(index, "signature not recorded"))
+                raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
             return self._replay(recording, leaves)
+
+    def run_padded(self, index: int, leaves: list, axes: BatchAxes, batch: int) -> Any:
+        """Replays recording ``index`` (of a larger batch) for a call of ``batch`` rows: the call's rows go
+        into the start of the static buffers and zeros into the rest (what the tune-time check verified),
+        and only the call's rows of the outputs come back (copied, or views of the static outputs)."""
+        with self._lock:
+            if self._watch is None or self._watch.changed():
+                self._rerecord()
+            recording = self.recordings.get(index)
+            if recording is None:
+                raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
+            static = recording.static_leaves
+            for slot in recording.tensor_slots:
+                axis = axes.inputs[slot]
+                if axis is None:
+                    static[slot].copy_(leaves[slot])
+                else:
+                    buffer = static[slot]
+                    buffer.narrow(axis, 0, batch).copy_(leaves[slot])
+                    buffer.narrow(axis, batch, buffer.shape[axis] - batch).zero_()
+            recording.replay()
+            return recording.cut_outputs(axes, batch, self.copy_outputs)
 
     def _replay(self, recording: _Recording, leaves: list) -> Any:
         static = recording.static_leaves
@@ -323,8 +399,21 @@ class GraphRunner(Runner):
     def memory_bytes(self) -> int:
         return sum(r.memory for r in (*self.recordings.values(), *self.state_recordings.values()))
 
+    def recorded(self) -> dict:
+        """The recordings' memory, each one's and the module's, and what the budget skipped (`describe`,
+        and the package's config for `xpupack inspect`)."""
+        signatures = self.spec.signatures
+        facts: dict = {"memory_bytes": self.memory_bytes(),
+                       "recording_memory": {signatures[i].describe(): r.memory for i, r in self.recordings.items()}}
+        if self.max_memory is not None:
+            facts["max_memory"] = self.max_memory
+        if self.skipped:
+            facts["skipped"] = {signatures[i].describe(): why for i, why in self.skipped.items()}
+        return facts
+
     def describe(self) -> dict:
-        facts = {"recordings": len(self.recordings) + len(self.state_recordings), "rerecordings": self.rerecordings}
+        facts = {"recordings": len(self.recordings) + len(self.state_recordings), "rerecordings": self.rerecordings,
+                 **self.recorded()}
         if any(self.state_slots):
             facts["warm_runs"] = self.warm_runs
         if self.failures:
@@ -355,13 +444,26 @@ class GraphBackend(ComposedBackend):
             others fall back (device drivers run out of graph resources).
         copy_outputs: return copies of the static outputs (safe, the default) or
             aliases that the next replay of this module overwrites.
+        max_memory: a budget, in bytes, for each module's recordings (their static inputs and
+            what their captures add to the shared pool). Signatures are recorded in order of
+            benefit, the most recorded calls first and, among equals, the largest batch first; once
+            the recordings pass the budget, the rest are skipped (``stats`` and ``inspect`` list them
+            under ``skipped``) and their calls are padded up to a larger recording where the module
+            allows it, else run the original module. None: no budget. Applied again when a loader
+            records. Calls with state (a KV cache) are recorded while serving, outside the budget.
+
+    Raises:
+        TuningError: an option is out of range.
+
+    Example:
+        >>> xpupack.GraphBackend(max_memory=2 * 2**30)  # at most 2 GiB of recordings per module
     """
 
     name = "graph"
     pads_calls = True
 
     def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = 16,
-                 copy_outputs: bool = True):
+                 copy_outputs: bool = True, max_memory: int | None = None):
         self._set_base(base)
         if isinstance(self.base, GraphBackend):
             raise ValueError("GraphBackend(base=GraphBackend()) would record a recording")
@@ -369,8 +471,13 @@ class GraphBackend(ComposedBackend):
             raise ValueError(f"GraphBackend(max_recordings={max_recordings!r}): give a positive integer")
         if not isinstance(copy_outputs, bool):
             raise ValueError(f"GraphBackend(copy_outputs={copy_outputs!r}): give True or False")
+        if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int)
+                                       or max_memory < 1):
+            raise TuningError(f"GraphBackend(max_memory={max_memory!r}): give a positive number of bytes "
+                              "(an int, e.g. 2 * 2**30 for 2 GiB), or None for no budget")
         self.max_recordings = max_recordings
         self.copy_outputs = copy_outputs
+        self.max_memory = max_memory
 
     @property
     def depends_on(self) -> tuple[str, ...]:
@@ -386,6 +493,8 @@ class GraphBackend(ComposedBackend):
             options["max_recordings"] = self.max_recordings
         if not self.copy_outputs:
             options["copy_outputs"] = False
+        if self.max_memory is not None:
+            options["max_memory"] = self.max_memory
         return options
 
     def available(self, device: torch.device) -> bool:
@@ -408,7 +517,7 @@ class GraphBackend(ComposedBackend):
             forward = target.forward
             function = lambda index, args, kwargs, leaves: forward(*args, **kwargs)  # noqa: E731
         return GraphRunner(target, spec, device, api, function, max_recordings=self.max_recordings,
-                           copy_outputs=self.copy_outputs, base_runner=base_runner)
+                           copy_outputs=self.copy_outputs, max_memory=self.max_memory, base_runner=base_runner)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         _refuse_input_mutation(spec)
@@ -416,6 +525,8 @@ class GraphBackend(ComposedBackend):
         try:
             with _device.on_device(device):
                 runner.record_all(strict=True)
+            if not runner.supported:
+                raise RuntimeError("no recording fits the memory budget: " + "; ".join(runner.skipped.values()))
         except BaseException:
             runner.undo()
             raise
@@ -430,11 +541,17 @@ class GraphBackend(ComposedBackend):
             with _device.on_device(device):
                 runner.record_all(strict=False)
             if not runner.supported:
-                raise RuntimeError("no signature could be recorded: " + "; ".join(runner.failures.values()))
+                raise RuntimeError("no signature could be recorded: "
+                                   + "; ".join([*runner.failures.values(), *runner.skipped.values()]))
         except BaseException:
             runner.undo()
             raise
         return runner
+
+    def save(self, runner: Runner, folder: Path) -> dict:
+        """The base's config, and the recordings' memory on the build device (for `xpupack inspect`;
+        a loader records again and measures its own)."""
+        return {**super().save(runner, folder), "recorded": runner.recorded()}
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
         if not (self.base and hasattr(self.base, "save_shared")):

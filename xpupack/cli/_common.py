@@ -74,6 +74,15 @@ def import_object(reference: str, what: str, *, package: str | Path | None = Non
     return value
 
 
+def byte_size(n: int) -> str:
+    """``1.5 MiB``: a byte count for people."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import console, echo_json, handle_errors, import_object, json_option
+from ._common import byte_size, console, echo_json, handle_errors, import_object, json_option
 
 
 @click.command()
@@ -26,9 +26,14 @@ def bench(package, model_factory, device, iterations, revision, as_json):
     device = resolve_device(device)
     model = import_object(model_factory, "--model", package=package)()
     model = xpupack.load(model, package, device=device, revision=revision)
+    stats = xpupack.stats(model, totals=True)  # before timing: eager's turn releases the recordings
+    memory = {"modules": {path: entry["memory_bytes"] for path, entry in stats["modules"].items()},
+              "total_bytes": stats["totals"]["memory_bytes"],
+              "skipped": {path: entry["skipped"] for path, entry in stats["modules"].items() if entry.get("skipped")}}
     rows = benchmark(model, iterations=iterations)
     if as_json:
-        echo_json({"package": package, "device": str(xpupack.tuned.session_of(model).device), "results": rows})
+        echo_json({"package": package, "device": str(xpupack.tuned.session_of(model).device), "results": rows,
+                   "recording_memory": memory})
         return
     from rich.table import Table
 
@@ -41,3 +46,8 @@ def bench(package, model_factory, device, iterations, revision, as_json):
                       f"{row['eager']['median_us']:.1f}", f"{row['eager']['p90_us']:.1f}",
                       f"{row['speedup']:.2f}×")
     console().print(table)
+    console().print(f"recording memory: {byte_size(memory['total_bytes'])} in all; "
+                    + ", ".join(f"{path or '<model>'} {byte_size(n)}" for path, n in memory["modules"].items()))
+    for path, skipped in memory["skipped"].items():
+        for signature, why in skipped.items():
+            console().print(f"{path or '<model>'}: skipped {signature}: {why}")

@@ -50,6 +50,14 @@ def _ratio(text: str) -> float | None:
         raise click.BadParameter(f"{text!r}: give a number such as 1.0, or none", param_hint="--min-speedup") from None
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give batch sizes separated by commas, e.g. 1,2,4,8",
+                                 param_hint="--batch-sizes") from None
+
+
 @click.command()
 @click.argument("model_factory", metavar="MODULE:FACTORY")
 @click.option("--samples", "samples_factory", required=True, metavar="MODULE:FN",
@@ -74,9 +82,15 @@ def _ratio(text: str) -> float | None:
 @click.option("--min-speedup", "min_speedup", default="1.0", show_default=True, metavar="RATIO|none",
               help="Reject a candidate (other than eager) unless it runs the samples' calls more than RATIO "
                    "times as fast as eager; 'none' keeps slower ones (quantizing for size, say).")
+@click.option("--batch-sizes", "batch_sizes", default=None, metavar="N,N,...",
+              help="Also record these batch sizes, made from each sample by repeating or cutting its rows "
+                   "(xpupack.tune's batch_sizes), e.g. 1,2,4,8,16,24,32: smaller batches are padded up to them.")
+@click.option("--batch-axis", "batch_axis", type=int, default=None, metavar="AXIS",
+              help="The samples' batch axis for --batch-sizes (default 0).")
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
 @handle_errors
-def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, no_weights):
+def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, batch_sizes,
+          batch_axis, no_weights):
     """Tune MODULE:FACTORY's model on its samples and write a package to --out.
 
     \b
@@ -84,6 +98,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
       xpupack build xpupack.examples:tiny_transformer \\
           --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
     """
+    sizes = _sizes(batch_sizes) if batch_sizes is not None else None
     out_console = console()
     started = time.perf_counter()
     if device is not None:
@@ -110,7 +125,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
             status.update(message)
 
         xpupack.tune(model, samples, modules=list(modules) or None, device=device, strategy=chosen,
-                     progress=progress)
+                     batch_sizes=sizes, batch_axis=batch_axis, progress=progress)
         status.update(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights)
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ._common import console, echo_json, handle_errors, json_option
+from ._common import byte_size, console, echo_json, handle_errors, json_option
 
 _revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
 _on_mismatch = click.option("--on-mismatch", "on_mismatch", type=click.Choice(["rebuild", "fallback", "error"]),
@@ -18,14 +18,6 @@ def _source(package: str, revision: str | None):
     from ..source import resolve_source
 
     return resolve_source(package, revision=revision)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def print_report(report: dict, out) -> None:
@@ -40,7 +32,9 @@ def print_report(report: dict, out) -> None:
               + (f" ({env['architecture']})" if env.get("architecture") else ""))
     out.print(f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
               f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
-              f"package {_size(report['total_bytes'])}")
+              f"package {byte_size(report['total_bytes'])}"
+              + (f"; recordings at build {byte_size(report['recording_memory_bytes'])}"
+                 if report["recording_memory_bytes"] else ""))
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
@@ -52,10 +46,15 @@ def print_report(report: dict, out) -> None:
         signatures = "\n".join(module["signatures"]) or "—"
         if module.get("padding"):
             signatures += "\n" + module["padding"]
+        recorded = module.get("recorded")
+        if recorded:
+            signatures += f"\nrecordings: {byte_size(recorded['memory_bytes'])}" + (
+                f" (max_memory {byte_size(recorded['max_memory'])})" if "max_memory" in recorded else "")
+            signatures += "".join(f"\nskipped {sig}: {why}" for sig, why in recorded.get("skipped", {}).items())
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
         table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
-                      module["on_load"], _size(module["size_bytes"]))
+                      module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
 
 
