@@ -41,6 +41,9 @@ def print_report(report: dict, out) -> None:
     out.print(f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
               f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
               f"package {_size(report['total_bytes'])}")
+    if len(report["devices"]) > 1:
+        out.print("device slots (xpupack.load(..., device_map={slot: device})): "
+                  + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"])))
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
@@ -54,7 +57,10 @@ def print_report(report: dict, out) -> None:
             signatures += "\n" + module["padding"]
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
-        table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
+        name = module["path"] or "<model>"
+        if len(report["devices"]) > 1:
+            name += f"\nslot {module['device_slot']}"
+        table.add_row(name, module["backend"], signatures, candidates,
                       module["on_load"], _size(module["size_bytes"]))
     out.print(table)
 
