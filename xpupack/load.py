@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device, devices, distributed
+from . import _device, _hooks, devices, distributed
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
@@ -172,8 +172,7 @@ def _unhook(session: Session) -> None:
     failed load gives the tuning back exactly as it was, counters included.
     """
     for tuned in session.modules.values():
-        if tuned.target.module.__dict__.get("forward") is tuned:
-            del tuned.target.module.forward
+        _hooks.uninstall(tuned.target.module, tuned, tuned.target.forward)
 
 
 def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
@@ -351,7 +350,7 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
 
 
 def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
-    target = Target(plan.path, plan.module, plan.module.forward)
+    target = Target(plan.path, plan.module, _hooks.original_forward(plan.module))
     report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.choice.note or "from package"}]
     try:
         runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, context.device,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device, devices, distributed, padding
+from . import _device, _hooks, devices, distributed, padding
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
@@ -91,7 +91,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     tuned: dict[str, TunedModule] = {}
     for number, (path, module) in enumerate(selected.items(), 1):
         spec = specs[path]
-        target = Target(path, module, module.forward)
+        target = Target(path, module, _hooks.original_forward(module))
         if progress:
             progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, "
                      f"{len(spec.signatures)} signature(s))")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _hooks
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
@@ -220,15 +221,13 @@ class Session:
 
     def activate(self) -> None:
         for tuned in self.modules.values():
-            tuned.target.module.forward = tuned
+            _hooks.install(tuned.target.module, tuned)
         self.active = True
         self._switch_generate_compile(off=True)
 
     def deactivate(self) -> None:
         for tuned in self.modules.values():
-            module = tuned.target.module
-            if module.__dict__.get("forward") is tuned:
-                del module.forward
+            _hooks.uninstall(tuned.target.module, tuned, tuned.target.forward)
             tuned.runner.release()
         self.active = False
         self._switch_generate_compile(off=False)
