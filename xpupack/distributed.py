@@ -12,6 +12,7 @@ hands each rank its shard of the full weights (`local_shard`, no communication).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any, TypeVar
 
 import torch
@@ -22,6 +23,7 @@ from .errors import SaveError, TuningError
 T = TypeVar("T")
 
 
+@cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
