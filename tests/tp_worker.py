@@ -5,8 +5,8 @@ MODE --backend eager|inductor|graph [--device cpu|cuda] [--emulated-graphs]``.
 
 The model: MLP blocks whose ``up`` is column-parallel and ``down`` row-parallel
 (``parallelize_module``: one all-reduce per block). MODE ``tune`` tunes the
-blocks on every rank with ``Only(backend)`` and saves PACKAGE (every rank calls
-`xpupack.save`); MODE ``load`` loads PACKAGE into a freshly built sharded model
+blocks on every rank with the backend and saves PACKAGE (every rank calls
+`xpupack.save`), eager wherever the backend is rejected; MODE ``load`` loads PACKAGE into a freshly built sharded model
 of other weights. Each rank writes ``OUT_DIR/rank<RANK>.json``: whether the
 outputs match the unsharded model's (and eager TP's), the backends, fallbacks,
 and for ``tune`` what a speed-gated strategy said.
@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import xpupack
+from xpupack.tuned import session_of
 
 
 class Block(nn.Module):
@@ -60,8 +61,11 @@ def shard(model: Blocks, mesh) -> Blocks:
     return model
 
 
-def _backend(name: str):
-    return {"eager": xpupack.EagerBackend, "inductor": xpupack.InductorBackend, "graph": xpupack.GraphBackend}[name]()
+def strategy(name: str) -> xpupack.Strategy:
+    """``name``'s backend, and eager where it cannot take a module (why is kept in the report): never timed,
+    since every rank must make the same calls."""
+    backend = {"eager": xpupack.EagerBackend, "inductor": xpupack.InductorBackend, "graph": xpupack.GraphBackend}[name]
+    return xpupack.FirstWins([backend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def main() -> None:
@@ -95,18 +99,22 @@ def main() -> None:
         except xpupack.TuningError as exc:
             result["speed_gated"] = str(exc)
         model = xpupack.tune(shard(make_blocks(seed=0).to(device), mesh), samples, modules=["layers.*"],
-                             strategy=xpupack.Only(_backend(options.backend)))
+                             strategy=strategy(options.backend))
         xpupack.save(model, options.package)
     else:
         model = xpupack.load(shard(make_blocks(seed=9).to(device), mesh), options.package)
     with torch.no_grad():
         out = torch.as_tensor(model(x))
-        result["matches_unsharded"] = torch.allclose(out, reference(x), atol=1e-5, rtol=1e-4)
-        result["matches_eager_tp"] = torch.allclose(out, torch.as_tensor(eager_tp(x)), atol=1e-5, rtol=1e-4)
+        result["matches_unsharded"] = torch.allclose(out, reference(x), atol=1e-4, rtol=1e-4)
+        result["matches_eager_tp"] = torch.allclose(out, torch.as_tensor(eager_tp(x)), atol=1e-4, rtol=1e-4)
     stats = xpupack.stats(model)
     result.update(backends=sorted({s["backend"] for s in stats.values()}),
                   fallbacks=sum(s["fallbacks"] for s in stats.values()),
                   calls=sum(s["calls"] for s in stats.values()))
+    rejected = [f"{path}: {entry['backend']}: {entry.get('reason')}" for path, tuned in session_of(model).modules.items()
+                for entry in tuned.report if entry["status"] == "rejected"]
+    if rejected:  # why a backend did not take a module (e.g. a device graph that cannot record a collective)
+        result["rejected"] = rejected
     (options.out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
