@@ -66,3 +66,22 @@ def test_dtensor_arguments_are_never_recorded(emulated_graphs, fallback_calls):
     with torch.no_grad():
         torch.testing.assert_close(torch.as_tensor(block(model, x)), block(make_blocks(seed=0, depth=1), x.full_tensor()))
     assert [e.path for e in fallback_calls] == ["layers.0"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_moving_a_sharded_module_records_it_again(emulated_graphs, fallback_calls):
+    """A DTensor's own storage address is 0, and ``.to()`` swaps its local shard in place: the recordings
+    watch the shard, so a moved (here: converted) module is recorded again, never replayed from old memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    samples = [torch.randn(2, 8)]
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"],
+                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    with torch.no_grad():
+        model(samples[0])
+    assert xpupack.stats(model)["layers.0"]["rerecordings"] == 0
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError), torch.no_grad():
+        model(samples[0])  # float32 into float64 weights: eager's error, after recording again failed
+    assert xpupack.stats(model)["layers.0"]["rerecordings"] == 1

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import _device
+from ..distributed import is_dtensor
 from ..signature import flatten, unflatten
 from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
@@ -143,10 +144,17 @@ class _StorageWatch:
         self.pinned = [tensor.detach() for tensor in self.tensors]
         self.addresses = [tensor.data_ptr() for tensor in self.tensors]
         self.indices = list(range(len(self.tensors)))
+        # a DTensor's own address is 0 and ``.to()`` swaps its shard in place: its local shard is watched
+        self.shards = [(tensor, tensor._local_tensor, tensor._local_tensor.data_ptr())
+                       for tensor in self.tensors if is_dtensor(tensor)]
+        self.pinned += [shard for _, shard, _ in self.shards]
 
     def changed(self) -> bool:
         for table, name, value in self.entries:
             if table.get(name) is not value:
+                return True
+        for tensor, shard, address in self.shards:
+            if tensor._local_tensor is not shard or shard.data_ptr() != address:
                 return True
         if _ptrs_equal is not None:
             return not _ptrs_equal(self.tensors, self.addresses, self.indices)
