@@ -58,6 +58,10 @@ class TunedModule:
         self.report = report or []
         self.calls = 0
         self.fallbacks = 0
+        #: fallbacks by kind ("signature", "device", "training mode", "autograd needed", ...)
+        self.fallback_reasons: dict[str, int] = {}
+        #: devices the recorded signatures' tensors are on: an input elsewhere is a "device" fallback
+        self._devices = {leaf.device for signature in spec.signatures for leaf in signature.tensor_leaves}
         self.backend_errors: dict[int, str] = {}
         self._logged: set = set()
         self._params = list(target.module.parameters())
@@ -160,7 +164,14 @@ class TunedModule:
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list) -> Any:
         self.fallbacks += 1
-        if reason == "signature":
+        elsewhere = reason == "signature" and self._devices and sorted(
+            {str(x.device) for x in leaves if isinstance(x, torch.Tensor) and x.device not in self._devices})
+        kind = "device" if elsewhere else reason
+        self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
+        if elsewhere:  # never copied over: the original module gets the input where it is, as eager would
+            reason = (f"an input on {', '.join(elsewhere)}, but the recordings take "
+                      f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
+        elif reason == "signature":
             reason = "no recorded signature fits " + _describe_call(leaves)
         if reason not in self._logged:
             self._logged.add(reason)
@@ -176,7 +187,8 @@ class TunedModule:
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
                 **({"new_sizes": self.new_sizes} if self._families else {}),
-                **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {})}
+                **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
+                **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {})}
 
     def __deepcopy__(self, memo):
         raise TypeError("cannot deepcopy a model with active xpupack modules; "
