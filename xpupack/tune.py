@@ -62,7 +62,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> xpupack.save(model, "pkg/")
     """
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
-    split = device is None
+    in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
     sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
     previous = find_session(model)
@@ -71,7 +71,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         for tuned_module in previous.modules.values():
             tuned_module.runner.undo()
         detach(model)
-    if not split:
+    if not in_place:
         model.to(device)
     model.eval()
     if run is None:
@@ -81,7 +81,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
     placed = {path: devices.module_device(module, device) for path, module in selected.items()}
-    if split and placed:
+    if in_place:  # the session's device: slot 0's
         device = devices.slot_order(placed.values())[0]
     strategy = strategy or default_strategy(device)
     distributed.check_strategy(selected, strategy)

@@ -164,15 +164,17 @@ class TunedModule:
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list) -> Any:
         self.fallbacks += 1
-        elsewhere = reason == "signature" and self._devices and sorted(
-            {str(x.device) for x in leaves if isinstance(x, torch.Tensor) and x.device not in self._devices})
-        kind = "device" if elsewhere else reason
+        kind = reason
+        if reason == "signature":
+            elsewhere = sorted({str(x.device) for x in leaves
+                                if isinstance(x, torch.Tensor) and x.device not in self._devices})
+            if elsewhere and self._devices:  # never copied over: the original module gets the input as it is
+                kind = "device"
+                reason = (f"an input on {', '.join(elsewhere)}, but the recordings take "
+                          f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
+            else:
+                reason = "no recorded signature fits " + _describe_call(leaves)
         self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
-        if elsewhere:  # never copied over: the original module gets the input where it is, as eager would
-            reason = (f"an input on {', '.join(elsewhere)}, but the recordings take "
-                      f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
-        elif reason == "signature":
-            reason = "no recorded signature fits " + _describe_call(leaves)
         if reason not in self._logged:
             self._logged.add(reason)
             log.info("%s: %s; running the original module", self.target.path or "<model>", reason)
