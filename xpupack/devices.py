@@ -59,6 +59,14 @@ class Placement:
         return self.slots[min(self.slots)]
 
 
+def read_device(model: nn.Module, placement: Placement) -> torch.device:
+    """Where to read the package's weights: where they all go when that is one device (no copy later), else CPU."""
+    if placement.everything is not None:
+        return placement.everything
+    here = {tensor.device for tensor in (*model.parameters(), *model.buffers())} | set(placement.modules.values())
+    return here.pop() if len(here) == 1 else torch.device("cpu")
+
+
 def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map,
                       default: torch.device) -> Placement:
     """Where each tuned module of ``manifest`` goes in ``model``.

@@ -124,7 +124,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     build_devices = manifest_devices(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
     plans = [_plan(model, module, source, build_devices, placement, context) for module in manifest["modules"]]
-    weights = _read_weights(source.root, manifest, placement.everything or torch.device("cpu"))
+    weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
 
