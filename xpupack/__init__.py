@@ -21,7 +21,8 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import (BackendError, BackendUnavailableError, DestinationExistsError, DeviceUnavailableError, HubError,
+from .errors import (BackendError, BackendUnavailableError, DestinationExistsError, DeviceMapError,
+                     DeviceUnavailableError, HubError,
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
@@ -99,7 +100,7 @@ __all__ = [
     "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
     "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "DestinationExistsError",
-    "DeviceUnavailableError", "UnknownConfigError", "HubError",
+    "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",
     "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError",
     "__version__",
 ]

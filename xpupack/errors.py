@@ -47,6 +47,18 @@ class DeviceUnavailableError(XpupackError, ValueError):
         self.available = available or []
 
 
+class DeviceMapError(XpupackError, ValueError):
+    """``device_map=`` cannot place the package's modules: a slot the package lacks (``unknown``), a slot its
+    modules use that the map lacks (``missing``), or ``device=`` given too. ``slots``: the slots the modules use."""
+
+    def __init__(self, message: str, *, slots: list[int] | None = None, unknown: list | None = None,
+                 missing: list[int] | None = None):
+        super().__init__(message)
+        self.slots = slots or []
+        self.unknown = unknown or []
+        self.missing = missing or []
+
+
 class ModelMismatchError(XpupackError, ValueError):
     """The model given to `load` has another architecture than the one the package was built from."""
 

@@ -16,12 +16,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device
+from . import _device, _hooks, devices, distributed
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
-from .environment import environment, resolve_device
+from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
-from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
+from .manifest import MANIFEST, check_files, listed_files, module_slot, package_slots, read_json, read_manifest
 from .plan import ON_MISMATCH, Choice, Context, choose
 from .padding import BatchAxes, signature_batch
 from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
@@ -39,6 +39,8 @@ class _ModulePlan:
     choice: Choice
     package_config: dict
     package_folder: Path
+    #: the load's context with this module's device (`xpupack.devices`)
+    context: Context
 
     @property
     def path(self) -> str:
@@ -58,6 +60,7 @@ class _ModulePlan:
 
 
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
+         device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
          token: str | bool | None = None, progress: Callable[[str], None] | None = None) -> nn.Module:
     """Loads the package at ``path`` (a directory or a Hub repo id) into ``model`` and activates it.
@@ -66,7 +69,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     checked, and the model's architecture (state-dict names, shapes, dtypes) is
     compared with the package's before anything changes. Then the package's
     weights replace the model's (in the same Parameter objects), every backend
-    is rebuilt on ``device`` (device graphs are recorded again there) and run
+    is rebuilt on its module's device (device graphs are recorded again there) and run
     once per recorded signature beside the original module (a backend that
     answers differently is not used), and the tuned modules are activated.
     The model is put in eval mode. If anything fails, the model is put back
@@ -75,7 +78,11 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     Args:
         model: a freshly built model of the architecture the package was built from.
         path: a package directory, or ``"org/name"`` on the Hugging Face Hub.
-        device: where to run; default: the device of the model's parameters.
+        device: run everything on this one device (the model moves there). Default: each tuned
+            module runs where its parameters are (a model split over devices stays split).
+        device_map: the device of each device slot of the package (``{0: "cuda:0", 1: "cuda:1"}``,
+            or a list by slot; `xpupack inspect` shows the slots): each tuned module moves to its
+            slot's device, the rest of the model stays where it is. Not together with ``device``.
         revision: Hub revision (branch, tag or commit hash).
         on_mismatch: when the build environment differs in a way that invalidates
             an artifact: ``"rebuild"`` it here, ``"fallback"`` to the original
@@ -92,7 +99,9 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
         ModelMismatchError: the model's architecture or weight tying differs from the package's.
-        DeviceUnavailableError: ``device`` is not a device of this machine.
+        DeviceUnavailableError: ``device`` (or a device of ``device_map``) is not a device of this machine.
+        DeviceMapError: ``device_map`` names a slot the package lacks or lacks one it uses, or
+            ``device`` is given too.
         UnknownConfigError: a backend or backend option this xpupack does not know.
         IncompatiblePackageError: with ``on_mismatch="error"``, what differs.
         BackendError: with ``on_mismatch="error"``, a backend that failed to restore
@@ -108,12 +117,14 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     check_files(source.root, manifest, links_within=source.links_within,
                 ignore_unlisted=source.ignore_unlisted)
     check_architecture(model, manifest, source.root)
-    device = resolve_device(device, default=_device.model_device(model))
+    placement = devices.resolve_placement(model, manifest, device=device, device_map=device_map,
+                                          default=_device.model_device(model))
+    device = placement.first
     here = environment(device)
-    build_device = manifest_device(manifest, source.root)
+    build_devices = manifest_devices(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
-    plans = [_plan(model, module, source, build_device, context) for module in manifest["modules"]]
-    weights = _read_weights(source.root, manifest, device)
+    plans = [_plan(model, module, source, build_devices, placement, context) for module in manifest["modules"]]
+    weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
 
@@ -126,7 +137,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             detach(model)
             for tuned in previous.modules.values():
                 edit.undo_runner(tuned.runner)
-        edit.set_tensors(model, weights, device)
+        _place_tensors(edit, model, weights, placement)
         edit.set_eval(model)
         with listed_files(source.root, manifest):  # backends read no file the manifest does not list
             _restore_shared(manifest, source, plans, context)
@@ -134,10 +145,11 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             for number, plan in enumerate(plans, 1):
                 if progress:
                     progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
-                modules[plan.path] = _restore(plan, context)
+                with _device.on_device(plan.context.device):
+                    modules[plan.path] = _restore(plan, plan.context)
                 edit.keep_runner(modules[plan.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
-                          architecture=manifest["model"]["tensors"])
+                          architecture=manifest["model"]["tensors"], devices=placement.modules)
         attach(model, session)
         session.activate()
     except BaseException:
@@ -160,8 +172,7 @@ def _unhook(session: Session) -> None:
     failed load gives the tuning back exactly as it was, counters included.
     """
     for tuned in session.modules.values():
-        if tuned.target.module.__dict__.get("forward") is tuned:
-            del tuned.target.module.forward
+        _hooks.uninstall(tuned.target.module, tuned, tuned.target.forward)
 
 
 def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
@@ -229,25 +240,27 @@ def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]
     return found
 
 
-def manifest_device(manifest: dict, root: Path) -> torch.device:
-    """The device the package was built on (tensor leaves of its specs are on it)."""
+def manifest_devices(manifest: dict, root: Path) -> list[torch.device]:
+    """The device each device slot of the package was built on (tensor leaves of its specs are on them)."""
     try:
-        return device_from_name(manifest["device"])
+        return [device_from_name(name) for name in package_slots(manifest)]
     except ValueError as exc:
         raise PackageFormatError(f"{root / MANIFEST}: {exc}; the package is damaged — rebuild it",
                                  path=MANIFEST) from None
 
 
-def _plan(model: nn.Module, entry: dict, source: Source, build_device: torch.device,
-          context: Context) -> _ModulePlan:
+def _plan(model: nn.Module, entry: dict, source: Source, build_devices: list[torch.device],
+          placement: devices.Placement, context: Context) -> _ModulePlan:
     spec = read_module_spec(source.root, entry)
-    spec.signatures = [signature.on_device({build_device: context.device}) for signature in spec.signatures]
+    mapping = placement.spec_map(build_devices, entry["path"], module_slot(entry))
+    spec.signatures = [signature.on_device(mapping) for signature in spec.signatures]
+    context = replace(context, device=placement.modules[entry["path"]])
     backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
     choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())))
     if choice.note:
         log.warning("%s: %s", choice.path or "<model>", choice.note)
     return _ModulePlan(model.get_submodule(entry["path"]), spec, choice, entry["backend"]["config"],
-                       source.root / entry["folder"] / backend.name)
+                       source.root / entry["folder"] / backend.name, context)
 
 
 def untrusted_why(source: Source) -> str:
@@ -337,7 +350,7 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
 
 
 def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
-    target = Target(plan.path, plan.module, plan.module.forward)
+    target = Target(plan.path, plan.module, _hooks.original_forward(plan.module))
     report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.choice.note or "from package"}]
     try:
         runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, context.device,
@@ -414,11 +427,11 @@ class _ModelEdit:
         self._entries = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
 
     def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
-                    device: torch.device) -> None:
-        """Installs ``weights`` and moves every tensor to ``device``, keeping the Parameter objects."""
+                    device: torch.device | None) -> None:
+        """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter objects."""
         for module, state_name, name, tensor in _named_tensors(model):
             new = weights.get(state_name, tensor) if weights is not None else tensor
-            if new.device != device:
+            if device is not None and new.device != device:
                 new = new.to(device)
             if new is tensor:
                 continue
@@ -429,6 +442,18 @@ class _ModelEdit:
             else:
                 module._buffers[name] = new
                 self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
+
+    def copy_into(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes ``values`` into ``tensor`` in place (a DTensor's local shard, whose Parameter cannot take
+        new data); rollback writes the old values back."""
+        old = tensor.detach().clone()
+        with torch.no_grad():
+            tensor.copy_(values)
+
+        def undo() -> None:
+            with torch.no_grad():
+                tensor.copy_(old)
+        self._undo.append(undo)
 
     def keep_runner(self, runner: Runner) -> None:
         """A restored runner: rollback undoes what it changed in its module (e.g. quantized weights)."""
@@ -454,6 +479,25 @@ class _ModelEdit:
                                  (module._modules, submodules)):
                 table.clear()
                 table.update(saved)
+
+
+def _place_tensors(edit: _ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None,
+                   placement: devices.Placement) -> None:
+    """Installs the package's weights, each tensor on the device the placement gives it (`xpupack.devices`):
+    with ``device=`` everything moves there; with ``device_map=`` each tuned module's tensors move to its
+    slot's device; otherwise every tensor stays where it is. A DTensor gets its shard of the full weight."""
+    paths = sorted(placement.modules, key=len, reverse=True) if placement.moves_modules else []
+    placed = {}
+    for _module, state_name, _name, tensor in _named_tensors(model):
+        new = weights.get(state_name, tensor) if weights is not None else tensor
+        if distributed.is_dtensor(tensor):
+            if new is not tensor:
+                edit.copy_into(tensor.to_local(), distributed.local_shard(tensor, new))
+            continue
+        owner = next((path for path in paths if not path or state_name.startswith(path + ".")), None)
+        target = placement.everything or (placement.modules[owner] if owner is not None else tensor.device)
+        placed[state_name] = new.to(target)
+    edit.set_tensors(model, placed, placement.everything)
 
 
 def _named_tensors(model: nn.Module):

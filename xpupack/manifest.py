@@ -133,7 +133,31 @@ def read_manifest(root: Path) -> dict:
             raise PackageFormatError(f"{where} names {relative!r} but does not list it under files, so its "
                                      "digest cannot be checked; the package is damaged — rebuild it", path=relative)
     _check_module_paths(manifest["modules"], where)
+    _check_device_slots(manifest, where)
     return manifest
+
+
+def package_slots(manifest: dict) -> list[str]:
+    """The build device of each device slot (``devices``; a package of one device has only ``device``)."""
+    return manifest.get("devices") or [manifest["device"]]
+
+
+def module_slot(entry: dict) -> int:
+    """A manifest module entry's device slot (0 where the entry has none)."""
+    return entry.get("device_slot", 0)
+
+
+def _check_device_slots(manifest: dict, where: str) -> None:
+    """Every module's slot is one the manifest lists a device for, and slot 0's device is ``device``."""
+    slots = package_slots(manifest)
+    if slots[0] != manifest["device"]:
+        raise PackageFormatError(f"{where} lists devices {slots} but device {manifest['device']!r}, which must be "
+                                 "the first of them; the package is damaged — rebuild it", path=where)
+    for entry in manifest["modules"]:
+        if module_slot(entry) >= len(slots):
+            raise PackageFormatError(f"{where} puts the module {entry['path'] or '<model>'!r} on device slot "
+                                     f"{module_slot(entry)}, but lists {len(slots)} device(s); the package is "
+                                     "damaged — rebuild it", path=where)
 
 
 def _check_module_paths(modules: list[dict], where: str) -> None:

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from . import _fsutil
+from . import _fsutil, devices, distributed
 from .backends.base import ModuleSpec
 from .card import model_card
 from .environment import __version__
@@ -27,6 +27,9 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
     The package is written into a hidden sibling directory and moved into
     place only when complete, so an existing package at ``path`` stays intact
     until the new one replaces it. Recorded sample data is never written.
+
+    A tensor-parallel model (DTensor parameters) is saved by calling this on every
+    rank: each gathers the full weights, rank 0 writes them once, the others wait.
 
     Args:
         model: a model tuned by `xpupack.tune` (or loaded by `xpupack.load`).
@@ -51,11 +54,19 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
     root = Path(path)
     if root.is_symlink():  # replace the package the link points to, not the link
         root = root.resolve()
+    state = model.state_dict()
+    # a tensor-parallel model: every rank gathers the full weights (a collective), rank 0 alone writes them
+    full = distributed.full_state(state)
+    distributed.on_rank0(state, lambda: _save(model, session, full, root, weights))
+    return root
+
+
+def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path, weights: bool) -> None:
     _check_replaceable(root)
     staging = None
     try:
         staging = _fsutil.temporary_sibling(root)
-        manifest = _write_package(model, session, staging, weights)
+        manifest = _write_package(model, session, state, staging, weights)
         described = {path: [sig.describe() for sig in tuned.spec.signatures]
                      for path, tuned in session.modules.items()}
         (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
@@ -68,7 +79,6 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
             raise
         raise SaveError(f"writing {root} failed: {type(exc).__name__}: {exc}; "
                         "any previous package there is unchanged") from exc
-    return root
 
 
 def _check_replaceable(root: Path) -> None:
@@ -111,8 +121,7 @@ def _check_replaceable(root: Path) -> None:
         raise refuse(f"holds files that are not part of the package its {MANIFEST} lists ({shown})", unexpected)
 
 
-def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> dict:
-    state = model.state_dict()
+def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], staging: Path, weights: bool) -> dict:
     owned = {f"{path}.{name}" if path else name
              for path, tuned in session.modules.items() for name in tuned.runner.owned_tensors()}
     aliases = {}
@@ -121,6 +130,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
                   str(staging / WEIGHTS), metadata={"format": "pt"})
 
+    slots = devices.slot_order(session.devices.get(path, session.device) for path in session.modules)
     modules, used_backends, runners = [], {}, {}
     for path, tuned in session.modules.items():
         folder = module_folder(path)
@@ -136,7 +146,10 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         modules.append({"path": path, "folder": folder, "spec": spec_file,
                         "owned_tensors": sorted(tuned.runner.owned_tensors()),
                         "backend": {"name": backend.name, "options": backend.options(), "config": config},
-                        "candidates": tuned.report})
+                        "candidates": tuned.report,
+                        # written for split models only: a single-device package stays readable by older xpupacks
+                        **({"device_slot": slots.index(session.devices.get(path, session.device))}
+                           if len(slots) > 1 else {})})
 
     shared = {}
     for name, backend in used_backends.items():
@@ -149,7 +162,8 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         "xpupack_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "environment": session.environment,
-        "device": str(session.device),
+        "device": str(slots[0] if slots else session.device),
+        **({"devices": [str(device) for device in slots]} if len(slots) > 1 else {}),
         "strategy": session.strategy,
         "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
                   "tensors": session.architecture,

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import _hooks
 from .backends.base import ModuleSpec
 from .errors import TuningError
 from .signature import Signature, Unrecordable, flatten, map_tensors
@@ -123,9 +124,7 @@ def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[An
            progress: Callable[[str], None] | None = None) -> dict[str, ModuleSpec]:
     """Runs ``samples`` through ``model`` and returns each selected module's recorded spec."""
     recordings = {path: _Recording() for path in modules}
-    handles = [module.register_forward_pre_hook(
-        lambda _m, args, kwargs, rec=recordings[path]: rec.add(args, kwargs), with_kwargs=True)
-        for path, module in modules.items()]
+    handles = [_hooks.observe(module, recordings[path].add) for path, module in modules.items()]
     count = 0
     try:
         with torch.no_grad():

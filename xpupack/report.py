@@ -21,7 +21,7 @@ from typing import Any
 
 from .backends._facts import describe
 from .errors import PackageFormatError, XpupackError
-from .manifest import MANIFEST, check_package, read_json, read_manifest
+from .manifest import MANIFEST, check_package, module_slot, package_slots, read_json, read_manifest
 from .source import Source
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
@@ -144,6 +144,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "recorded": _recorded(entry),
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,
+            "device_slot": module_slot(entry),
             "runs_here": here[entry["path"]]["runs"],
             "artifacts_here": here[entry["path"]]["use_artifacts"],
             "compiled_here": here[entry["path"]]["compiled"],
@@ -155,6 +156,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         "xpupack_version": manifest["xpupack_version"],
         "created": manifest["created"],
         "device": manifest["device"],
+        "devices": package_slots(manifest),
         "environment": manifest["environment"],
         "model": {"class": manifest["model"]["class"], "tensors": len(manifest["model"]["tensors"]),
                   "weights": manifest["model"]["weights"]},
@@ -212,16 +214,17 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
 
 
 def _check_build_device(manifest: dict, root: Path) -> None:
-    """`load.manifest_device`'s check where torch is loaded; without torch, that the name looks like one."""
+    """`load.manifest_devices`'s check where torch is loaded; without torch, that the names look like devices."""
     if "torch" in sys.modules:
-        from .load import manifest_device
+        from .load import manifest_devices
 
-        manifest_device(manifest, root)
+        manifest_devices(manifest, root)
         return
-    device_type, _, index = manifest["device"].partition(":")
-    if not (device_type.isidentifier() and device_type.islower() and (not index or index.isdigit())):
-        raise PackageFormatError(f"{root / MANIFEST}: unknown device {manifest['device']!r}; the package is "
-                                 "damaged — rebuild it", path=MANIFEST)
+    for name in package_slots(manifest):
+        device_type, _, index = name.partition(":")
+        if not (device_type.isidentifier() and device_type.islower() and (not index or index.isdigit())):
+            raise PackageFormatError(f"{root / MANIFEST}: unknown device {name!r}; the package is "
+                                     "damaged — rebuild it", path=MANIFEST)
 
 
 def _check_spec(root: Path, entry: dict) -> None:

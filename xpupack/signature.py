@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._cxx_pytree as pytree
 
+from .distributed import is_dtensor
 from .state import StateNotReady, StateType, state_type, unrecordable_hint
 
 _Tensor = torch.Tensor
@@ -315,6 +316,9 @@ class _Placeholder:
 
 def _leaf_of(x: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
     if isinstance(x, _Tensor):
+        if type(x) is not _Tensor and is_dtensor(x):  # its fit key would be that of a plain tensor of its global shape
+            raise Unrecordable("a DTensor argument (a recording takes plain tensors); call the module with local "
+                               "tensors, as parallelize_module's default use_local_output=True does")
         return TensorLeaf(tuple(x.shape), x.dtype, x.device)
     kind = state_type(x)
     if kind is not None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device, padding
+from . import _device, _hooks, devices, distributed, padding
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
@@ -39,8 +39,9 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
             tuple/list (``model(*x)``), a dict (``model(**x)``), or anything ``run`` takes.
         modules: glob patterns over ``named_modules()`` paths (``"layers.*.mlp"``);
             None tunes the whole model as one unit.
-        device: where to tune; the model (and tensor samples) move there. Default:
-            the device of the model's parameters.
+        device: where to tune; the model (and tensor samples) move there. Default: nothing
+            moves, and each selected module is tuned on the device its own parameters are on
+            (a model split over devices; tensor samples go to the first parameter's device).
         strategy: default ``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``, and on a
             GPU ``GraphBackend(base=InductorBackend())`` first.
         run: ``run(model, item)`` drives the model for one sample (e.g. a ``generate()`` loop).
@@ -65,20 +66,22 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """
+    # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
+    in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
     sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
     if batch_axis is not None and sizes is None:
         raise TuningError(f"batch_axis={batch_axis!r} names the axis batch_sizes resizes; pass batch_sizes too, "
                           "e.g. batch_sizes=[1, 2, 4, 8]")
     axis = padding.check_batch_axis(batch_axis) if batch_axis is not None else 0
-    strategy = strategy or default_strategy(device)
     previous = find_session(model)
     if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
         previous.deactivate()
         for tuned_module in previous.modules.values():
             tuned_module.runner.undo()
         detach(model)
-    model.to(device)
+    if not in_place:
+        model.to(device)
     model.eval()
     if run is None:
         samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
@@ -86,22 +89,28 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         samples = padding.batch_ladder(list(samples), sizes, axis)
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
+    placed = {path: devices.module_device(module, device) for path, module in selected.items()}
+    if in_place:  # the session's device: slot 0's
+        device = devices.slot_order(placed.values())[0]
+    strategy = strategy or default_strategy(device)
+    distributed.check_strategy(selected, strategy)
     with generate_compile_off(model):
         specs = record(model, selected, samples, run, progress)
 
     tuned: dict[str, TunedModule] = {}
     for number, (path, module) in enumerate(selected.items(), 1):
         spec = specs[path]
-        target = Target(path, module, module.forward)
+        target = Target(path, module, _hooks.original_forward(module))
         if progress:
             progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, "
                      f"{len(spec.signatures)} signature(s))")
         try:
-            tuned[path] = _tune_one(target, spec, strategy, device)
+            with _device.on_device(placed[path]):
+                tuned[path] = _tune_one(target, spec, strategy, placed[path])
         finally:
             spec.drop_samples()  # recorded data is never kept beyond tuning
     session = Session(tuned, device, environment=environment(device), strategy=repr(strategy),
-                      architecture=architecture)
+                      architecture=architecture, devices=placed)
     attach(model, session)
     session.activate()
     return model

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _hooks
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
@@ -57,6 +58,10 @@ class TunedModule:
         self.report = report or []
         self.calls = 0
         self.fallbacks = 0
+        #: fallbacks by kind ("signature", "device", "training mode", "autograd needed", ...)
+        self.fallback_reasons: dict[str, int] = {}
+        #: devices the recorded signatures' tensors are on: an input elsewhere is a "device" fallback
+        self._devices = {leaf.device for signature in spec.signatures for leaf in signature.tensor_leaves}
         self.backend_errors: dict[int, str] = {}
         self._logged: set = set()
         self._params = list(target.module.parameters())
@@ -166,8 +171,17 @@ class TunedModule:
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list) -> Any:
         self.fallbacks += 1
+        kind = reason
         if reason == "signature":
-            reason = "no recorded signature fits " + _describe_call(leaves)
+            elsewhere = sorted({str(x.device) for x in leaves
+                                if isinstance(x, torch.Tensor) and x.device not in self._devices})
+            if elsewhere and self._devices:  # never copied over: the original module gets the input as it is
+                kind = "device"
+                reason = (f"an input on {', '.join(elsewhere)}, but the recordings take "
+                          f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
+            else:
+                reason = "no recorded signature fits " + _describe_call(leaves)
+        self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
         if reason not in self._logged:
             self._logged.add(reason)
             log.info("%s: %s; running the original module", self.target.path or "<model>", reason)
@@ -182,7 +196,8 @@ class TunedModule:
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
                 **({"new_sizes": self.new_sizes} if self._families else {}),
-                **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {})}
+                **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
+                **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {})}
 
     def __deepcopy__(self, memo):
         raise TypeError("cannot deepcopy a model with active xpupack modules; "
@@ -216,6 +231,8 @@ class Session:
     modules: dict[str, TunedModule]
     device: torch.device
     active: bool = False
+    #: module path -> the device it runs on (`xpupack.devices`); a module missing here runs on ``device``
+    devices: dict[str, torch.device] = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     strategy: str = ""
     #: state-dict name -> {"shape", "dtype"} of the model as built, before any backend changed it
@@ -225,15 +242,13 @@ class Session:
 
     def activate(self) -> None:
         for tuned in self.modules.values():
-            tuned.target.module.forward = tuned
+            _hooks.install(tuned.target.module, tuned)
         self.active = True
         self._switch_generate_compile(off=True)
 
     def deactivate(self) -> None:
         for tuned in self.modules.values():
-            module = tuned.target.module
-            if module.__dict__.get("forward") is tuned:
-                del module.forward
+            _hooks.uninstall(tuned.target.module, tuned, tuned.target.forward)
             tuned.runner.release()
         self.active = False
         self._switch_generate_compile(off=False)

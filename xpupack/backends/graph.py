@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .. import _device
+from ..distributed import is_dtensor
 from ..errors import TuningError
 from ..padding import BatchAxes
 from ..signature import flatten, unflatten
@@ -161,10 +162,17 @@ class _StorageWatch:
         self.pinned = [tensor.detach() for tensor in self.tensors]
         self.addresses = [tensor.data_ptr() for tensor in self.tensors]
         self.indices = list(range(len(self.tensors)))
+        # a DTensor's own address is 0 and ``.to()`` swaps its shard in place: its local shard is watched
+        self.shards = [(tensor, tensor._local_tensor, tensor._local_tensor.data_ptr())
+                       for tensor in self.tensors if is_dtensor(tensor)]
+        self.pinned += [shard for _, shard, _ in self.shards]
 
     def changed(self) -> bool:
         if not all(map(is_, map(dict.get, self.tables, self.names), self.values)):
             return True
+        for tensor, shard, address in self.shards:
+            if tensor._local_tensor is not shard or shard.data_ptr() != address:
+                return True
         if _ptrs_equal is not None:
             return not _ptrs_equal(self.tensors, self.addresses, self.indices)
         return list(map(_data_ptr, self.tensors)) != self.addresses

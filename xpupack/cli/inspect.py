@@ -35,6 +35,9 @@ def print_report(report: dict, out) -> None:
               f"package {byte_size(report['total_bytes'])}"
               + (f"; recordings at build {byte_size(report['recording_memory_bytes'])}"
                  if report["recording_memory_bytes"] else ""))
+    if len(report["devices"]) > 1:
+        out.print("device slots (xpupack.load(..., device_map={slot: device})): "
+                  + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"])))
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
@@ -53,7 +56,10 @@ def print_report(report: dict, out) -> None:
             signatures += "".join(f"\nskipped {sig}: {why}" for sig, why in recorded.get("skipped", {}).items())
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
-        table.add_row(module["path"] or "<model>", module["backend"], signatures, candidates,
+        name = module["path"] or "<model>"
+        if len(report["devices"]) > 1:
+            name += f"\nslot {module['device_slot']}"
+        table.add_row(name, module["backend"], signatures, candidates,
                       module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
 

@@ -1,0 +1,87 @@
+"""Tensor parallel (DTensor, ``parallelize_module``) over gloo on CPU: tuned per rank, the full weights stored
+once, loaded into a sharded model of other weights in fresh processes (README: "Bigger than one GPU")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import xpupack
+from torchrun import run_ranks
+from tp_worker import make_blocks, shard
+from xpupack.manifest import read_manifest
+
+pytestmark = pytest.mark.slow  # fresh processes (and Inductor compiles)
+
+EXPECTED = {"matches_unsharded": True, "matches_eager_tp": True, "fallbacks": 0, "calls": 2}
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor", "graph"])
+def test_a_tensor_parallel_model_is_tuned_saved_once_and_loaded_into_shards(backend, tmp_path):
+    package = tmp_path / "pkg"
+    flags = ["--backend", backend, *(["--emulated-graphs"] if backend == "graph" else [])]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    tuned = run_ranks("tp_worker.py", package, "tune", *flags, out=tmp_path / "tune", env=env)
+    assert [{k: v for k, v in r.items() if k != "speed_gated"} for r in tuned] == [{**EXPECTED, "backends": [backend]}] * 2
+    assert all("pass strategy=xpupack.Only(backend)" in r["speed_gated"] for r in tuned)
+
+    # the full, unsharded weights, once: what the model was before parallelize_module
+    stored = load_file(str(package / "model.safetensors"))
+    reference = make_blocks(seed=0).state_dict()
+    assert stored.keys() == reference.keys()
+    assert all(torch.equal(stored[name], reference[name]) for name in reference)
+    assert not [p for p in package.rglob("*") if "rank" in p.name]
+    assert [m["path"] for m in read_manifest(package)["modules"]] == ["layers.0", "layers.1"]
+
+    loaded = run_ranks("tp_worker.py", package, "load", *flags, out=tmp_path / "load", env=env)
+    assert loaded == [{**EXPECTED, "backends": [backend]}] * 2
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of one gloo rank in this process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_dtensor_arguments_are_never_recorded(emulated_graphs, fallback_calls):
+    """A DTensor input's fit key would be a plain tensor's of its global shape: such calls are not recorded,
+    and the module runs the original forward (the answers stay eager's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    block = lambda model, x: model.layers[0](x)  # noqa: E731 (the block takes the DTensor; Blocks would add it to its output)
+    samples = [distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])]
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"], run=block,
+                         strategy=xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()]))
+    stats = xpupack.stats(model)["layers.0"]
+    assert stats["backend"] == "eager" and stats["signatures"] == 0
+    x = distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(block(model, x)), block(make_blocks(seed=0, depth=1), x.full_tensor()))
+    assert [e.path for e in fallback_calls] == ["layers.0"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_moving_a_sharded_module_records_it_again(emulated_graphs, fallback_calls):
+    """A DTensor's own storage address is 0, and ``.to()`` swaps its local shard in place: the recordings
+    watch the shard, so a moved (here: converted) module is recorded again, never replayed from old memory."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    samples = [torch.randn(2, 8)]
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"],
+                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    with torch.no_grad():
+        model(samples[0])
+    assert xpupack.stats(model)["layers.0"]["rerecordings"] == 0
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError), torch.no_grad():
+        model(samples[0])  # float32 into float64 weights: eager's error, after recording again failed
+    assert xpupack.stats(model)["layers.0"]["rerecordings"] == 1
