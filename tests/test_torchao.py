@@ -447,7 +447,8 @@ def test_config_resolution_searches_only_the_modules_that_define_known_classes(m
     """torchao's own resolver tries its whole allow-list in set order, and one entry imports transformers."""
     import torchao.core.config as torchao_config
 
-    from xpupack.backends.torchao import TorchAOBackend, config_from_json
+    from xpupack.backends.torchao import TorchAOBackend
+    from xpupack.backends.torchao_configs import config_from_json
 
     stored = torchao_config.config_to_dict(TorchAOBackend("int8-weight-only").config)
     monkeypatch.setattr(torchao_config, "ALLOWED_AO_MODULES", ["xpupack_no_such_module"])
@@ -462,7 +463,8 @@ def test_concurrent_config_reads_always_put_torchao_s_list_back():
 
     import torchao.core.config as torchao_config
 
-    from xpupack.backends.torchao import TorchAOBackend, config_from_json
+    from xpupack.backends.torchao import TorchAOBackend
+    from xpupack.backends.torchao_configs import config_from_json
 
     stored = torchao_config.config_to_dict(TorchAOBackend("int8-weight-only").config)
     original = torchao_config.ALLOWED_AO_MODULES
