@@ -1,20 +1,23 @@
 """TorchAO configs as a package names them: the config names, the allow-listed reading of a stored
 config, and the torchao requirement (the backend itself is `xpupack.backends.torchao`).
 
-A package's JSON may name only the config classes in `CONFIG_CLASSES` and the
-parts in `_CONFIG_PARTS`; `check_types` refuses anything else before torchao
-builds an object from it.
+A package stores a config in the JSON form of ``torchao.core.config.config_to_dict``.
+It may name only the config classes in `CONFIG_CLASSES` and the parts in
+`_CONFIG_PARTS`; `config_from_json` refuses anything else and builds the
+objects itself, so no torchao global is read or changed.
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from ..errors import BackendUnavailableError, UnknownConfigError
+from ..manifest import check_depth
 from ..signature import dtype_from_name
 
 _INSTALL = "pip install 'xpupack[torchao]'"
@@ -147,35 +150,87 @@ def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> No
 
 
 def config_from_json(data: Any, where: str = "the torchao config") -> Any:
-    """The ``AOBaseConfig`` of a ``config_to_dict`` dict, resolving only `CONFIG_CLASSES`."""
+    """The ``AOBaseConfig`` that ``config_to_dict`` wrote as ``data``, built by xpupack itself.
+
+    Only `CONFIG_CLASSES` at the top and `_CONFIG_PARTS` inside are built, each
+    from the fields its class declares and nothing else. torchao's generic
+    ``config_from_dict`` is not used: it resolves any class of any module on its
+    process-wide allow-list (some of which import transformers, seconds of a
+    load), and narrowing that list for a call would change it for every thread.
+
+    Raises:
+        UnknownConfigError: a class, field or enum member xpupack does not load,
+            or values the config class refuses.
+        BackendUnavailableError: torchao is not installed.
+    """
     if not isinstance(data, dict) or data.get("_type") not in CONFIG_CLASSES:
         kind = data.get("_type") if isinstance(data, dict) else type(data).__name__
         raise UnknownConfigError(f"{where} names the config class {kind!r}, which xpupack does not load; "
                                  f"known: {', '.join(sorted(CONFIG_CLASSES))}")
+    check_depth(data, where)
     check_types(data.get("_data"), _CONFIG_PARTS, where)
     require_torchao()
-    import torchao.core.config as torchao_config
-
-    # torchao tries every module of its own allow-list, a set in no fixed order,
-    # until one has the class; some (torchao.prototype.parq) import transformers,
-    # seconds of a load. The classes xpupack accepts all live in these three.
-    # torchao has no argument for that, so its process-wide list is narrowed for the
-    # call; the lock keeps two of xpupack's own loads from interleaving there (one
-    # would put back the other's narrowed list). A thread calling torchao's
-    # config_from_dict directly meanwhile still sees the narrowed list.
-    with _NARROWING:
-        allowed = torchao_config.ALLOWED_AO_MODULES
-        torchao_config.ALLOWED_AO_MODULES = _CONFIG_MODULES
-        try:
-            return torchao_config.config_from_dict(data)
-        finally:
-            torchao_config.ALLOWED_AO_MODULES = allowed
+    return _build(data, where)
 
 
-_NARROWING = threading.Lock()
+def _build(node: Any, where: str) -> Any:
+    """The value of one JSON node that `check_types` accepted: a typed node becomes its object."""
+    if isinstance(node, list):
+        return [_build(value, where) for value in node]
+    if not isinstance(node, dict):
+        return node
+    if "_type" not in node:
+        return {key: _build(value, where) for key, value in node.items()}
+    kind, data = node["_type"], node.get("_data")
+    if kind == "torch.dtype":
+        return dtype_from_name(data)
+    cls = _torchao_class(kind, where)
+    if issubclass(cls, enum.Enum):
+        if not isinstance(data, str) or data not in cls.__members__:
+            raise UnknownConfigError(f"{where} names {kind}.{data}, which this torchao does not have; known: "
+                                     f"{', '.join(cls.__members__)} — rebuild the package with this torchao")
+        return cls[data]
+    fields = _fields(cls)
+    if not isinstance(data, dict) or set(data) - fields:
+        extra = sorted(set(data) - fields) if isinstance(data, dict) else data
+        raise UnknownConfigError(f"{where} gives {kind} {extra!r}, which are not fields of it in this torchao "
+                                 f"(fields: {', '.join(sorted(fields))}) — rebuild the package with this torchao")
+    values = {name: _build(value, where) for name, value in data.items()}
+    stored = node.get("_version")
+    if "version" in _fields(cls, with_version=True) and stored is not None and stored != getattr(cls, "version", stored):
+        values["version"] = stored  # an older layout of the class: torchao reads it as that version
+    try:
+        return cls(**values)
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise UnknownConfigError(f"{where}: this torchao refuses the {kind} the package names "
+                                 f"({type(exc).__name__}: {exc}) — rebuild the package with this torchao") from None
+
+
+def _torchao_class(name: str, where: str) -> type:
+    """The torchao class of an allow-listed name, from the modules that define those classes."""
+    import importlib
+
+    for module in _CONFIG_MODULES:
+        cls = getattr(importlib.import_module(module), name, None)
+        if isinstance(cls, type):
+            return cls
+    raise UnknownConfigError(f"{where} names {name!r}, which this torchao does not define — rebuild the package "
+                             "with this torchao, or install the torchao that built it")
+
+
+def _fields(cls: type, *, with_version: bool = False) -> set[str]:
+    """The constructor fields ``config_to_dict`` writes for ``cls`` (a dataclass or a NamedTuple)."""
+    if dataclasses.is_dataclass(cls):
+        names = {field.name for field in dataclasses.fields(cls) if field.init}
+    elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        names = set(cls._fields)
+    else:
+        names = set()
+    return names if with_version else names - {"version"}
 
 
 def config_to_json(config: Any) -> dict:
+    """``config`` as ``config_to_dict`` writes it (the form `config_from_json` reads)."""
     from torchao.core.config import config_to_dict
 
     return config_to_dict(config)
