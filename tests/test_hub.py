@@ -414,11 +414,11 @@ def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, eager
     never read, as for a fresh cache that never fetched them (issue 10, item 6)."""
     from huggingface_hub import snapshot_download
 
-    from xpupack.hub import _settings
+    from xpupack.hub import hub_settings
 
     repo = "xpupack-tests/with-license"
     commit = hub.publish(eager_package, repo, extra={"LICENSE": b"Apache-2.0\n", "docs/usage.md": b"# usage\n"})
-    snapshot = Path(snapshot_download(repo, cache_dir=_settings().cache_dir, endpoint=hub.endpoint))
+    snapshot = Path(snapshot_download(repo, cache_dir=hub_settings().cache_dir, endpoint=hub.endpoint))
     assert (snapshot / "LICENSE").exists() and (snapshot / "README.md").exists()
     for revision in (None, commit):
         model = xpupack.load(tiny_transformer(99), repo, revision=revision)

@@ -257,7 +257,7 @@ def test_importing_everything_installs_nothing_process_wide(run_python):
         import xpupack
         for name in xpupack.__all__:
             getattr(xpupack, name)
-        import xpupack.cli, xpupack.testing, xpupack.report, xpupack.hub, xpupack.bench, xpupack.examples
+        import xpupack.cli, xpupack.testing, xpupack.report, xpupack.hub, xpupack.publish, xpupack.bench, xpupack.examples
         import xpupack.backends.torchao, xpupack.backends.inductor, xpupack.backends.graph
         after = state()
         changed = [key for key in before if before[key] != after[key]]

@@ -26,7 +26,8 @@ from .manifest import MANIFEST, check_files, listed_files, read_json, read_manif
 from .plan import ON_MISMATCH, Choice, Context, choose
 from .padding import BatchAxes, signature_batch
 from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
-from .source import Source, resolve_source
+from .hub import resolve_source
+from .source import Source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")

@@ -197,7 +197,7 @@ def _build(node: Any, where: str) -> Any:
                                  f"(fields: {', '.join(sorted(fields))}) — rebuild the package with this torchao")
     values = {name: _build(value, where) for name, value in data.items()}
     stored = node.get("_version")
-    if "version" in _fields(cls, with_version=True) and stored is not None and stored != getattr(cls, "version", stored):
+    if stored is not None and stored != getattr(cls, "version", stored) and "version" in _fields(cls, all_fields=True):
         values["version"] = stored  # an older layout of the class: torchao reads it as that version
     try:
         return cls(**values)
@@ -218,15 +218,16 @@ def _torchao_class(name: str, where: str) -> type:
                              "with this torchao, or install the torchao that built it")
 
 
-def _fields(cls: type, *, with_version: bool = False) -> set[str]:
-    """The constructor fields ``config_to_dict`` writes for ``cls`` (a dataclass or a NamedTuple)."""
+def _fields(cls: type, *, all_fields: bool = False) -> set[str]:
+    """The constructor fields ``config_to_dict`` writes for ``cls`` (a dataclass or a NamedTuple); it writes
+    ``version`` apart, as ``_version`` (``all_fields`` includes it)."""
     if dataclasses.is_dataclass(cls):
         names = {field.name for field in dataclasses.fields(cls) if field.init}
     elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
         names = set(cls._fields)
     else:
         names = set()
-    return names if with_version else names - {"version"}
+    return names if all_fields else names - {"version"}
 
 
 def config_to_json(config: Any) -> dict:
