@@ -37,7 +37,7 @@ from models import make_stack, stack_samples
 from package_tools import assert_unchanged, snapshot
 from xpupack import _device
 from xpupack.errors import IntegrityError, XpupackError
-from xpupack.load import read_module_spec
+from xpupack.spec import read_module_spec
 from xpupack.manifest import MANIFEST, read_manifest
 from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature

@@ -22,10 +22,10 @@ from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_jso
 from .environment import environment, resolve_device
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
-from .manifest import MANIFEST, check_files, listed_files, read_json, read_manifest
+from .manifest import MANIFEST, check_files, listed_files, read_manifest
 from .plan import ON_MISMATCH, Choice, Context, choose
-from .padding import BatchAxes, signature_batch
-from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
+from .signature import device_from_name, dtype_name, flatten
+from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
@@ -185,50 +185,6 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
             f"{manifest['model']['class']}): " + "; ".join(problems)
             + " — build the model with the same architecture and dtype as the package",
             expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
-
-
-def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
-    """The recorded signatures of the manifest's module ``entry`` (tensor leaves on the build device).
-
-    Raises:
-        PackageFormatError: the spec file is not JSON, fails its schema, belongs to
-            another module, or holds a signature that does not parse.
-    """
-    where = root / entry["spec"]
-    data = read_json(root, entry["spec"], "spec")
-    if data["path"] != entry["path"]:
-        raise PackageFormatError(f"{where} describes the module {data['path']!r}, but {root / MANIFEST} lists it "
-                                 f"for {entry['path']!r}; the package is damaged — rebuild it", path=entry["spec"])
-    try:
-        signatures = [Signature.from_json(s) for s in data["signatures"]]
-        counts = data.get("signature_calls", [])
-        if counts and len(counts) != len(signatures):
-            raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")
-        batch_axes = _batch_axes(data.get("batch_axes", []), signatures)
-    except ValueError as exc:
-        raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
-    return ModuleSpec(signatures, calls=data["calls"], signature_calls=list(counts), unrecordable=data["unrecordable"],
-                      mutates_inputs=data.get("mutates_inputs", False), batch_axes=batch_axes,
-                      padding_refused=data.get("padding_refused"))
-
-
-def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:
-    """The spec's ``batch_axes`` (one entry or null per signature), each checked against its signature."""
-    if data and len(data) != len(signatures):
-        raise ValueError(f"batch_axes has {len(data)} entries for {len(signatures)} signatures")
-    found = {}
-    for index, entry in enumerate(data):
-        if entry is None:
-            continue
-        axes = BatchAxes.from_json(entry)
-        leaves = signatures[index].leaves
-        if signatures[index].state_slots or len(axes.inputs) != len(leaves) or any(
-                axis is not None and not (isinstance(leaf, TensorLeaf) and axis < len(leaf.shape))
-                for axis, leaf in zip(axes.inputs, leaves)):
-            raise ValueError(f"the batch axes of signature {index} do not fit {signatures[index].describe()}")
-        signature_batch(signatures[index], axes)
-        found[index] = axes
-    return found
 
 
 def manifest_device(manifest: dict, root: Path) -> torch.device:

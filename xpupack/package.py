@@ -12,12 +12,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import _fsutil
-from .backends.base import ModuleSpec
 from .card import model_card
 from .environment import __version__
 from .errors import DestinationExistsError, SaveError, XpupackError
 from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, describe_files, module_folder, read_manifest,
                        validate)
+from .spec import spec_to_json
 from .tuned import session_of
 
 
@@ -160,17 +160,6 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
     }
     validate(manifest, "manifest", MANIFEST)
     return manifest
-
-
-def spec_to_json(path: str, spec: ModuleSpec) -> dict:
-    return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
-            "unrecordable": dict(spec.unrecordable), "mutates_inputs": spec.mutates_inputs,
-            "signatures": [signature.to_json() for signature in spec.signatures],
-            "signature_calls": [spec.signature_calls[i] if i < len(spec.signature_calls) else 0
-                                for i in range(len(spec.signatures))],
-            **({"batch_axes": [spec.batch_axes[i].to_json() if i in spec.batch_axes else None
-                               for i in range(len(spec.signatures))]} if spec.batch_axes else {}),
-            **({"padding_refused": spec.padding_refused} if spec.padding_refused else {})}
 
 
 def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
