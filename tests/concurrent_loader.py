@@ -11,6 +11,7 @@ backends, fallbacks, or the error.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -37,7 +38,7 @@ def main() -> None:
 
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
     if options.hub_cache:  # what xpupack.hub resolves a pinned revision to: a snapshot linking into blobs/
-        sys.modules["xpupack.load"].resolve_source = lambda *a, **k: Source(
+        importlib.import_module("xpupack.load").resolve_source = lambda *a, **k: Source(
             Path(options.package), trusted=True, links_within=Path(options.hub_cache), description="org/name@pinned")
     references = {seed: make_stack(seed=seed) for seed in (0, 1)}
     x = torch.randn(4, 8)

@@ -1,7 +1,7 @@
 """The Inductor backend: compile, carry the compiled artifacts, load without compiling from scratch."""
 
+import importlib
 import json
-import sys
 
 import pytest
 import torch
@@ -129,7 +129,7 @@ def _forbid_artifacts(monkeypatch):
 def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog):
     _, root = inductor_package
     _forbid_artifacts(monkeypatch)
-    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
     model = xpupack.load(make_stack(), "org/name")
     tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]

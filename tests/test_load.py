@@ -1,4 +1,4 @@
-import sys
+import importlib
 
 import pytest
 import torch
@@ -95,7 +95,7 @@ def test_other_dtype_is_a_mismatch(package):
 def test_failure_during_restore_rolls_everything_back(package, monkeypatch):
     model = make_stack(seed=5).train()
     before = snapshot(model)
-    load_module = sys.modules["xpupack.load"]  # the module, not the function of the same name
+    load_module = importlib.import_module("xpupack.load")  # the module, not the function of the same name
 
     def explode(*args, **kwargs):
         raise RuntimeError("restore exploded")

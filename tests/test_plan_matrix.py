@@ -12,7 +12,7 @@ The packages are built once per module (Inductor's once per session) and copied 
 
 from __future__ import annotations
 
-import sys
+import importlib
 
 import pytest
 import torch
@@ -107,7 +107,7 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
     said = _verdicts(source, on_mismatch)
 
     # what load does: the restores it ran (the last one per module is what serves it), the cache it unpickled
-    load_module = sys.modules["xpupack.load"]
+    load_module = importlib.import_module("xpupack.load")
     restored, blobs = {}, []
     real_restore = load_module._restore
 
