@@ -273,8 +273,8 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
     artifacts only if every one of them may use them.
     """
     for name, shared in manifest["backends"].items():
-        users = [plan for plan in plans
-                 if plan.choice.built.name == name and hasattr(plan.backend, "restore_shared")]
+        # the modules that run a backend of the package's chain (not the original module)
+        users = [plan for plan in plans if plan.choice.built.name == name and plan.choice.depth is not None]
         if not users:
             continue
         folder = source.root / shared["folder"]

@@ -140,9 +140,10 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
 
     shared = {}
     for name, backend in used_backends.items():
-        if hasattr(backend, "save_shared"):
-            folder = f"backends/{name}"
-            shared[name] = {"folder": folder, "config": backend.save_shared(staging / folder, runners[name])}
+        folder = f"backends/{name}"
+        config = backend.save_shared(staging / folder, runners[name])
+        if config is not None:
+            shared[name] = {"folder": folder, "config": config}
 
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -1,4 +1,4 @@
-"""The backend interface and the registry that resolves backends by name.
+"""The backend interface (the contract: `xpupack.backends`) and the registry that resolves backends by name.
 
 A backend turns one module into a *runner*: an object that executes calls of
 the signatures it was built for. Backends never decide whether a call fits;
@@ -211,6 +211,21 @@ class Backend:
         (untrusted source or environment mismatch): rebuild from portable parts.
         """
         return self.build(target, spec, device)
+
+    def save_shared(self, folder: Path, runners: list[Runner]) -> dict | None:
+        """Writes artifacts that all modules this backend runs share (Inductor's cache) into ``folder``.
+
+        Returns their JSON config (the manifest's ``backends`` entry), or None when the
+        backend shares nothing (no entry). Called once per backend name, after every `save`.
+        """
+        return None
+
+    def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
+        """Reads what `save_shared` wrote, once, before any module's `restore`.
+
+        ``use_artifacts`` is False unless every module that will run this backend may use
+        compiled artifacts; the shared ones must then not be loaded.
+        """
 
     @property
     def label(self) -> str:
