@@ -193,7 +193,7 @@ def test_cli_reports_hub_errors_in_one_line(hub):
     assert "Traceback" not in result.output
 
 
-# ---------------------------------------------------------------- trust (DESIGN §5)
+# ---------------------------------------------------------------- trust (README: "Safety and reliability")
 
 
 def test_only_a_commit_hash_or_trust_compiled_is_trusted(hub, eager_package):

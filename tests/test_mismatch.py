@@ -1,4 +1,5 @@
-"""Environment mismatch: a package built with other library versions or on another device (DESIGN §5).
+"""Environment mismatch: a package built with other library versions or on another device
+(README: "Safety and reliability").
 
 ``ArtifactBackend`` (tests/backends_for_tests.py) stands in for any backend
 whose saved artifacts depend on the environment; the Inductor cases use the

@@ -1,4 +1,5 @@
-"""What runs each module here, and whether its compiled artifacts may (issue 10, item 1; DESIGN §5).
+"""What runs each module here, and whether its compiled artifacts may (issue 10, item 1;
+README: "Safety and reliability").
 
 The trust rule applies to whatever actually runs: the package's backend, the
 base it falls back to where it cannot run (``graph+inductor`` on a CPU runs

@@ -83,6 +83,11 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
     return data
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Writes one JSON file of a package (manifest or spec) as xpupack always does: sorted, indented."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 #: deeper than any JSON xpupack or torchao writes (about 10 levels), shallow enough for any recursive code
 MAX_DEPTH = 64
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from .card import model_card
 from .environment import __version__
 from .errors import DestinationExistsError, SaveError, XpupackError
 from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, describe_files, module_folder, read_manifest,
-                       validate)
+                       validate, write_json)
 from .spec import spec_to_json
 from .tuned import session_of
 
@@ -59,7 +58,7 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
         described = {path: [sig.describe() for sig in tuned.spec.signatures]
                      for path, tuned in session.modules.items()}
         (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
-        _write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
+        write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
         _fsutil.replace_dir(staging, root)
     except BaseException as exc:
         if staging is not None:
@@ -128,7 +127,7 @@ def _write_package(model: nn.Module, session, staging: Path, weights: bool) -> d
         spec_file = f"{folder}/spec.json"
         spec_data = spec_to_json(path, tuned.spec)
         validate(spec_data, "spec", spec_file)
-        _write_json(staging / spec_file, spec_data)
+        write_json(staging / spec_file, spec_data)
         backend = tuned.backend
         config = backend.save(tuned.runner, staging / folder / backend.name)
         used_backends.setdefault(backend.name, backend)
@@ -175,7 +174,3 @@ def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
             seen[key] = name
             unique[name] = tensor
     return unique, aliases
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
