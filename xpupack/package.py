@@ -12,7 +12,7 @@ from torch import nn
 
 from . import _fsutil
 from .card import model_card
-from .environment import __version__
+from ._version import __version__
 from .errors import DestinationExistsError, SaveError, XpupackError
 from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, describe_files, module_folder, read_manifest,
                        validate, write_json)
