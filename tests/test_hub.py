@@ -1,5 +1,5 @@
 """xpupack.hub: load, inspect and verify by repo id against a real Hub-compatible server (olah on
-loopback, see `hub_server.py`); push at the `HfApi` boundary; the trust rule for compiled artifacts."""
+loopback, see `support/hub_server.py`); push at the `HfApi` boundary; the trust rule for compiled artifacts."""
 
 from __future__ import annotations
 

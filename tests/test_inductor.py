@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
+from support.models import make_stack, stack_samples
 from xpupack.errors import IncompatiblePackageError
 from xpupack.source import Source
 
@@ -37,7 +37,7 @@ def _load_in_fresh_process(root, run_python, cache) -> dict:
     result = run_python(f"""
         import json, torch, xpupack
         from torch._dynamo.utils import counters
-        from models import make_stack
+        from support.models import make_stack
         model = xpupack.load(make_stack(seed=4), {str(root)!r})
         x = torch.randn(4, 8)
         with torch.no_grad():
@@ -104,7 +104,7 @@ def test_warm_cache_package_carries_its_own_kernels(inductor_package, run_python
     root = tmp_path / "pkg"
     run_python(f"""
         import torch, xpupack
-        from models import make_stack, stack_samples
+        from support.models import make_stack, stack_samples
         model = make_stack()  # the weights the load compares with
         compiled = torch.compile(model.layers[0]["mlp"].forward, dynamic=False)
         with torch.no_grad():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
-from package_tools import assert_unchanged, rewrite_manifest, snapshot
+from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, rewrite_manifest, snapshot
 from xpupack.errors import IntegrityError, ModelMismatchError, PackageFormatError, UnknownConfigError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from torch import nn
 
 import xpupack
-from models import make_stack
-from package_tools import rewrite_json
+from support.models import make_stack
+from support.package_tools import rewrite_json
 from xpupack.cli import main
 from xpupack.errors import PackageFormatError
 
@@ -139,8 +139,8 @@ def test_padding_survives_a_fresh_process_load(emulated_graphs, tmp_path, run_py
     out = run_python(f"""
         import torch, xpupack
         from xpupack import _device
-        from emulated_graph import EmulatedGraphs
-        from models import make_stack
+        from support.emulated_graph import EmulatedGraphs
+        from support.models import make_stack
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
         reference = make_stack()
         model = xpupack.load(make_stack(seed=9), {str(root)!r})

@@ -18,9 +18,10 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
-from backends_for_tests import ArtifactBackend
-from models import make_stack, stack_samples
-from package_tools import copy_package, redigest, rewrite_manifest
+from support.backends import ArtifactBackend
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
+from support.package_tools import copy_package, redigest, rewrite_manifest
 from xpupack.cli import main
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package
@@ -52,7 +53,7 @@ def graph_artifact_package(tmp_path, monkeypatch):
     """``graph+artifact``: compiled artifacts under a device-graph backend, built through the emulated
     graphs; when the test body runs, this machine has no device graphs again."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(xpupack._device.GRAPH_APIS, "cpu", __import__("emulated_graph").EmulatedGraphs())
+        patch.setitem(xpupack._device.GRAPH_APIS, "cpu", EmulatedGraphs())
         model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
                              strategy=xpupack.Only(xpupack.GraphBackend(base=ArtifactBackend())))
         root = xpupack.save(model, tmp_path / "pkg")

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import xpupack
-from emulated_graph import EmulatedGraphs
-from models import make_stack, stack_samples
-from package_tools import copy_package, rewrite_manifest
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
+from support.package_tools import copy_package, rewrite_manifest
 from xpupack import _device
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package

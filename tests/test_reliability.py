@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import xpupack
-from backends_for_tests import ArtifactBackend, CountingBackend
-from models import Stack, make_stack, stack_samples
-from package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
+from support.backends import ArtifactBackend, CountingBackend
+from support.models import Stack, make_stack, stack_samples
+from support.package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
                            snapshot)
 from xpupack.errors import (BackendError, IntegrityError, ModelMismatchError, OutputMismatchError,
                             PackageFormatError, UnknownConfigError, XpupackError)

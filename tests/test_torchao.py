@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import xpupack
-from models import make_stack
+from support.models import make_stack
 from xpupack import _device
 from xpupack.backends.base import backend_from_json
 from xpupack.errors import IncompatiblePackageError, NoCandidateError, UnknownConfigError
@@ -88,7 +88,7 @@ for cls in QUANTIZED:
     cls.from_hp = classmethod(refuse(cls.__name__ + ".from_hp"))
 
 import xpupack
-from models import make_stack
+from support.models import make_stack
 from safetensors.torch import load_file
 
 model = make_stack(9, {width}).to({dtype})

@@ -20,7 +20,7 @@ import torch
 
 import xpupack
 import xpupack.load  # noqa: F401 (patched below through sys.modules; `import xpupack` imports it lazily)
-from models import make_stack
+from support.models import make_stack
 from xpupack.source import Source
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     options = parser.parse_args()
     if options.emulated_graphs:
-        from emulated_graph import EmulatedGraphs
+        from support.emulated_graph import EmulatedGraphs
         from xpupack import _device
 
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
