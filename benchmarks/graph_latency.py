@@ -28,7 +28,7 @@ from xpupack import _device, _timing
 from xpupack.examples import TinyTransformer
 from xpupack.signature import fit_key
 
-SIZES = [  # DESIGN §7 anchors: hidden × layers, batch, sequence
+SIZES = [  # the sizes of the table in README "Benchmarks": hidden × layers, batch, sequence
     {"name": "h512x6_b1_s16", "hidden": 512, "layers": 6, "batch": 1, "seq": 16},
     {"name": "h1024x12_b1_s32", "hidden": 1024, "layers": 12, "batch": 1, "seq": 32},
 ]

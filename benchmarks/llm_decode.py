@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # language_models: the decode loop the tests use too
+sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use too
 
 CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
               num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
@@ -68,7 +68,7 @@ def synced(device: str, fn):
 
 def loop_tokens_per_s(model, device: str, step=None) -> tuple[float, list]:
     """The decode loop on one caller-held cache, twice (the first warms up); tokens/s of the second."""
-    from language_models import decode_loop, static_cache
+    from support.language_models import decode_loop, static_cache
 
     cache = static_cache(model, PROMPT + NEW_TOKENS + 8)
     decode_loop(model, ids_on(device), NEW_TOKENS, cache) if step is None else step(cache)
@@ -95,7 +95,7 @@ def generate_tokens_per_s(model, device: str) -> tuple[float, float]:
 def hand_graph(model, device: str, compiled: bool):
     """A CUDA graph captured by hand around one decode step (Inductor-compiled or eager) on a fixed cache."""
     import torch
-    from language_models import cache_argument
+    from support.language_models import cache_argument
 
     api = getattr(torch, device.split(":")[0])
     name = cache_argument(model)
@@ -180,7 +180,7 @@ def build_package(name: str, device: str, workdir: Path) -> dict:
     """Tunes on the decode loop and on generate(), saves without weights (the loader builds the same model)."""
     import torch
     import xpupack
-    from language_models import decode_loop, static_cache
+    from support.language_models import decode_loop, static_cache
 
     model = build(device)
 

@@ -25,7 +25,7 @@ time, recording memory; ratios against eager and against exact.
     python benchmarks/serving.py --smoke          # tiny sizes, a few calls; seconds on a CPU
 
 On a CPU, which has no device graphs, ``--smoke`` uses the tests' emulated
-graph (``tests/emulated_graph.py``: a replay runs the model again), which
+graph (``tests/support/emulated_graph.py``: a replay runs the model again), which
 checks the script end to end in seconds; its timings mean nothing.
 ``--backend inductor`` compiles instead (minutes on a small CPU).
 """
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
                                else "emulated-graph" if args.smoke else "inductor")
     if backend == "emulated-graph":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from emulated_graph import EmulatedGraphs
+        from support.emulated_graph import EmulatedGraphs
 
         _device.GRAPH_APIS[device.type] = EmulatedGraphs()
 

@@ -97,7 +97,7 @@ def child_requantize(args) -> dict:
     from safetensors.torch import load_file
     from torchao.quantization import quantize_
 
-    from xpupack.backends.torchao import NAMED_CONFIGS
+    from xpupack.backends.torchao_configs import NAMED_CONFIGS
 
     model = make_model(args)
     x = make_inputs(args)[0]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import xpupack
-from emulated_graph import EmulatedGraphs
-from hub_server import OlahHub
-from models import make_stack, stack_samples
+from support.emulated_graph import EmulatedGraphs
+from support.hub_server import OlahHub
+from support.models import make_stack, stack_samples
 from xpupack import _device
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack
+from support.models import make_stack
 
 hooks = pytest.importorskip("accelerate.hooks")
 

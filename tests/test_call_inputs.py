@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import xpupack
-from backends_for_tests import CountingBackend
-from compare_calls import assert_same_outcome, outcome
-from models import make_stack, stack_samples
+from support.backends import CountingBackend
+from support.compare_calls import assert_same_outcome, outcome
+from support.models import make_stack, stack_samples
 
 
 def _tuned(backend, samples=None):

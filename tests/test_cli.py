@@ -175,7 +175,7 @@ def test_bench_inside_a_package_imports_nothing_from_it(built, tmp_path, how):
 def test_a_package_with_importable_files_at_its_root_is_refused(built, tmp_path, name):
     """Listed and digest-checked is not enough: at a package's root such a file could shadow a module
     whenever the package directory is the current one."""
-    from package_tools import redigest
+    from support.package_tools import redigest
 
     package = shutil.copytree(built[0], tmp_path / "pkg")
     (package / name).parent.mkdir(exist_ok=True)

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import xpupack
-from models import make_stack, stack_samples
-from package_tools import copy_package, listed_files
+from support.models import make_stack, stack_samples
+from support.package_tools import copy_package, listed_files
 from xpupack.errors import IntegrityError
 from xpupack.manifest import check_files, read_manifest, sha256_of
 
@@ -23,7 +23,8 @@ TESTS = os.path.dirname(__file__)
 def _start(args, env=None):
     env = {**os.environ, **(env or {}),
            "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen([sys.executable, os.path.join(TESTS, "concurrent_loader.py"), *map(str, args)],
+    loader = os.path.join(TESTS, "support", "concurrent_loader.py")
+    process = subprocess.Popen([sys.executable, loader, *map(str, args)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)
     ready = process.stdout.readline()
@@ -132,7 +133,7 @@ def test_loading_while_another_process_saves_gives_one_package_or_a_clean_error(
     two complete packages (or an XpupackError to retry), never another model's answers."""
     root = _tuned_package(tmp_path, xpupack.Only(xpupack.EagerBackend()), seed=0)
     loader = _start([root, "--repeat", 40])
-    saver_code = (f"import xpupack; from models import make_stack, stack_samples\n"
+    saver_code = (f"import xpupack; from support.models import make_stack, stack_samples\n"
                   f"models = [xpupack.tune(make_stack(seed=s), stack_samples(), modules=['layers.*.mlp'], "
                   f"strategy=xpupack.Only(xpupack.EagerBackend())) for s in (0, 1)]\n"
                   f"print('ready', flush=True); input()\n"

@@ -11,8 +11,8 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
-from models import make_stack, stack_samples
-from package_tools import assert_unchanged, rewrite_manifest, snapshot
+from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, rewrite_manifest, snapshot
 from xpupack.cli import main
 from xpupack.errors import DeviceMapError, DeviceUnavailableError, PackageFormatError
 from xpupack.manifest import MANIFEST

@@ -30,14 +30,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import xpupack
-from backends_for_tests import CountingBackend
-from compare_calls import assert_same_outcome, outcome
-from emulated_graph import EmulatedGraphs
-from models import make_stack, stack_samples
-from package_tools import assert_unchanged, snapshot
+from support.backends import CountingBackend
+from support.compare_calls import assert_same_outcome, outcome
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, snapshot
 from xpupack import _device
 from xpupack.errors import IntegrityError, XpupackError
-from xpupack.load import read_module_spec
+from xpupack.spec import read_module_spec
 from xpupack.manifest import MANIFEST, read_manifest
 from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature

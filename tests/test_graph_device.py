@@ -9,7 +9,7 @@ from torch import nn
 
 import xpupack
 from conftest import GRAPH_DEVICE
-from models import make_stack
+from support.models import make_stack
 from xpupack import _device
 from xpupack.examples import tiny_transformer
 
@@ -134,7 +134,7 @@ def test_deploy_after_load_in_a_fresh_process(tuned, tmp_path, run_python):
     result = run_python(f"""
         import torch, xpupack
         from safetensors.torch import load_file
-        from models import make_stack
+        from support.models import make_stack
         io = load_file({str(tmp_path / "io.safetensors")!r})
         model = xpupack.load(make_stack(seed=11), {str(root)!r}, device={GRAPH_DEVICE!r})
         with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""The graph backend's logic on CPU, through the emulated graph (tests/emulated_graph.py)."""
+"""The graph backend's logic on CPU, through the emulated graph (tests/support/emulated_graph.py)."""
 
 import copy
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import xpupack
-from backends_for_tests import CountingBackend
-from models import make_stack, stack_samples
+from support.backends import CountingBackend
+from support.models import make_stack, stack_samples
 from xpupack.manifest import read_manifest
 
 #: the emulated graph re-runs the module on every replay, so it is slower than eager by construction:

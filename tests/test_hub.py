@@ -1,5 +1,5 @@
 """xpupack.hub: load, inspect and verify by repo id against a real Hub-compatible server (olah on
-loopback, see `hub_server.py`); push at the `HfApi` boundary; the trust rule for compiled artifacts."""
+loopback, see `support/hub_server.py`); push at the `HfApi` boundary; the trust rule for compiled artifacts."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def test_cli_reports_hub_errors_in_one_line(hub):
     assert "Traceback" not in result.output
 
 
-# ---------------------------------------------------------------- trust (DESIGN §5)
+# ---------------------------------------------------------------- trust (README: "Safety and reliability")
 
 
 def test_only_a_commit_hash_or_trust_compiled_is_trusted(hub, eager_package):
@@ -414,11 +414,11 @@ def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, eager
     never read, as for a fresh cache that never fetched them (issue 10, item 6)."""
     from huggingface_hub import snapshot_download
 
-    from xpupack.hub import _settings
+    from xpupack.hub import hub_settings
 
     repo = "xpupack-tests/with-license"
     commit = hub.publish(eager_package, repo, extra={"LICENSE": b"Apache-2.0\n", "docs/usage.md": b"# usage\n"})
-    snapshot = Path(snapshot_download(repo, cache_dir=_settings().cache_dir, endpoint=hub.endpoint))
+    snapshot = Path(snapshot_download(repo, cache_dir=hub_settings().cache_dir, endpoint=hub.endpoint))
     assert (snapshot / "LICENSE").exists() and (snapshot / "README.md").exists()
     for revision in (None, commit):
         model = xpupack.load(tiny_transformer(99), repo, revision=revision)

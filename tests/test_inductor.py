@@ -1,13 +1,13 @@
 """The Inductor backend: compile, carry the compiled artifacts, load without compiling from scratch."""
 
+import importlib
 import json
-import sys
 
 import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
+from support.models import make_stack, stack_samples
 from xpupack.errors import IncompatiblePackageError
 from xpupack.source import Source
 
@@ -37,7 +37,7 @@ def _load_in_fresh_process(root, run_python, cache) -> dict:
     result = run_python(f"""
         import json, torch, xpupack
         from torch._dynamo.utils import counters
-        from models import make_stack
+        from support.models import make_stack
         model = xpupack.load(make_stack(seed=4), {str(root)!r})
         x = torch.randn(4, 8)
         with torch.no_grad():
@@ -104,7 +104,7 @@ def test_warm_cache_package_carries_its_own_kernels(inductor_package, run_python
     root = tmp_path / "pkg"
     run_python(f"""
         import torch, xpupack
-        from models import make_stack, stack_samples
+        from support.models import make_stack, stack_samples
         model = make_stack()  # the weights the load compares with
         compiled = torch.compile(model.layers[0]["mlp"].forward, dynamic=False)
         with torch.no_grad():
@@ -129,7 +129,7 @@ def _forbid_artifacts(monkeypatch):
 def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog):
     _, root = inductor_package
     _forbid_artifacts(monkeypatch)
-    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
     model = xpupack.load(make_stack(), "org/name")
     tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
+from support.models import make_stack, stack_samples
 from xpupack.errors import PackageFormatError, SaveError
 
 EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
@@ -32,8 +32,8 @@ def test_sigkill_at_every_step_of_a_save_leaves_a_loadable_package(swap, tmp_pat
     puts the old package back (and a load says where it is)."""
     folder = tmp_path / "packages"
     folder.mkdir()
-    result = run_python(f"import json, kill_points; print(json.dumps(kill_points.sweep({str(folder)!r}, "
-                        f"exchange={swap == 'exchange'})))")
+    result = run_python(f"import json; from support import kill_points; "
+                        f"print(json.dumps(kill_points.sweep({str(folder)!r}, exchange={swap == 'exchange'})))")
     report = json.loads(result.stdout.strip().splitlines()[-1])
     steps, cases = report["steps"], report["cases"]
     assert steps >= 20 and len(cases) == steps + 1
@@ -77,7 +77,7 @@ def armed_save(*args, **kwargs):
     return save(*args, **kwargs)
 
 xpupack.save = armed_save
-main(["build", "models:make_stack", "--samples", "models:stack_samples", "--modules", "layers.*.mlp",
+main(["build", "support.models:make_stack", "--samples", "support.models:stack_samples", "--modules", "layers.*.mlp",
       "--backends", "eager", "--out", sys.argv[1]], standalone_mode=False)
 print("finished", flush=True)
 """

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
+from support.models import make_stack, stack_samples
 from xpupack.backends._facts import describe
 from xpupack.backends.base import BACKENDS, backend_from_json
 from xpupack.environment import CPU, _cpu_capability_without_torch, device_here
@@ -103,7 +103,7 @@ def test_xpupack_verify_command_imports_no_torch(eager_package, tmp_path):
 @pytest.mark.slow
 def test_verify_without_torch_reports_what_it_reports_with_torch(run_python, eager_package, tmp_path):
     """A mismatch, a spec of another module, a bad build device: the same verdicts in a fresh process."""
-    from package_tools import copy_package, rewrite_json, rewrite_manifest
+    from support.package_tools import copy_package, rewrite_json, rewrite_manifest
     from xpupack.report import verify_package
 
     def inductor_built_elsewhere(manifest):
@@ -259,7 +259,8 @@ def test_importing_everything_installs_nothing_process_wide(run_python):
         import xpupack
         for name in xpupack.__all__:
             getattr(xpupack, name)
-        import xpupack.cli, xpupack.testing, xpupack.report, xpupack.hub, xpupack.bench, xpupack.examples
+        import xpupack.cli, xpupack.testing, xpupack.report, xpupack.hub, xpupack.publish, xpupack.bench
+        import xpupack.examples
         import xpupack.backends.torchao, xpupack.backends.inductor, xpupack.backends.graph
         after = state()
         changed = [key for key in before if before[key] != after[key]]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import xpupack
-from language_models import decode_loop, generate, prompt, static_cache, tiny_gpt2, tiny_llama
-from models import Accumulator, RunningCache, make_stack
+from support.language_models import decode_loop, generate, prompt, static_cache, tiny_gpt2, tiny_llama
+from support.models import Accumulator, RunningCache, make_stack
 from xpupack.manifest import read_manifest
 from xpupack.signature import Signature, StateLeaf, Unsynthesizable
 
@@ -81,8 +81,8 @@ def test_tuning_and_loading_another_model_leave_torch_compile_alone(run_python, 
     result = run_python(f"""
 import torch, xpupack
 from xpupack import _device
-from emulated_graph import EmulatedGraphs
-from models import make_stack, stack_samples
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
 _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
 graph = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=graph)
@@ -275,8 +275,8 @@ def test_fresh_process_load_replays_decode_steps(emulated_graphs, tmp_path, run_
     result = run_python(f"""
 import torch, xpupack
 from xpupack import _device
-from emulated_graph import EmulatedGraphs
-from language_models import generate, prompt, tiny_llama
+from support.emulated_graph import EmulatedGraphs
+from support.language_models import generate, prompt, tiny_llama
 api = EmulatedGraphs()
 _device.GRAPH_APIS["cpu"] = api
 model = xpupack.load(tiny_llama(seed=5), {str(root)!r})
@@ -419,7 +419,7 @@ def test_real_graph_over_inductor_in_a_fresh_process(tmp_path, run_python):
     torch.save(expected, tmp_path / "expected.pt")
     result = run_python(f"""
 import torch, xpupack
-from language_models import generate, prompt, tiny_llama
+from support.language_models import generate, prompt, tiny_llama
 model = xpupack.load(tiny_llama(seed=4).to({GRAPH_DEVICE!r}), {str(root)!r})
 tokens = generate(model, prompt(seed=31, device={GRAPH_DEVICE!r}), 12).cpu()
 assert torch.equal(tokens, torch.load({str(tmp_path / "expected.pt")!r}))

@@ -1,11 +1,11 @@
-import sys
+import importlib
 
 import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
-from package_tools import assert_unchanged, rewrite_manifest, snapshot
+from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, rewrite_manifest, snapshot
 from xpupack.errors import IntegrityError, ModelMismatchError, PackageFormatError, UnknownConfigError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 
@@ -95,7 +95,7 @@ def test_other_dtype_is_a_mismatch(package):
 def test_failure_during_restore_rolls_everything_back(package, monkeypatch):
     model = make_stack(seed=5).train()
     before = snapshot(model)
-    load_module = sys.modules["xpupack.load"]  # the module, not the function of the same name
+    load_module = importlib.import_module("xpupack.load")  # the module, not the function of the same name
 
     def explode(*args, **kwargs):
         raise RuntimeError("restore exploded")

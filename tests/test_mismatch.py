@@ -1,6 +1,7 @@
-"""Environment mismatch: a package built with other library versions or on another device (DESIGN §5).
+"""Environment mismatch: a package built with other library versions or on another device
+(README: "Safety and reliability").
 
-``ArtifactBackend`` (tests/backends_for_tests.py) stands in for any backend
+``ArtifactBackend`` (tests/support/backends.py) stands in for any backend
 whose saved artifacts depend on the environment; the Inductor cases use the
 real backend (tests/test_inductor.py has the compiling ones).
 """
@@ -14,9 +15,9 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
-from backends_for_tests import ArtifactBackend
-from models import make_stack, stack_samples
-from package_tools import assert_unchanged, copy_package, redigest, rewrite_manifest, snapshot
+from support.backends import ArtifactBackend
+from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, copy_package, redigest, rewrite_manifest, snapshot
 from xpupack.cli import main
 from xpupack.environment import environment
 from xpupack.errors import IncompatiblePackageError

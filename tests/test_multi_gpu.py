@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import xpupack
-from models import make_stack, stack_samples
-from split_models import chain_samples, make_chain
-from torchrun import run_ranks
+from support.models import make_stack, stack_samples
+from support.split_models import chain_samples, make_chain
+from support.torchrun import run_ranks
 from xpupack.manifest import read_manifest
 from xpupack.tuned import session_of
 
@@ -49,7 +49,7 @@ def test_a_split_model_records_graphs_on_both_devices_and_loads_in_a_fresh_proce
 
     result = run_python(f"""
         import json, torch, xpupack
-        from split_models import chain_samples, make_chain
+        from support.split_models import chain_samples, make_chain
         from xpupack.tuned import session_of
         x = chain_samples("cuda:0")[1]
         out = {{}}

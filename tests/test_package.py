@@ -6,8 +6,8 @@ import torch
 from safetensors import safe_open
 
 import xpupack
-from backends_for_tests import CountingBackend
-from models import make_stack, stack_samples
+from support.backends import CountingBackend
+from support.models import make_stack, stack_samples
 from xpupack.errors import DestinationExistsError, SaveError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 from xpupack.manifest import check_files, read_manifest, validate

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 from torch import nn
 
 import xpupack
-from models import make_stack
-from package_tools import rewrite_json
+from support.models import make_stack
+from support.package_tools import rewrite_json
 from xpupack.cli import main
 from xpupack.errors import PackageFormatError
 
@@ -162,8 +162,8 @@ def test_padding_survives_a_fresh_process_load(emulated_graphs, tmp_path, run_py
     out = run_python(f"""
         import torch, xpupack
         from xpupack import _device
-        from emulated_graph import EmulatedGraphs
-        from models import make_stack
+        from support.emulated_graph import EmulatedGraphs
+        from support.models import make_stack
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
         reference = make_stack()
         model = xpupack.load(make_stack(seed=9), {str(root)!r})
@@ -322,7 +322,7 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
     text = CliRunner().invoke(main, ["inspect", str(root)]).output
     assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
 
-    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "models:make_stack", "--iterations", "1",
+    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--iterations", "1",
                                         "--json"])
     assert benched.exit_code == 0, benched.output
     assert json.loads(benched.output)["recording_memory"] == {
@@ -390,7 +390,7 @@ def test_batch_axis_errors_say_what_to_pass(kwargs, message):
 
 def test_build_records_a_ladder_from_the_command_line(tmp_path):
     out = tmp_path / "pkg"
-    result = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
+    result = CliRunner().invoke(main, ["build", "support.models:make_stack", "--samples", "support.models:stack_samples",
                                        "--modules", "layers.0.mlp", "--backends", "eager", "--batch-sizes", "1,8",
                                        "--batch-axis", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -398,7 +398,7 @@ def test_build_records_a_ladder_from_the_command_line(tmp_path):
     assert [s["leaves"][0]["shape"][0] for s in spec["signatures"]] == [2, 4, 1, 8]
     assert spec["signature_calls"] == [1, 1, 2, 2]  # batches 1 and 8 made from each of the two samples
     assert spec["batch_axes"] == [{"inputs": [0, None], "outputs": [0]}] * 4
-    bad = CliRunner().invoke(main, ["build", "models:make_stack", "--samples", "models:stack_samples",
+    bad = CliRunner().invoke(main, ["build", "support.models:make_stack", "--samples", "support.models:stack_samples",
                                     "--batch-sizes", "1,x", "--out", str(tmp_path / "other")])
     assert bad.exit_code != 0 and "give batch sizes separated by commas" in bad.output
 

@@ -1,4 +1,5 @@
-"""What runs each module here, and whether its compiled artifacts may (issue 10, item 1; DESIGN §5).
+"""What runs each module here, and whether its compiled artifacts may (issue 10, item 1;
+README: "Safety and reliability").
 
 The trust rule applies to whatever actually runs: the package's backend, the
 base it falls back to where it cannot run (``graph+inductor`` on a CPU runs
@@ -8,8 +9,8 @@ after a failed restore. `verify` and `inspect` report what `load` does.
 
 from __future__ import annotations
 
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
-from backends_for_tests import ArtifactBackend
-from models import make_stack, stack_samples
-from package_tools import copy_package, redigest, rewrite_manifest
+from support.backends import ArtifactBackend
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
+from support.package_tools import copy_package, redigest, rewrite_manifest
 from xpupack.cli import main
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package
@@ -34,7 +36,7 @@ def untrusted(root: Path) -> Source:
 
 def load_from(monkeypatch, source: Source, **kwargs):
     """`xpupack.load` of ``source`` as if it came from the Hub (the loader sees ``source`` as resolved)."""
-    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source", lambda *a, **k: source)
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
     return xpupack.load(make_stack(seed=4), "org/name", **kwargs)
 
 
@@ -51,7 +53,7 @@ def graph_artifact_package(tmp_path, monkeypatch):
     """``graph+artifact``: compiled artifacts under a device-graph backend, built through the emulated
     graphs; when the test body runs, this machine has no device graphs again."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(xpupack._device.GRAPH_APIS, "cpu", __import__("emulated_graph").EmulatedGraphs())
+        patch.setitem(xpupack._device.GRAPH_APIS, "cpu", EmulatedGraphs())
         model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
                              strategy=xpupack.Only(xpupack.GraphBackend(base=ArtifactBackend())))
         root = xpupack.save(model, tmp_path / "pkg")

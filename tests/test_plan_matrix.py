@@ -12,15 +12,15 @@ The packages are built once per module (Inductor's once per session) and copied 
 
 from __future__ import annotations
 
-import sys
+import importlib
 
 import pytest
 import torch
 
 import xpupack
-from emulated_graph import EmulatedGraphs
-from models import make_stack, stack_samples
-from package_tools import copy_package, rewrite_manifest
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
+from support.package_tools import copy_package, rewrite_manifest
 from xpupack import _device
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package
@@ -107,7 +107,7 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
     said = _verdicts(source, on_mismatch)
 
     # what load does: the restores it ran (the last one per module is what serves it), the cache it unpickled
-    load_module = sys.modules["xpupack.load"]
+    load_module = importlib.import_module("xpupack.load")
     restored, blobs = {}, []
     real_restore = load_module._restore
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import xpupack
-from models import make_stack, stack_samples
-from package_tools import copy_package, listed_files
-from torchrun import run_ranks
+from support.models import make_stack, stack_samples
+from support.package_tools import copy_package, listed_files
+from support.torchrun import run_ranks
 from xpupack.manifest import read_manifest, sha256_of
 
 pytestmark = pytest.mark.slow  # fresh processes

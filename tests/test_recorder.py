@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from models import make_stack
+from support.models import make_stack
 from xpupack.errors import TuningError
 from xpupack.recorder import SAMPLES_PER_SIGNATURE, path_matches, record, select_modules
 

@@ -6,6 +6,7 @@ names the file and the fix, and leave the model exactly as it was.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -17,9 +18,9 @@ import torch
 from torch import nn
 
 import xpupack
-from backends_for_tests import ArtifactBackend, CountingBackend
-from models import Stack, make_stack, stack_samples
-from package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
+from support.backends import ArtifactBackend, CountingBackend
+from support.models import Stack, make_stack, stack_samples
+from support.package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
                            snapshot)
 from xpupack.errors import (BackendError, IntegrityError, ModelMismatchError, OutputMismatchError,
                             PackageFormatError, UnknownConfigError, XpupackError)
@@ -161,7 +162,7 @@ def _ignoring_unlisted(monkeypatch, root):
     """Loads of ``root`` see it as a Hub snapshot does (a trusted pin): unlisted files are not refused."""
     source = Source(root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash",
                     ignore_unlisted=True)
-    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source", lambda *a, **k: source)
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
     return "org/name"
 
 
@@ -429,7 +430,7 @@ def test_untrusted_compiled_artifacts_are_only_hashed(inductor_package, tmp_path
     """From an unpinned Hub revision, Inductor compiles here: the package's artifacts are read once, for
     their digest, and never handed to the loader that unpickles them."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
-    monkeypatch.setattr(sys.modules["xpupack.load"], "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
 
     def forbidden(blob):

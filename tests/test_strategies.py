@@ -2,8 +2,8 @@ import pytest
 import torch
 
 import xpupack
-from backends_for_tests import CountingBackend, CpuOnlyNever, DelayBackend, ShortcutBackend
-from models import Accumulator, RunningCache, SlowEager, make_stack, stack_samples
+from support.backends import CountingBackend, CpuOnlyNever, DelayBackend, ShortcutBackend
+from support.models import Accumulator, RunningCache, SlowEager, make_stack, stack_samples
 from xpupack.errors import NoCandidateError
 
 

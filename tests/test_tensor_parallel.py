@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 import xpupack
-from torchrun import run_ranks
-from tp_worker import make_blocks, shard
+from support.torchrun import run_ranks
+from support.tp_worker import make_blocks, shard
 from xpupack.manifest import read_manifest
 
 pytestmark = pytest.mark.slow  # fresh processes (and Inductor compiles)

@@ -6,7 +6,7 @@ CONFTEST = """
 import sys
 sys.path.insert(0, {tests!r})
 import pytest, torch, xpupack
-from models import make_stack, stack_samples
+from support.models import make_stack, stack_samples
 
 @pytest.fixture
 def model():

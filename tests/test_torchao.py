@@ -1,7 +1,7 @@
 """The TorchAO backend: quantized weights in the package, restored without quantize_ or pickle."""
 
+import importlib
 import json
-import sys
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import xpupack
-from models import make_stack
+from support.models import make_stack
 from xpupack import _device
 from xpupack.backends.base import backend_from_json
 from xpupack.errors import IncompatiblePackageError, NoCandidateError, UnknownConfigError
@@ -88,7 +88,7 @@ for cls in QUANTIZED:
     cls.from_hp = classmethod(refuse(cls.__name__ + ".from_hp"))
 
 import xpupack
-from models import make_stack
+from support.models import make_stack
 from safetensors.torch import load_file
 
 model = make_stack(9, {width}).to({dtype})
@@ -398,7 +398,7 @@ def test_failed_load_puts_the_original_parameters_back(tmp_path, monkeypatch):
     def explode(*args, **kwargs):
         raise RuntimeError("attach exploded")
 
-    monkeypatch.setattr(sys.modules["xpupack.load"], "attach", explode)
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "attach", explode)
     with pytest.raises(RuntimeError, match="attach exploded"):
         xpupack.load(model, root)
     assert_unchanged(model, before)
@@ -443,38 +443,66 @@ def test_quantized_cuda_graph_in_a_fresh_process(tmp_path, run_python):
     fresh_load(run_python, model, root, tmp_path, device="cuda", dtype=torch.bfloat16, backend="graph")
 
 
-def test_config_resolution_searches_only_the_modules_that_define_known_classes(monkeypatch):
-    """torchao's own resolver tries its whole allow-list in set order, and one entry imports transformers."""
+CONFIG_EXAMPLES = [  # enums, a NamedTuple, lists, dtypes and granularities inside configs
+    "int8-weight-only", "int8-dynamic", "int4-weight-only", "float8-weight-only",
+    lambda q: q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=q.PerGroup(32)),
+    lambda q: q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow()),
+    lambda q: q.Int8DynamicActivationInt8WeightConfig(granularity=q.PerTensor(), set_inductor_config=False),
+]
+
+
+@pytest.mark.parametrize("example", CONFIG_EXAMPLES)
+def test_a_stored_config_reads_back_as_the_config_torchao_wrote(example):
+    import torchao.quantization as q
+    from torchao.core.config import config_to_dict
+
+    from xpupack.backends.torchao_configs import config_from_json
+
+    config = xpupack.TorchAOBackend(example).config if isinstance(example, str) else example(q)
+    stored = json.loads(json.dumps(config_to_dict(config)))
+    again = config_from_json(stored)
+    assert type(again) is type(config) and again == config
+    assert config_to_dict(again) == stored
+
+
+def test_reading_a_config_uses_no_torchao_global(monkeypatch):
+    """torchao's generic decoder resolves classes through its process-wide allow-list (one entry imports
+    transformers); xpupack neither calls it nor changes that list, so other threads see torchao as it is."""
     import torchao.core.config as torchao_config
 
-    from xpupack.backends.torchao import TorchAOBackend, config_from_json
+    from xpupack.backends.torchao_configs import config_from_json
 
-    stored = torchao_config.config_to_dict(TorchAOBackend("int8-weight-only").config)
-    monkeypatch.setattr(torchao_config, "ALLOWED_AO_MODULES", ["xpupack_no_such_module"])
-    assert type(config_from_json(stored)).__name__ == "Int8WeightOnlyConfig"
-    assert torchao_config.ALLOWED_AO_MODULES == ["xpupack_no_such_module"]  # torchao's own list is put back
+    def refuse(*args, **kwargs):
+        raise AssertionError("torchao's config_from_dict was called")
+
+    stored = torchao_config.config_to_dict(xpupack.TorchAOBackend("int8-dynamic").config)
+    mine = ["xpupack_no_such_module"]
+    monkeypatch.setattr(torchao_config, "ALLOWED_AO_MODULES", mine)
+    monkeypatch.setattr(torchao_config, "config_from_dict", refuse)
+    assert type(config_from_json(stored)).__name__ == "Int8DynamicActivationInt8WeightConfig"
+    assert torchao_config.ALLOWED_AO_MODULES is mine
 
 
-def test_concurrent_config_reads_always_put_torchao_s_list_back():
-    """Two threads decoding configs at once: neither may put back the other's narrowed list."""
-    import sys
-    import threading
+def test_every_allow_listed_config_class_and_part_exists_in_this_torchao():
+    from xpupack.backends.torchao_configs import _CONFIG_PARTS, CONFIG_CLASSES, _torchao_class
 
-    import torchao.core.config as torchao_config
+    for name in sorted(set(CONFIG_CLASSES) | _CONFIG_PARTS - {"torch.dtype"}):
+        assert _torchao_class(name, "test").__name__ == name
 
-    from xpupack.backends.torchao import TorchAOBackend, config_from_json
 
-    stored = torchao_config.config_to_dict(TorchAOBackend("int8-weight-only").config)
-    original = torchao_config.ALLOWED_AO_MODULES
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=lambda: [config_from_json(stored) for _ in range(200)])
-                   for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert torchao_config.ALLOWED_AO_MODULES is original
+@pytest.mark.parametrize(("change", "named"), [
+    (lambda config: config["_data"].update(__class__="os"), "__class__"),
+    (lambda config: config["_data"]["granularity"]["_data"].update(callback="print"), "callback"),
+    (lambda config: config["_data"].update(granularity={"_type": "MappingType", "_data": "__class__"}), "__class__"),
+    (lambda config: config["_data"].update(granularity={"_type": "PerRow", "_data": "dim"}), "PerRow"),
+    (lambda config: config["_data"].update(group_size={"inner": {"_type": "EvilConfig"}}), "EvilConfig"),
+])
+def test_a_stored_config_may_set_only_its_class_fields_and_enum_members(change, named):
+    from torchao.core.config import config_to_dict
+
+    from xpupack.backends.torchao_configs import config_from_json
+
+    stored = config_to_dict(xpupack.TorchAOBackend("int8-weight-only").config)
+    change(stored)
+    with pytest.raises(UnknownConfigError, match=named):
+        config_from_json(stored)

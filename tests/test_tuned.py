@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import xpupack
-from backends_for_tests import CountingBackend
-from models import make_stack, stack_samples
+from support.backends import CountingBackend
+from support.models import make_stack, stack_samples
 from xpupack.errors import NotTunedError
 
 

@@ -86,9 +86,9 @@ sys.modules[__name__].__class__ = _Package
 def push(path, repo_id, revision=None, private=None, token=None):
     """Verifies the package at ``path`` and uploads it to the Hub repo ``repo_id`` in one commit.
 
-    Returns the commit URL; see `xpupack.hub.push` for the details.
+    Returns the commit URL; see `xpupack.publish.push` for the details.
     """
-    from .hub import push as _push
+    from .publish import push as _push
 
     return _push(path, repo_id, revision=revision, private=private, token=token)
 

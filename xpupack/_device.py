@@ -167,7 +167,8 @@ def _restore_after_failed_capture(module: Any, stream: Any, generator_states: li
         generator.graphsafe_set_state(state)
 
 
-# device type -> graph API. Tests register an emulated one for "cpu".
+#: device type -> graph API: the device types xpupack records graphs on. Tests add an emulated
+#: one for "cpu" while they run (tests/support/emulated_graph.py).
 GRAPH_APIS: dict[str, DeviceGraphs] = {
     "cuda": DeviceGraphs("cuda", "CUDAGraph"),
     "xpu": DeviceGraphs("xpu", "XPUGraph"),

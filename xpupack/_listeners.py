@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-#: called with each `FallbackEvent`, in the order they were added
+#: called with each `FallbackEvent`, in the order they were added: the registry of the listener
+#: mechanism (empty unless a test or a user listens). A list, not a lock, because each append and
+#: remove is one atomic step and the fallback path iterates over a copy.
 fallback_listeners: list[Callable[[Any], None]] = []
 
 

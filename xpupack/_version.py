@@ -1,3 +1,4 @@
-"""xpupack's version, importable without anything heavy (the CLI's ``--version``, the manifest)."""
+"""xpupack's version, written once: the package metadata takes it from here (pyproject.toml's dynamic
+version), and the CLI's ``--version``, the manifest and the Hub client read it without anything heavy."""
 
 __version__ = "0.1.0"

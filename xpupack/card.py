@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .manifest import read_json
+from .manifest import read_spec
 
 _ENVIRONMENT_ROWS = (("xpupack", "xpupack"), ("torch", "torch"), ("torchao", "torchao"), ("triton", "triton"),
                      ("python", "python"), ("device type", "device_type"), ("device", "device_name"),
@@ -56,7 +56,7 @@ def package_card(root: Path, manifest: dict, repo_id: str | None = None, *,
     """The model card of the package at ``root``, signatures read from its specs."""
     from .report import describe_signature
 
-    signatures = {entry["path"]: [describe_signature(s) for s in read_json(root, entry["spec"], "spec")["signatures"]]
+    signatures = {entry["path"]: [describe_signature(s) for s in read_spec(root, entry)["signatures"]]
                   for entry in manifest["modules"]}
     return model_card(manifest, signatures, repo_id, revision=revision)
 

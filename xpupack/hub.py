@@ -1,4 +1,5 @@
-"""The Hugging Face Hub: load a package by repo id and revision, and push one (README: "Packages"; "Safety and reliability").
+"""The Hugging Face Hub: where a package comes from (a local directory or a repo id and revision), and its download
+(README: "Packages"; "Safety and reliability"). Pushing is `xpupack.publish`.
 
 A Hub repo holds a package as it is on disk. Downloads go through
 ``huggingface_hub``'s cache: the manifest first, then exactly the files it
@@ -18,27 +19,22 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ._version import __version__
-from .card import package_card
 from .errors import (HubError, IntegrityError, OfflineNotCachedError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError)
-from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package, read_manifest
+from .manifest import MANIFEST, read_manifest
 from .source import Source
-
-if TYPE_CHECKING:
-    from huggingface_hub import CommitInfo
 
 log = logging.getLogger("xpupack")
 
 _DOWNLOAD_THREADS = 8
 #: a full git commit hash, as the Hub writes them: the only revision that cannot move
-_COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
-class _Hub:
+class HubSettings:
     """Where the Hub is and where its cache lives, as the environment says now."""
 
     endpoint: str
@@ -49,6 +45,22 @@ class _Hub:
         from huggingface_hub.file_download import repo_folder_name
 
         return self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
+def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
+                   token: str | bool | None = None) -> Source:
+    """A local package directory as is (trusted); anything else is looked up on the Hub."""
+    local = Path(path).expanduser()
+    if local.exists() or revision is None and _looks_local(str(path)):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
+        return Source(local, trusted=True, description=str(local), trust_reason="local directory")
+    return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)
+
+
+def _looks_local(text: str) -> bool:
+    """Paths that cannot be ``org/name`` repo ids."""
+    return text.startswith((".", "/", "~")) or text.count("/") != 1
 
 
 def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool = False,
@@ -82,12 +94,12 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
     Example:
         >>> source = download("org/tiny", revision="3f1c...e9")  # a commit hash: trusted
     """
-    hub = _settings()
+    hub = hub_settings()
     root = Path(_fetch(hub, repo_id, MANIFEST, revision, token)).parent
     commit = root.name  # the cache keeps each commit's files in snapshots/<commit hash>/: what the Hub resolved
     # pinned means the Hub resolved the revision to that very commit: a branch or tag can be named
     # with 40 hex digits too, and then points wherever its owner moves it
-    pinned = revision is not None and _COMMIT_HASH.fullmatch(revision) is not None and revision == commit
+    pinned = revision is not None and COMMIT_HASH.fullmatch(revision) is not None and revision == commit
     manifest = read_manifest(root)  # validates every listed path before any of them is fetched
     with ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
         list(pool.map(lambda name: _fetch(hub, repo_id, name, commit, token, asked=revision),
@@ -97,7 +109,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         reason = "pinned by commit hash"
     elif trust_compiled:
         reason = "trust_compiled=True"
-    elif revision is not None and _COMMIT_HASH.fullmatch(revision):
+    elif revision is not None and COMMIT_HASH.fullmatch(revision):
         reason = (f"revision {revision!r} is not pinned by commit hash: it is a branch or tag that the Hub "
                   f"resolved to commit {commit}")
     else:
@@ -108,84 +120,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
                   description=described, trust_reason=reason, ignore_unlisted=True)
 
 
-def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
-         token: str | bool | None = None) -> CommitInfo:
-    """Verifies the package at ``path`` and uploads it to Hub repo ``repo_id`` in one commit.
-
-    The repo is created if needed. The commit holds ``xpupack.json``, every file
-    it lists and a model card (``README.md``) written for ``repo_id``; files of
-    an earlier package in the repo that this one lacks (weights, ``modules/``,
-    ``backends/``) are deleted in the same commit (the history keeps them). The
-    repo's other files (a ``LICENSE``, docs) stay: loading ignores them.
-
-    Args:
-        path: a package directory written by `xpupack.save` or `xpupack build`.
-        repo_id: ``"org/name"``.
-        revision: the branch to commit to (created from ``main`` if missing);
-            default ``main``.
-        private: visibility of a repo this call creates (an existing repo keeps its own).
-        token: a token with write access (default: ``HF_TOKEN`` or the stored login).
-
-    Returns:
-        The commit URL: a ``huggingface_hub.CommitInfo``, which is a ``str``;
-        its ``oid`` is the commit hash to pin when loading
-        (``xpupack.load(model, repo_id, revision=info.oid)``).
-
-    Raises:
-        PackageFormatError, IntegrityError: the package is damaged; nothing is uploaded.
-        HubError: the Hub refused (no write access, offline, ...).
-
-    Example:
-        >>> url = xpupack.push("tiny-pkg", "org/tiny")
-    """
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    root = Path(path)
-    manifest = check_package(root)  # a damaged package never reaches the Hub
-    if revision is not None and _COMMIT_HASH.fullmatch(revision):
-        raise ValueError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
-                         "name or leave revision=None for main")
-    hub = _settings()
-    if hub.offline:
-        raise HubError("HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id,
-                       revision=revision)
-    card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
-    listed = [MANIFEST, *manifest["files"]]
-    api = _api(hub, token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision not in (None, "main"):
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        stale = [name for name in api.list_repo_files(repo_id, revision=revision)
-                 if name not in listed and _package_owned(name)]
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
-        operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card))
-        operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
-        info = api.create_commit(repo_id, operations, commit_message=_commit_message(manifest),
-                                 revision=revision)
-    except OfflineModeIsEnabled:
-        raise HubError("huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was imported): "
-                       "pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id) from None
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        if status in (401, 403):
-            raise HubError(f"the Hub at {hub.endpoint} refused to write to {repo_id} ({status}): log in with "
-                           "`hf auth login` using a token with write access, or pass token=...",
-                           repo_id=repo_id, revision=revision) from None
-        raise HubError(f"pushing {root} to {repo_id} failed: {_first_line(exc)}", repo_id=repo_id,
-                       revision=revision) from None
-    log.info("pushed %s to %s (%d files): %s", root, repo_id, len(listed) + 1, info.commit_url)
-    return info
-
-
-def _package_owned(name: str) -> bool:
-    """Whether a repo file is where a package keeps its files (so an earlier package's file, not the repo
-    owner's LICENSE or docs): the weights, and everything under ``modules/`` and ``backends/``."""
-    return name == WEIGHTS or name.split("/", 1)[0] in ("modules", "backends")
-
-
-def _settings() -> _Hub:
+def hub_settings() -> HubSettings:
     from huggingface_hub import constants
 
     endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
@@ -196,11 +131,11 @@ def _settings() -> _Hub:
     else:
         cache = constants.HF_HUB_CACHE
     offline = os.environ.get("HF_HUB_OFFLINE")
-    return _Hub(endpoint, Path(os.path.expandvars(cache)).expanduser(),
+    return HubSettings(endpoint, Path(os.path.expandvars(cache)).expanduser(),
                 offline=constants.is_offline_mode() if offline is None else _truthy(offline))
 
 
-def _api(hub: _Hub, token: str | bool | None):
+def hub_api(hub: HubSettings, token: str | bool | None):
     from huggingface_hub import HfApi
 
     return HfApi(endpoint=hub.endpoint, token=token, library_name="xpupack", library_version=__version__)
@@ -210,7 +145,7 @@ def _truthy(value: str) -> bool:
     return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _fetch(hub: _Hub, repo_id: str, filename: str, revision: str | None, token: str | bool | None,
+def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, token: str | bool | None,
            *, asked: str | None = None) -> str:
     """One file of the repo into the cache; Hub errors become xpupack's, each with its fix.
 
@@ -241,11 +176,11 @@ def _fetch(hub: _Hub, repo_id: str, filename: str, revision: str | None, token: 
         raise RepoNotFoundError(f"{repo_id!r} is neither a local directory nor a valid Hub repo id ({exc}); "
                                 "pass a package directory or 'org/name'", repo_id=repo_id) from None
     except hf.HfHubHTTPError as exc:
-        raise HubError(f"the Hub at {hub.endpoint} failed on {filename} of {where}: {_first_line(exc)}",
+        raise HubError(f"the Hub at {hub.endpoint} failed on {filename} of {where}: {first_line(exc)}",
                        repo_id=repo_id, revision=shown) from None
 
 
-def _diagnose(hub: _Hub, repo_id: str, revision: str | None, filename: str, token: str | bool | None,
+def _diagnose(hub: HubSettings, repo_id: str, revision: str | None, filename: str, token: str | bool | None,
               shown: str | None) -> HubError | PackageFormatError | IntegrityError:
     """What "repository not found" on one file means: no repo, no revision, or no such file.
 
@@ -254,7 +189,7 @@ def _diagnose(hub: _Hub, repo_id: str, revision: str | None, filename: str, toke
     """
     from huggingface_hub.errors import HfHubHTTPError
 
-    api = _api(hub, token)
+    api = hub_api(hub, token)
     try:
         api.list_repo_refs(repo_id)
     except HfHubHTTPError:
@@ -269,11 +204,11 @@ def _diagnose(hub: _Hub, repo_id: str, revision: str | None, filename: str, toke
     return _missing(hub, repo_id, shown, filename)
 
 
-def _revision_not_found(hub: _Hub, repo_id: str, revision: str | None, token: str | bool | None) -> HubError:
+def _revision_not_found(hub: HubSettings, repo_id: str, revision: str | None, token: str | bool | None) -> HubError:
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        refs = _api(hub, token).list_repo_refs(repo_id)
+        refs = hub_api(hub, token).list_repo_refs(repo_id)
         available = [ref.name for ref in (*refs.branches, *refs.tags)]
     except HfHubHTTPError:
         available = []
@@ -282,7 +217,8 @@ def _revision_not_found(hub: _Hub, repo_id: str, revision: str | None, token: st
                                  "or a full commit hash", repo_id=repo_id, revision=revision, available=available)
 
 
-def _missing(hub: _Hub, repo_id: str, revision: str | None, filename: str) -> PackageFormatError | IntegrityError:
+def _missing(hub: HubSettings, repo_id: str, revision: str | None,
+             filename: str) -> PackageFormatError | IntegrityError:
     where = f"{repo_id}@{revision or 'main'}"
     if filename == MANIFEST:
         return PackageFormatError(f"{where} on {hub.endpoint} is not an xpupack package: it has no {MANIFEST}; "
@@ -291,7 +227,7 @@ def _missing(hub: _Hub, repo_id: str, revision: str | None, filename: str) -> Pa
                           f"push the package again with `xpupack push DIR {repo_id}`", path=filename)
 
 
-def _not_cached(hub: _Hub, repo_id: str, revision: str | None, filename: str) -> OfflineNotCachedError:
+def _not_cached(hub: HubSettings, repo_id: str, revision: str | None, filename: str) -> OfflineNotCachedError:
     where = f"{repo_id}@{revision or 'main'}"
     if hub.offline:
         message = (f"HF_HUB_OFFLINE is set and {filename} of {where} is not in the Hugging Face cache at "
@@ -302,12 +238,5 @@ def _not_cached(hub: _Hub, repo_id: str, revision: str | None, filename: str) ->
     return OfflineNotCachedError(message, repo_id=repo_id, revision=revision)
 
 
-def _commit_message(manifest: dict) -> str:
-    env = manifest["environment"]
-    backends = ", ".join(sorted({m["backend"]["name"] for m in manifest["modules"]}))
-    return (f"xpupack package: {len(manifest['modules'])} module(s) ({backends}), "
-            f"torch {env['torch']} on {env['device_type']}")
-
-
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,8 +1,8 @@
 """`xpupack.load`: verify a package, restore weights and backends, activate (README: "Packages"; "Safety and reliability").
 
 Everything that can be checked is checked before the model is touched. For
-the changes that follow (weights, device, backends, activation) a `_ModelEdit`
-snapshot puts every tensor, module entry and flag back if anything fails, so a
+the changes that follow (weights, device, backends, activation) a `ModelEdit`
+(`xpupack._model_edit`) puts every tensor, module entry and flag back if anything fails, so a
 failed load leaves the model exactly as it was.
 """
 
@@ -17,15 +17,17 @@ import torch
 from torch import nn
 
 from . import _device, _hooks, devices, distributed
+from ._model_edit import ModelEdit, named_tensors
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
-from .manifest import MANIFEST, check_files, listed_files, module_slot, package_slots, read_json, read_manifest
+from .manifest import MANIFEST, check_files, listed_files, module_slot, package_slots, read_manifest
 from .plan import ON_MISMATCH, Choice, Context, choose
-from .padding import BatchAxes, signature_batch
-from .signature import Signature, TensorLeaf, device_from_name, dtype_name, flatten
-from .source import Source, resolve_source
+from .signature import device_from_name, dtype_name, flatten
+from .spec import read_module_spec
+from .hub import resolve_source
+from .source import Source
 from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
@@ -128,7 +130,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
 
-    edit = _ModelEdit(model)
+    edit = ModelEdit(model)
     previous = find_session(model)
     was_active = previous is not None and previous.active
     try:
@@ -194,50 +196,6 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
             f"{manifest['model']['class']}): " + "; ".join(problems)
             + " — build the model with the same architecture and dtype as the package",
             expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
-
-
-def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
-    """The recorded signatures of the manifest's module ``entry`` (tensor leaves on the build device).
-
-    Raises:
-        PackageFormatError: the spec file is not JSON, fails its schema, belongs to
-            another module, or holds a signature that does not parse.
-    """
-    where = root / entry["spec"]
-    data = read_json(root, entry["spec"], "spec")
-    if data["path"] != entry["path"]:
-        raise PackageFormatError(f"{where} describes the module {data['path']!r}, but {root / MANIFEST} lists it "
-                                 f"for {entry['path']!r}; the package is damaged — rebuild it", path=entry["spec"])
-    try:
-        signatures = [Signature.from_json(s) for s in data["signatures"]]
-        counts = data.get("signature_calls", [])
-        if counts and len(counts) != len(signatures):
-            raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")
-        batch_axes = _batch_axes(data.get("batch_axes", []), signatures)
-    except ValueError as exc:
-        raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
-    return ModuleSpec(signatures, calls=data["calls"], signature_calls=list(counts), unrecordable=data["unrecordable"],
-                      mutates_inputs=data.get("mutates_inputs", False), batch_axes=batch_axes,
-                      padding_refused=data.get("padding_refused"))
-
-
-def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:
-    """The spec's ``batch_axes`` (one entry or null per signature), each checked against its signature."""
-    if data and len(data) != len(signatures):
-        raise ValueError(f"batch_axes has {len(data)} entries for {len(signatures)} signatures")
-    found = {}
-    for index, entry in enumerate(data):
-        if entry is None:
-            continue
-        axes = BatchAxes.from_json(entry)
-        leaves = signatures[index].leaves
-        if signatures[index].state_slots or len(axes.inputs) != len(leaves) or any(
-                axis is not None and not (isinstance(leaf, TensorLeaf) and axis < len(leaf.shape))
-                for axis, leaf in zip(axes.inputs, leaves)):
-            raise ValueError(f"the batch axes of signature {index} do not fit {signatures[index].describe()}")
-        signature_batch(signatures[index], axes)
-        found[index] = axes
-    return found
 
 
 def manifest_devices(manifest: dict, root: Path) -> list[torch.device]:
@@ -328,8 +286,8 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
     artifacts only if every one of them may use them.
     """
     for name, shared in manifest["backends"].items():
-        users = [plan for plan in plans
-                 if plan.choice.built.name == name and hasattr(plan.backend, "restore_shared")]
+        # the modules that run a backend of the package's chain (not the original module)
+        users = [plan for plan in plans if plan.choice.built.name == name and plan.choice.depth is not None]
         if not users:
             continue
         folder = source.root / shared["folder"]
@@ -415,80 +373,14 @@ def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, run
                                           f" ({problem})")
 
 
-class _ModelEdit:
-    """Changes to a model that can all be undone: tensor swaps, training flags, runners' changes.
-
-    It also keeps each module's parameter, buffer and submodule entries as they
-    were, for whatever a backend's `restore` replaced without undoing it.
-    """
-
-    def __init__(self, model: nn.Module):
-        self._undo: list[Callable[[], None]] = []
-        self._entries = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
-
-    def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
-                    device: torch.device | None) -> None:
-        """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter objects."""
-        for module, state_name, name, tensor in _named_tensors(model):
-            new = weights.get(state_name, tensor) if weights is not None else tensor
-            if device is not None and new.device != device:
-                new = new.to(device)
-            if new is tensor:
-                continue
-            if name in module._parameters:
-                old = tensor.data
-                tensor.data = new
-                self._undo.append(lambda p=tensor, old=old: setattr(p, "data", old))
-            else:
-                module._buffers[name] = new
-                self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
-
-    def copy_into(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
-        """Writes ``values`` into ``tensor`` in place (a DTensor's local shard, whose Parameter cannot take
-        new data); rollback writes the old values back."""
-        old = tensor.detach().clone()
-        with torch.no_grad():
-            tensor.copy_(values)
-
-        def undo() -> None:
-            with torch.no_grad():
-                tensor.copy_(old)
-        self._undo.append(undo)
-
-    def keep_runner(self, runner: Runner) -> None:
-        """A restored runner: rollback undoes what it changed in its module (e.g. quantized weights)."""
-        self._undo.append(runner.undo)
-
-    def undo_runner(self, runner: Runner) -> None:
-        """An earlier tuning's runner: its changes are undone now and redone on rollback."""
-        runner.undo()
-        self._undo.append(runner.redo)
-
-    def set_eval(self, model: nn.Module) -> None:
-        flags = [(m, m.training) for m in model.modules()]
-        model.eval()
-        self._undo.append(lambda: [setattr(m, "training", flag) for m, flag in flags])
-
-    def rollback(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-        # and whatever a backend's restore replaced in a module without undoing it
-        for module, parameters, buffers, submodules in self._entries:
-            for table, saved in ((module._parameters, parameters), (module._buffers, buffers),
-                                 (module._modules, submodules)):
-                table.clear()
-                table.update(saved)
-
-
-def _place_tensors(edit: _ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None,
+def _place_tensors(edit: ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None,
                    placement: devices.Placement) -> None:
     """Installs the package's weights, each tensor on the device the placement gives it (`xpupack.devices`):
     with ``device=`` everything moves there; with ``device_map=`` each tuned module's tensors move to its
     slot's device; otherwise every tensor stays where it is. A DTensor gets its shard of the full weight."""
     paths = sorted(placement.modules, key=len, reverse=True) if placement.moves_modules else []
     placed = {}
-    for _module, state_name, _name, tensor in _named_tensors(model):
+    for _module, state_name, _name, tensor in named_tensors(model):
         new = weights.get(state_name, tensor) if weights is not None else tensor
         if distributed.is_dtensor(tensor):
             if new is not tensor:
@@ -498,11 +390,3 @@ def _place_tensors(edit: _ModelEdit, model: nn.Module, weights: dict[str, torch.
         target = placement.everything or (placement.modules[owner] if owner is not None else tensor.device)
         placed[state_name] = new.to(target)
     edit.set_tensors(model, placed, placement.everything)
-
-
-def _named_tensors(model: nn.Module):
-    """``(module, state-dict name, attribute name, tensor)`` for each parameter and buffer."""
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, tensor in (*module._parameters.items(), *module._buffers.items()):
-            if tensor is not None:
-                yield module, f"{prefix}.{name}" if prefix else name, name, tensor

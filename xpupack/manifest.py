@@ -83,6 +83,11 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
     return data
 
 
+def write_json(path: Path, data: dict) -> None:
+    """Writes one JSON file of a package (manifest or spec) as xpupack always does: sorted, indented."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 #: deeper than any JSON xpupack or torchao writes (about 10 levels), shallow enough for any recursive code
 MAX_DEPTH = 64
 
@@ -185,8 +190,19 @@ def check_package(root: Path, *, links_within: Path | None = None, ignore_unlist
     manifest = read_manifest(root)
     check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
     for entry in manifest["modules"]:
-        read_json(root, entry["spec"], "spec")
+        read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
     return manifest
+
+
+def read_spec(root: Path, entry: dict) -> dict:
+    """The validated ``spec.json`` of the manifest's module ``entry``, checked to describe that module
+    (`xpupack.spec` turns it into a `ModuleSpec`)."""
+    data = read_json(root, entry["spec"], "spec")
+    if data["path"] != entry["path"]:
+        raise PackageFormatError(f"{root / entry['spec']} describes the module {data['path']!r}, but "
+                                 f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
+                                 "rebuild it", path=entry["spec"])
+    return data
 
 
 def check_relative(relative: str, where: str) -> None:

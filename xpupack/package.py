@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import json
 import shutil
 from pathlib import Path
 
@@ -12,12 +11,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from . import _fsutil, devices, distributed
-from .backends.base import ModuleSpec
 from .card import model_card
-from .environment import __version__
+from ._version import __version__
 from .errors import DestinationExistsError, SaveError, XpupackError
 from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, describe_files, module_folder, read_manifest,
-                       validate)
+                       validate, write_json)
+from .spec import spec_to_json
 from .tuned import session_of
 
 
@@ -70,7 +69,7 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
         described = {path: [sig.describe() for sig in tuned.spec.signatures]
                      for path, tuned in session.modules.items()}
         (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
-        _write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
+        write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
         _fsutil.replace_dir(staging, root)
     except BaseException as exc:
         if staging is not None:
@@ -138,7 +137,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         spec_file = f"{folder}/spec.json"
         spec_data = spec_to_json(path, tuned.spec)
         validate(spec_data, "spec", spec_file)
-        _write_json(staging / spec_file, spec_data)
+        write_json(staging / spec_file, spec_data)
         backend = tuned.backend
         config = backend.save(tuned.runner, staging / folder / backend.name)
         used_backends.setdefault(backend.name, backend)
@@ -153,9 +152,10 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
 
     shared = {}
     for name, backend in used_backends.items():
-        if hasattr(backend, "save_shared"):
-            folder = f"backends/{name}"
-            shared[name] = {"folder": folder, "config": backend.save_shared(staging / folder, runners[name])}
+        folder = f"backends/{name}"
+        config = backend.save_shared(staging / folder, runners[name])
+        if config is not None:
+            shared[name] = {"folder": folder, "config": config}
 
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -176,17 +176,6 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
     return manifest
 
 
-def spec_to_json(path: str, spec: ModuleSpec) -> dict:
-    return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
-            "unrecordable": dict(spec.unrecordable), "mutates_inputs": spec.mutates_inputs,
-            "signatures": [signature.to_json() for signature in spec.signatures],
-            "signature_calls": [spec.signature_calls[i] if i < len(spec.signature_calls) else 0
-                                for i in range(len(spec.signatures))],
-            **({"batch_axes": [spec.batch_axes[i].to_json() if i in spec.batch_axes else None
-                               for i in range(len(spec.signatures))]} if spec.batch_axes else {}),
-            **({"padding_refused": spec.padding_refused} if spec.padding_refused else {})}
-
-
 def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Stores tensors that are views of the same memory (tied weights) once; the rest become aliases."""
     unique, aliases, seen = {}, {}, {}
@@ -199,7 +188,3 @@ def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
             seen[key] = name
             unique[name] = tensor
     return unique, aliases
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -21,7 +21,7 @@ from typing import Any
 
 from .backends._facts import describe
 from .errors import PackageFormatError, XpupackError
-from .manifest import MANIFEST, check_package, module_slot, package_slots, read_json, read_manifest
+from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
 from .source import Source
 
 _SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
@@ -130,7 +130,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
     here = plans_here(manifest, source, device, on_mismatch)
     modules = []
     for entry in manifest["modules"]:
-        spec = read_json(root, entry["spec"], "spec")
+        spec = read_spec(root, entry)
         prefix = entry["folder"] + "/"
         modules.append({
             "path": entry["path"],
@@ -228,18 +228,14 @@ def _check_build_device(manifest: dict, root: Path) -> None:
 
 
 def _check_spec(root: Path, entry: dict) -> None:
-    """`load.read_module_spec` (every signature parsed by PyTorch's pytree) where torch is loaded;
+    """`spec.read_module_spec` (every signature parsed by PyTorch's pytree) where torch is loaded;
     without torch, the spec's schema and that it belongs to its module."""
     if "torch" in sys.modules:
-        from .load import read_module_spec
+        from .spec import read_module_spec
 
         read_module_spec(root, entry)
         return
-    data = read_json(root, entry["spec"], "spec")
-    if data["path"] != entry["path"]:
-        raise PackageFormatError(f"{root / entry['spec']} describes the module {data['path']!r}, but "
-                                 f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
-                                 "rebuild it", path=entry["spec"])
+    read_spec(root, entry)
 
 
 def _check_on_mismatch(on_mismatch: str) -> None:

@@ -1,4 +1,5 @@
-"""Where a package comes from: a local directory or a Hub repo, and whether its compiled code may run."""
+"""Where a package comes from, as a value: its directory on disk and whether its compiled code may run
+(`xpupack.hub.resolve_source` makes one from a local path or a Hub repo id)."""
 
 from __future__ import annotations
 
@@ -25,21 +26,3 @@ class Source:
         """Why the compiled artifacts may not run, for messages."""
         return self.trust_reason if not self.trusted and self.trust_reason else \
             f"{self.description or self.root} is not pinned by commit hash"
-
-
-def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
-                   token: str | bool | None = None) -> Source:
-    """A local package directory as is (trusted); anything else is looked up on the Hub."""
-    local = Path(path).expanduser()
-    if local.exists() or revision is None and _looks_local(str(path)):
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
-        return Source(local, trusted=True, description=str(local), trust_reason="local directory")
-    from .hub import download
-
-    return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)
-
-
-def _looks_local(text: str) -> bool:
-    """Paths that cannot be ``org/name`` repo ids."""
-    return text.startswith((".", "/", "~")) or text.count("/") != 1

@@ -1,4 +1,4 @@
-"""The backend interface and the registry that resolves backends by name.
+"""The backend interface (the contract: `xpupack.backends`) and the registry that resolves backends by name.
 
 A backend turns one module into a *runner*: an object that executes calls of
 the signatures it was built for. Backends never decide whether a call fits;
@@ -8,6 +8,7 @@ whose signature it recorded.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -212,6 +213,21 @@ class Backend:
         """
         return self.build(target, spec, device)
 
+    def save_shared(self, folder: Path, runners: list[Runner]) -> dict | None:
+        """Writes artifacts that all modules this backend runs share (Inductor's cache) into ``folder``.
+
+        Returns their JSON config (the manifest's ``backends`` entry), or None when the
+        backend shares nothing (no entry). Called once per backend name, after every `save`.
+        """
+        return None
+
+    def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
+        """Reads what `save_shared` wrote, once, before any module's `restore`.
+
+        ``use_artifacts`` is False unless every module that will run this backend may use
+        compiled artifacts; the shared ones must then not be loaded.
+        """
+
     @property
     def label(self) -> str:
         """How reports name this candidate (``graph+torchao`` for a composition)."""
@@ -280,7 +296,10 @@ class ComposedBackend(Backend):
                                  use_artifacts=use_artifacts)
 
 
+#: name -> backend class: the registry `register_backend` writes (xpupack's own backends and any a
+#: user adds) and `backend_from_json` reads; a manifest resolves only names registered here
 BACKENDS: dict[str, type[Backend]] = {}
+_REGISTERING = threading.Lock()
 
 #: the modules of xpupack's own backends; `import xpupack` no longer imports them (it imports no torch)
 _BUILTIN = ("eager", "graph", "inductor", "torchao")
@@ -288,7 +307,8 @@ _BUILTIN = ("eager", "graph", "inductor", "torchao")
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
     """Class decorator: makes a backend resolvable by its ``name`` from a manifest."""
-    BACKENDS[cls.name] = cls
+    with _REGISTERING:
+        BACKENDS[cls.name] = cls
     return cls
 
 

@@ -562,10 +562,9 @@ class GraphBackend(ComposedBackend):
         return {**super().save(runner, folder), "recorded": runner.recorded()}
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
-        if not (self.base and hasattr(self.base, "save_shared")):
-            return {}
-        return self.base.save_shared(folder, [runner.base_runner for runner in runners])
+        shared = self.base.save_shared(folder, [runner.base_runner for runner in runners]) if self.base else None
+        return {} if shared is None else shared  # a graph package lists its shared entry, empty or not
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
-        if self.base and hasattr(self.base, "restore_shared"):
+        if self.base is not None:
             self.base.restore_shared(config, folder, use_artifacts=use_artifacts)

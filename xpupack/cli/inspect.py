@@ -15,7 +15,7 @@ _on_mismatch = click.option("--on-mismatch", "on_mismatch", type=click.Choice(["
 
 
 def _source(package: str, revision: str | None):
-    from ..source import resolve_source
+    from ..hub import resolve_source
 
     return resolve_source(package, revision=revision)
 

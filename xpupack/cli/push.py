@@ -21,7 +21,7 @@ def push(package, repo_id, revision, private, token):
     Prints the commit URL. Load the package pinned to that commit (the hash at the end of the URL) so
     that its compiled artifacts run: xpupack.load(model, "ORG/NAME", revision="<commit hash>").
     """
-    from ..hub import push as push_package
+    from ..publish import push as push_package
 
     info = push_package(package, repo_id, revision=revision, private=private, token=token)
     click.echo(info.commit_url)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import xpupack
-from models import make_stack
+from support.models import make_stack
 from xpupack.tuned import session_of
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--emulated-graphs", action="store_true")
     options = parser.parse_args()
     if options.emulated_graphs:
-        from emulated_graph import EmulatedGraphs
+        from support.emulated_graph import EmulatedGraphs
         from xpupack import _device
 
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--emulated-graphs", action="store_true")
     options = parser.parse_args()
     if options.emulated_graphs:
-        from emulated_graph import EmulatedGraphs
+        from support.emulated_graph import EmulatedGraphs
         from xpupack import _device
 
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()

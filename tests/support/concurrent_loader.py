@@ -11,6 +11,7 @@ backends, fallbacks, or the error.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 import xpupack
 import xpupack.load  # noqa: F401 (patched below through sys.modules; `import xpupack` imports it lazily)
-from models import make_stack
+from support.models import make_stack
 from xpupack.source import Source
 
 
@@ -32,12 +33,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     options = parser.parse_args()
     if options.emulated_graphs:
-        from emulated_graph import EmulatedGraphs
+        from support.emulated_graph import EmulatedGraphs
         from xpupack import _device
 
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
     if options.hub_cache:  # what xpupack.hub resolves a pinned revision to: a snapshot linking into blobs/
-        sys.modules["xpupack.load"].resolve_source = lambda *a, **k: Source(
+        importlib.import_module("xpupack.load").resolve_source = lambda *a, **k: Source(
             Path(options.package), trusted=True, links_within=Path(options.hub_cache), description="org/name@pinned")
     references = {seed: make_stack(seed=seed) for seed in (0, 1)}
     x = torch.randn(4, 8)

@@ -20,7 +20,7 @@ import torch
 torch.set_num_threads(1)  # no OpenMP pool: forking after it is not safe
 
 import xpupack  # noqa: E402
-from models import make_stack, stack_samples  # noqa: E402
+from support.models import make_stack, stack_samples  # noqa: E402
 from xpupack import _fsutil  # noqa: E402
 
 EVENTS = {"open", "os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.unlink",

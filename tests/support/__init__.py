@@ -1,0 +1,10 @@
+"""Helpers the tests share (imported as ``support.<module>``; ``tests/`` is on ``sys.path``).
+
+- `models`: small models and their samples; `language_models`: tiny transformers models and a decode loop.
+- `backends`: backends that exist only for tests (they show which path a call took).
+- `emulated_graph`: a CPU stand-in for device graphs.
+- `compare_calls`: a tuned call against eager's, result or error.
+- `package_tools`: damage, rewrite or inspect a package.
+- `hub_server`: a Hub-compatible server (olah) on loopback.
+- `concurrent_loader`, `kill_points`: programs that tests run in fresh processes.
+"""

@@ -1,0 +1,88 @@
+"""The undo log of a load: every change `xpupack.load` makes to a model, and how to take it back.
+
+A failed load calls `ModelEdit.rollback`, which leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .backends.base import Runner
+
+
+class ModelEdit:
+    """Changes to a model that can all be undone: tensor swaps, training flags, runners' changes.
+
+    It also keeps each module's parameter, buffer and submodule entries as they
+    were, for whatever a backend's `restore` replaced without undoing it.
+    """
+
+    def __init__(self, model: nn.Module):
+        self._undo: list[Callable[[], None]] = []
+        self._entries = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+
+    def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
+                    device: torch.device | None) -> None:
+        """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter objects."""
+        for module, state_name, name, tensor in named_tensors(model):
+            new = weights.get(state_name, tensor) if weights is not None else tensor
+            if device is not None and new.device != device:
+                new = new.to(device)
+            if new is tensor:
+                continue
+            if name in module._parameters:
+                old = tensor.data
+                tensor.data = new
+                self._undo.append(lambda p=tensor, old=old: setattr(p, "data", old))
+            else:
+                module._buffers[name] = new
+                self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
+
+    def copy_into(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes ``values`` into ``tensor`` in place (a DTensor's local shard, whose Parameter cannot take
+        new data); rollback writes the old values back."""
+        old = tensor.detach().clone()
+        with torch.no_grad():
+            tensor.copy_(values)
+
+        def undo() -> None:
+            with torch.no_grad():
+                tensor.copy_(old)
+        self._undo.append(undo)
+
+    def keep_runner(self, runner: Runner) -> None:
+        """A restored runner: rollback undoes what it changed in its module (e.g. quantized weights)."""
+        self._undo.append(runner.undo)
+
+    def undo_runner(self, runner: Runner) -> None:
+        """An earlier tuning's runner: its changes are undone now and redone on rollback."""
+        runner.undo()
+        self._undo.append(runner.redo)
+
+    def set_eval(self, model: nn.Module) -> None:
+        flags = [(m, m.training) for m in model.modules()]
+        model.eval()
+        self._undo.append(lambda: [setattr(m, "training", flag) for m, flag in flags])
+
+    def rollback(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        # and whatever a backend's restore replaced in a module without undoing it
+        for module, parameters, buffers, submodules in self._entries:
+            for table, saved in ((module._parameters, parameters), (module._buffers, buffers),
+                                 (module._modules, submodules)):
+                table.clear()
+                table.update(saved)
+
+
+def named_tensors(model: nn.Module):
+    """``(module, state-dict name, attribute name, tensor)`` for each parameter and buffer."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is not None:
+                yield module, f"{prefix}.{name}" if prefix else name, name, tensor

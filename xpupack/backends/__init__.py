@@ -1,0 +1,48 @@
+"""Backends: how one module is built at tune time, saved into a package, and restored at load time.
+
+This package imports nothing: ``import xpupack.backends`` costs no torch. The
+modules are `base` (the contract below, `ModuleSpec`, the registry), `eager`,
+`graph`, `inductor`, `torchao` with `torchao_configs`, and `_facts` (what
+`xpupack.plan` asks of a backend, answered without torch for inspect/verify).
+
+The contract (`base.Backend`; a new backend subclasses it and is made
+resolvable from a manifest with `base.register_backend`):
+
+``name``
+    The name a manifest stores (``"graph"``); ``label`` names a composition
+    (``"graph+torchao"``).
+``available(device)`` / ``why_unavailable(device)``
+    Whether it can run on ``device`` at all, and why not (no device graphs on a CPU).
+``build(target, spec, device) -> Runner``
+    At tune time, with recorded samples in ``spec``: builds what runs the
+    module's calls (records graphs, compiles, quantizes). A strategy compares the
+    runner's outputs with eager's (``compare``) before it keeps it.
+``save(runner, folder) -> dict``
+    Writes the runner's artifacts into ``folder`` (``modules/<path>/<name>/``) and
+    returns its JSON config, which the manifest stores.
+``restore(target, spec, config, folder, device, *, use_artifacts) -> Runner``
+    At load time, from ``spec``'s signatures only (no samples exist) and what
+    `save` wrote. ``use_artifacts=False``: compiled artifacts must not run
+    (untrusted source, environment mismatch), so rebuild from portable parts.
+    Every file a config names is opened through `xpupack.manifest.artifact_file`.
+``save_shared(folder, runners) -> dict | None`` / ``restore_shared(config, folder, *, use_artifacts)``
+    Artifacts written once for all modules of a backend (Inductor's cache, under
+    ``backends/<name>/``); the defaults share nothing.
+``options() -> dict``
+    Constructor options as JSON; ``backend_from_json(name, options)`` rebuilds the
+    same backend and refuses options the backend would not write itself.
+Class attributes
+    ``depends_on`` (environment keys whose change invalidates the artifacts),
+    ``compiled_artifacts`` (they may unpickle or run native code: the trust rule
+    applies), ``rebuildable``, ``supports_autograd``, ``supports_autocast``,
+    ``transforms_module``, ``pads_calls``: see `base.Backend`.
+
+A `base.Runner` executes the calls: ``run(index, args, kwargs, leaves)`` runs
+one call of signature ``index`` (one of ``runner.supported``); ``leaves`` are
+the call's inputs flattened in the signature's leaf order (what a device graph
+copies into its static buffers), ``args``/``kwargs`` the same call unflattened.
+The dispatcher (`xpupack.tuned`) decides whether a call fits a signature; a
+runner only ever sees calls that do. ``undo``/``redo`` take back and reapply
+what building or restoring changed in the module (TorchAO's quantized
+weights), so a rejected candidate or a failed load leaves the module as it was.
+"""

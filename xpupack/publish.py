@@ -1,0 +1,102 @@
+"""Publishing a package on the Hugging Face Hub: verify it, write its model card, upload it in one commit
+(README: "Packages")."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .card import package_card
+from .errors import HubError
+from .hub import COMMIT_HASH, first_line, hub_api, hub_settings
+from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitInfo
+
+log = logging.getLogger("xpupack")
+
+
+def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
+         token: str | bool | None = None) -> CommitInfo:
+    """Verifies the package at ``path`` and uploads it to Hub repo ``repo_id`` in one commit.
+
+    The repo is created if needed. The commit holds ``xpupack.json``, every file
+    it lists and a model card (``README.md``) written for ``repo_id``; files of
+    an earlier package in the repo that this one lacks (weights, ``modules/``,
+    ``backends/``) are deleted in the same commit (the history keeps them). The
+    repo's other files (a ``LICENSE``, docs) stay: loading ignores them.
+
+    Args:
+        path: a package directory written by `xpupack.save` or `xpupack build`.
+        repo_id: ``"org/name"``.
+        revision: the branch to commit to (created from ``main`` if missing);
+            default ``main``.
+        private: visibility of a repo this call creates (an existing repo keeps its own).
+        token: a token with write access (default: ``HF_TOKEN`` or the stored login).
+
+    Returns:
+        The commit URL: a ``huggingface_hub.CommitInfo``, which is a ``str``;
+        its ``oid`` is the commit hash to pin when loading
+        (``xpupack.load(model, repo_id, revision=info.oid)``).
+
+    Raises:
+        PackageFormatError, IntegrityError: the package is damaged; nothing is uploaded.
+        HubError: the Hub refused (no write access, offline, ...).
+
+    Example:
+        >>> url = xpupack.push("tiny-pkg", "org/tiny")
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    root = Path(path)
+    manifest = check_package(root)  # a damaged package never reaches the Hub
+    if revision is not None and COMMIT_HASH.fullmatch(revision):
+        raise ValueError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
+                         "name or leave revision=None for main")
+    hub = hub_settings()
+    if hub.offline:
+        raise HubError("HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id,
+                       revision=revision)
+    card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
+    listed = [MANIFEST, *manifest["files"]]
+    api = hub_api(hub, token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision not in (None, "main"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        stale = [name for name in api.list_repo_files(repo_id, revision=revision)
+                 if name not in listed and _package_owned(name)]
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
+        operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card))
+        operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
+        info = api.create_commit(repo_id, operations, commit_message=_commit_message(manifest),
+                                 revision=revision)
+    except OfflineModeIsEnabled:
+        raise HubError("huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was imported): "
+                       "pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id) from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status in (401, 403):
+            raise HubError(f"the Hub at {hub.endpoint} refused to write to {repo_id} ({status}): log in with "
+                           "`hf auth login` using a token with write access, or pass token=...",
+                           repo_id=repo_id, revision=revision) from None
+        raise HubError(f"pushing {root} to {repo_id} failed: {first_line(exc)}", repo_id=repo_id,
+                       revision=revision) from None
+    log.info("pushed %s to %s (%d files): %s", root, repo_id, len(listed) + 1, info.commit_url)
+    return info
+
+
+def _package_owned(name: str) -> bool:
+    """Whether a repo file is where a package keeps its files (so an earlier package's file, not the repo
+    owner's LICENSE or docs): the weights, and everything under ``modules/`` and ``backends/``."""
+    return name == WEIGHTS or name.split("/", 1)[0] in ("modules", "backends")
+
+
+def _commit_message(manifest: dict) -> str:
+    env = manifest["environment"]
+    backends = ", ".join(sorted({m["backend"]["name"] for m in manifest["modules"]}))
+    return (f"xpupack package: {len(manifest['modules'])} module(s) ({backends}), "
+            f"torch {env['torch']} on {env['device_type']}")

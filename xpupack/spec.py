@@ -1,0 +1,68 @@
+"""A module's ``spec.json`` (docs/format.md): `ModuleSpec` to and from its JSON, in one place.
+
+`xpupack.manifest` reads and validates the file (torch-free); this module turns
+the JSON into signatures, which needs torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .backends.base import ModuleSpec
+from .errors import PackageFormatError
+from .manifest import FORMAT_VERSION, read_spec
+from .padding import BatchAxes, signature_batch
+from .signature import Signature, TensorLeaf
+
+
+def spec_to_json(path: str, spec: ModuleSpec) -> dict:
+    """The ``spec.json`` of the module at object path ``path``: its signatures, never its samples."""
+    return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
+            "unrecordable": dict(spec.unrecordable), "mutates_inputs": spec.mutates_inputs,
+            "signatures": [signature.to_json() for signature in spec.signatures],
+            "signature_calls": [spec.signature_calls[i] if i < len(spec.signature_calls) else 0
+                                for i in range(len(spec.signatures))],
+            **({"batch_axes": [spec.batch_axes[i].to_json() if i in spec.batch_axes else None
+                               for i in range(len(spec.signatures))]} if spec.batch_axes else {}),
+            **({"padding_refused": spec.padding_refused} if spec.padding_refused else {})}
+
+
+def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
+    """The recorded signatures of the manifest's module ``entry`` (tensor leaves on the build device).
+
+    Raises:
+        PackageFormatError: the spec file is not JSON, fails its schema, belongs to
+            another module, or holds a signature that does not parse.
+    """
+    where = root / entry["spec"]
+    data = read_spec(root, entry)
+    try:
+        signatures = [Signature.from_json(s) for s in data["signatures"]]
+        counts = data.get("signature_calls", [])
+        if counts and len(counts) != len(signatures):
+            raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")
+        batch_axes = _batch_axes(data.get("batch_axes", []), signatures)
+    except ValueError as exc:
+        raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
+    return ModuleSpec(signatures, calls=data["calls"], signature_calls=list(counts), unrecordable=data["unrecordable"],
+                      mutates_inputs=data.get("mutates_inputs", False), batch_axes=batch_axes,
+                      padding_refused=data.get("padding_refused"))
+
+
+def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:
+    """The spec's ``batch_axes`` (one entry or null per signature), each checked against its signature."""
+    if data and len(data) != len(signatures):
+        raise ValueError(f"batch_axes has {len(data)} entries for {len(signatures)} signatures")
+    found = {}
+    for index, entry in enumerate(data):
+        if entry is None:
+            continue
+        axes = BatchAxes.from_json(entry)
+        leaves = signatures[index].leaves
+        if signatures[index].state_slots or len(axes.inputs) != len(leaves) or any(
+                axis is not None and not (isinstance(leaf, TensorLeaf) and axis < len(leaf.shape))
+                for axis, leaf in zip(axes.inputs, leaves)):
+            raise ValueError(f"the batch axes of signature {index} do not fit {signatures[index].describe()}")
+        signature_batch(signatures[index], axes)
+        found[index] = axes
+    return found
