@@ -322,7 +322,7 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
     text = CliRunner().invoke(main, ["inspect", str(root)]).output
     assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
 
-    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--iterations", "1",
+    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu", "--iterations", "1",
                                         "--json"])
     assert benched.exit_code == 0, benched.output
     assert json.loads(benched.output)["recording_memory"] == {
