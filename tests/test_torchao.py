@@ -496,6 +496,12 @@ def test_every_allow_listed_config_class_and_part_exists_in_this_torchao():
     (lambda config: config["_data"].update(granularity={"_type": "MappingType", "_data": "__class__"}), "__class__"),
     (lambda config: config["_data"].update(granularity={"_type": "PerRow", "_data": "dim"}), "PerRow"),
     (lambda config: config["_data"].update(group_size={"inner": {"_type": "EvilConfig"}}), "EvilConfig"),
+    # a ``_type`` that is no name, and a ``_version`` that is no number, are refused as such
+    (lambda config: config["_data"].update(group_size={"_type": None, "_data": 1}), "None"),
+    (lambda config: config["_data"].update(group_size={"_type": ["PerRow"], "_data": {}}), "PerRow"),
+    (lambda config: config.update(_type=["Int8WeightOnlyConfig"]), "Int8WeightOnlyConfig"),
+    (lambda config: config.update(_version={"_type": "os.system"}), "version"),
+    (lambda config: config.update(_version="2"), "version"),
 ])
 def test_a_stored_config_may_set_only_its_class_fields_and_enum_members(change, named):
     from torchao.core.config import config_to_dict

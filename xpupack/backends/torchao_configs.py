@@ -131,9 +131,9 @@ def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> No
     name the classes xpupack knows (and ``torch.dtype`` only a dtype).
     """
     if isinstance(tree, dict):
-        kind = tree.get("_type")
-        if kind is not None:
-            if kind not in allowed:
+        if "_type" in tree:  # typed as `_build` and torchao's decoder see it, whatever the value
+            kind = tree["_type"]
+            if not isinstance(kind, str) or kind not in allowed:
                 raise UnknownConfigError(
                     f"{where} names the type {kind!r}, which xpupack does not load; known: "
                     f"{', '.join(sorted(allowed))} — upgrade xpupack if a newer one built the package")
@@ -163,8 +163,8 @@ def config_from_json(data: Any, where: str = "the torchao config") -> Any:
             or values the config class refuses.
         BackendUnavailableError: torchao is not installed.
     """
-    if not isinstance(data, dict) or data.get("_type") not in CONFIG_CLASSES:
-        kind = data.get("_type") if isinstance(data, dict) else type(data).__name__
+    kind = data.get("_type") if isinstance(data, dict) else type(data).__name__
+    if not isinstance(data, dict) or not isinstance(kind, str) or kind not in CONFIG_CLASSES:
         raise UnknownConfigError(f"{where} names the config class {kind!r}, which xpupack does not load; "
                                  f"known: {', '.join(sorted(CONFIG_CLASSES))}")
     check_depth(data, where)
@@ -197,6 +197,9 @@ def _build(node: Any, where: str) -> Any:
                                  f"(fields: {', '.join(sorted(fields))}) — rebuild the package with this torchao")
     values = {name: _build(value, where) for name, value in data.items()}
     stored = node.get("_version")
+    if "_version" in node and type(stored) is not int:
+        raise UnknownConfigError(f"{where} gives {kind} the version {stored!r}, which is not a version number; "
+                                 "the package is damaged — rebuild it")
     if stored is not None and stored != getattr(cls, "version", stored) and "version" in _fields(cls, all_fields=True):
         values["version"] = stored  # an older layout of the class: torchao reads it as that version
     try:
