@@ -8,7 +8,7 @@ import torch
 
 import xpupack
 from support.models import make_stack, stack_samples
-from xpupack.errors import IncompatiblePackageError
+from xpupack.errors import IncompatiblePackageError, UnknownConfigError
 from xpupack.source import Source
 
 pytestmark = pytest.mark.slow
@@ -211,11 +211,25 @@ def test_compile_options_with_a_mode_keep_the_mode_settings():
 
 
 @pytest.mark.parametrize("options, problem", [({"no_such_setting": 1}, "not a setting"),
-                                              ({"epilogue_fusion": [1]}, "not a JSON value"),
-                                              ("max_autotune", "give a dict")])
+                                              ({"epilogue_fusion": [1]}, "not a boolean or a number"),
+                                              ("max_autotune", "give a dict"),
+                                              # names a loader must not take from a package
+                                              ({"cpp.cxx": "/tmp/evil-cc"}, "not a boolean or a number"),
+                                              ({"cuda.cutlass_dir": "/tmp/pkg"}, "not a boolean or a number"),
+                                              ({"trace.debug_dir": "/home"}, "not a boolean or a number"),
+                                              ({"load_config": 1}, "not a setting"),
+                                              ({"_cache_config_ignore_prefix": 1}, "not a setting")])
 def test_compile_options_are_checked(options, problem):
     with pytest.raises(ValueError, match=problem):
         xpupack.InductorBackend(compile_options=options)
+
+
+def test_a_manifest_cannot_hand_the_loader_a_compiler():
+    """compile_options come back from an untrusted package through `backend_from_json`: the same check."""
+    from xpupack.backends.base import backend_from_json
+
+    with pytest.raises(UnknownConfigError, match="not a boolean or a number"):
+        backend_from_json("inductor", {"compile_options": {"cpp.cxx": "/tmp/evil-cc"}})
 
 
 def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():

@@ -310,19 +310,28 @@ class InductorBackend(ComposedBackend):
 
 
 def _checked_compile_options(options: Any) -> dict[str, Any]:
+    """``compile_options`` checked the same at tune time and when a package's manifest names them.
+
+    A package is untrusted input, and its settings reach a compilation on the loader's machine even
+    where its compiled artifacts may not run. So only public settings of ``torch._inductor.config``
+    (not its methods or private entries), with booleans or numbers: a string setting can name a
+    program, an include directory or a file to write (``cpp.cxx``, ``cuda.cutlass_dir``, ``trace.debug_dir``).
+    """
     if options is None:
         return {}
     if not isinstance(options, dict):
         raise ValueError(f"InductorBackend(compile_options={options!r}): give a dict of Inductor settings")
     import torch._inductor.config as inductor_config
 
+    settings = inductor_config.get_config_copy()
     for key, value in options.items():
-        if not isinstance(key, str) or not hasattr(inductor_config, key):
+        if not isinstance(key, str) or key not in settings or key.startswith("_"):
             raise ValueError(f"InductorBackend(compile_options=...): {key!r} is not a setting of "
                              "torch._inductor.config")
-        if value is not None and not isinstance(value, (bool, int, float, str)):
-            raise ValueError(f"InductorBackend(compile_options=...): {key}={value!r} is not a JSON value; "
-                             "the package stores these settings")
+        if value is not None and not isinstance(value, (bool, int, float)):
+            raise ValueError(f"InductorBackend(compile_options=...): {key}={value!r} is not a boolean or a "
+                             "number; the package stores these settings, and a loader must not take a "
+                             "program, directory or file name from a package")
     return dict(options)
 
 
