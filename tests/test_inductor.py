@@ -218,6 +218,7 @@ def test_compile_options_with_a_mode_keep_the_mode_settings():
                                               ({"cuda.cutlass_dir": "/tmp/pkg"}, "not a boolean or a number"),
                                               ({"trace.debug_dir": "/home"}, "not a boolean or a number"),
                                               ({"load_config": 1}, "not a setting"),
+                                              ({"triton.cudagraphs": True}, "GraphBackend"),
                                               ({"_cache_config_ignore_prefix": 1}, "not a setting")])
 def test_compile_options_are_checked(options, problem):
     with pytest.raises(ValueError, match=problem):

@@ -328,6 +328,9 @@ def _checked_compile_options(options: Any) -> dict[str, Any]:
         if not isinstance(key, str) or key not in settings or key.startswith("_"):
             raise ValueError(f"InductorBackend(compile_options=...): {key!r} is not a setting of "
                              "torch._inductor.config")
+        if "cudagraph" in key:  # as the modes that record them are refused
+            raise ValueError(f"InductorBackend(compile_options=...): {key} is a CUDA graph setting; "
+                             "use GraphBackend for that")
         if value is not None and not isinstance(value, (bool, int, float)):
             raise ValueError(f"InductorBackend(compile_options=...): {key}={value!r} is not a boolean or a "
                              "number; the package stores these settings, and a loader must not take a "
