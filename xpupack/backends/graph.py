@@ -329,25 +329,29 @@ class GraphRunner(Runner):
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         with self._lock:
-            if self._watch is None or self._watch.changed():
-                self._rerecord()
-            if self.state_slots[index]:
-                return self._run_with_state(index, args, kwargs, leaves)
-            recording = self.recordings.get(index)
+            recording = self._recording_now(index)
             if recording is None:
-                raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
+                return self._run_with_state(index, args, kwargs, leaves)
             return self._replay(recording, leaves)
+
+    def _recording_now(self, index: int) -> _Recording | None:
+        """The recording of signature ``index``, made again first if the module's storage moved; None for a
+        signature with state (`_run_with_state` finds its recording). Called under the lock."""
+        if self._watch is None or self._watch.changed():
+            self._rerecord()
+        if self.state_slots[index]:
+            return None
+        recording = self.recordings.get(index)
+        if recording is None:
+            raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
+        return recording
 
     def run_padded(self, index: int, leaves: list, axes: BatchAxes, batch: int) -> Any:
         """Replays recording ``index`` (of a larger batch) for a call of ``batch`` rows: the call's rows go
         into the start of the static buffers and zeros into the rest (what the tune-time check verified),
         and only the call's rows of the outputs come back (copied, or views of the static outputs)."""
         with self._lock:
-            if self._watch is None or self._watch.changed():
-                self._rerecord()
-            recording = self.recordings.get(index)
-            if recording is None:
-                raise RuntimeError(self.failures.get(index) or self.skipped.get(index) or "signature not recorded")
+            recording = self._recording_now(index)  # never None: signatures with state are not padded
             static = recording.static_leaves
             for slot in recording.tensor_slots:
                 axis = axes.inputs[slot]
