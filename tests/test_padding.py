@@ -330,6 +330,24 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
         "skipped": {path: stats["skipped"] for path in ("layers.0.mlp", "layers.1.mlp")}}
 
 
+@pytest.mark.parametrize("recorded", [{"memory_bytes": 768, "skipped": ["(f32[1,8], 1.0)"]},
+                                      {"memory_bytes": 768, "max_memory": "768"},
+                                      {"memory_bytes": 768, "recording_memory": {"(f32[8,8], 1.0)": None}},
+                                      {"memory_bytes": True}])
+def test_inspect_shows_no_recordings_for_an_entry_of_another_shape(emulated_graphs, tmp_path, recorded):
+    """The recordings' memory is for people only, so a package's entry of any other shape is not shown,
+    rather than failing `inspect` with a TypeError."""
+    model, _ = tune_ladder(budget(768))
+    root = xpupack.save(model, tmp_path / "pkg")
+    rewrite_json(root, "xpupack.json", lambda manifest: manifest["modules"][0]["backend"]["config"].update(
+        recorded=recorded))
+    shown = CliRunner().invoke(main, ["inspect", "--json", str(root)])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.output)["modules"][0]["recorded"] is None
+    text = CliRunner().invoke(main, ["inspect", str(root)])
+    assert text.exit_code == 0, text.output
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2GiB"])
 def test_max_memory_must_be_a_positive_number_of_bytes(value):
     with pytest.raises(xpupack.TuningError, match=r"max_memory=.*positive number of bytes"):

@@ -110,11 +110,24 @@ def _padding(spec: dict) -> str | None:
 
 def _recorded(entry: dict) -> dict | None:
     """The graph backend's recordings on the build device: their memory and what ``max_memory`` skipped
-    (None for other backends, and for packages saved before xpupack reported it)."""
+    (None for other backends, for packages saved before xpupack reported it, and for an entry of
+    another shape: only `inspect` reads it, a loader records again and measures its own)."""
     recorded = entry["backend"]["config"].get("recorded") if isinstance(entry["backend"]["config"], dict) else None
-    if not isinstance(recorded, dict) or not isinstance(recorded.get("memory_bytes"), int):
+    if not isinstance(recorded, dict) or not _is_count(recorded.get("memory_bytes")) \
+            or not _is_count(recorded.get("max_memory", 0)) \
+            or not all(map(_is_count, _values(recorded.get("recording_memory", {})))) \
+            or not all(isinstance(why, str) for why in _values(recorded.get("skipped", {}))):
         return None
     return recorded
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _values(value: Any) -> list:
+    """The values of a JSON object; ``[None]`` (which no check accepts) for anything else."""
+    return list(value.values()) if isinstance(value, dict) else [None]
 
 
 def package_report(source: Source | str | Path, device=None, on_mismatch: str = "rebuild") -> dict:
