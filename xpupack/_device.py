@@ -25,11 +25,12 @@ def resolve(device: str | torch.device | None, *, default: torch.device | None =
     return device
 
 
-def model_device(model: torch.nn.Module) -> torch.device:
-    """The device of the model's first parameter or buffer (CPU for a model without tensors)."""
+def model_device(model: torch.nn.Module, default: torch.device | None = None) -> torch.device:
+    """The device of the model's first parameter or buffer (its local shard's, for a DTensor); ``default``
+    (CPU if None) for a model without tensors."""
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
-    return torch.device("cpu")
+    return default if default is not None else torch.device("cpu")
 
 
 def best_available() -> torch.device:

@@ -17,16 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._device import model_device
 from .environment import resolve_device
 from .errors import DeviceMapError, DeviceUnavailableError
 from .manifest import module_slot, package_slots
-
-
-def module_device(module: nn.Module, default: torch.device) -> torch.device:
-    """The device of the module's first parameter or buffer (its local shard's, for a DTensor)."""
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device
-    return default
 
 
 def slot_order(devices: Iterable[torch.device]) -> list[torch.device]:
@@ -92,7 +86,7 @@ def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map,
     if device_map is not None:
         mapping = _read_map(device_map, count, used)
         return Placement({e["path"]: mapping[module_slot(e)] for e in entries}, mapping, None, True)
-    modules = {e["path"]: module_device(model.get_submodule(e["path"]), default) for e in entries}
+    modules = {e["path"]: model_device(model.get_submodule(e["path"]), default) for e in entries}
     slots: dict[int, torch.device] = {}
     for entry in entries:
         slots.setdefault(module_slot(entry), modules[entry["path"]])

@@ -89,7 +89,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         samples = padding.batch_ladder(list(samples), sizes, axis)
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
-    placed = {path: devices.module_device(module, device) for path, module in selected.items()}
+    placed = {path: _device.model_device(module, device) for path, module in selected.items()}
     if in_place:  # the session's device: slot 0's
         device = devices.slot_order(placed.values())[0]
     strategy = strategy or default_strategy(device)
