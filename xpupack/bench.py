@@ -35,8 +35,7 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
 
     def time_all() -> list[_timing.Timing]:
         with torch.no_grad():
-            return [_timing.measure(lambda: tuned.target.module(*args, **kwargs),
-                                    session.devices.get(path, session.device),  # each module's own device
+            return [_timing.measure(lambda: tuned.target.module(*args, **kwargs), session.device_of(path),
                                     warmup=warmup, iterations=iterations, budget_s=10.0)
                     for path, tuned, _signature, args, kwargs in cases]
 

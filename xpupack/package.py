@@ -129,7 +129,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
                   str(staging / WEIGHTS), metadata={"format": "pt"})
 
-    slots = devices.slot_order(session.devices.get(path, session.device) for path in session.modules)
+    slots = devices.slot_order(session.device_of(path) for path in session.modules)
     modules, used_backends, runners = [], {}, {}
     for path, tuned in session.modules.items():
         folder = module_folder(path)
@@ -147,7 +147,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
                         "backend": {"name": backend.name, "options": backend.options(), "config": config},
                         "candidates": tuned.report,
                         # written for split models only: a single-device package stays readable by older xpupacks
-                        **({"device_slot": slots.index(session.devices.get(path, session.device))}
+                        **({"device_slot": slots.index(session.device_of(path))}
                            if len(slots) > 1 else {})})
 
     shared = {}

@@ -240,6 +240,10 @@ class Session:
     #: the model this session tunes (`attach` sets it)
     owner: "weakref.ref[nn.Module] | None" = None
 
+    def device_of(self, path: str) -> torch.device:
+        """The device the tuned module at ``path`` runs on."""
+        return self.devices.get(path, self.device)
+
     def activate(self) -> None:
         for tuned in self.modules.values():
             _hooks.install(tuned.target.module, tuned)
