@@ -36,7 +36,7 @@ import threading
 from collections import OrderedDict
 from operator import is_
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -44,10 +44,12 @@ from torch import nn
 from .. import _device
 from ..distributed import is_dtensor
 from ..errors import TuningError
-from ..padding import BatchAxes
 from ..signature import flatten, unflatten
 from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
+
+if TYPE_CHECKING:
+    from ..padding import BatchAxes
 
 log = logging.getLogger(__name__)
 
