@@ -6,5 +6,8 @@
 - `compare_calls`: a tuned call against eager's, result or error.
 - `package_tools`: damage, rewrite or inspect a package.
 - `hub_server`: a Hub-compatible server (olah) on loopback.
-- `concurrent_loader`, `kill_points`: programs that tests run in fresh processes.
+- `split_models`: a model whose layers sit on several devices.
+- `torchrun`: runs a script as several ranks and collects what each wrote.
+- `concurrent_loader`, `kill_points`, `rank_loader`, `tp_worker`: programs that tests run in fresh processes
+  (the last two as torchrun ranks).
 """
