@@ -17,7 +17,6 @@ into a recording and replayed stale.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,10 +52,10 @@ class StateType:
 
 
 #: type -> its StateType, or None once a type was looked at and is not a state type: the registry
-#: `register_state` writes (and a cache of lookups). Read without a lock on every call with state;
-#: written under `_REGISTERING`, so a lookup that caches "not a state type" cannot undo a registration.
+#: `register_state` writes (and a cache of lookups). Read without a lock on every call with state; a
+#: lookup caches with ``setdefault`` (one atomic step), so caching "not a state type" cannot undo a
+#: registration made meanwhile.
 _TYPES: dict[type, StateType | None] = {}
-_REGISTERING = threading.Lock()
 
 
 def type_name(cls: type) -> str:
@@ -80,8 +79,7 @@ def register_state(cls: type, tensors: Callable[[Any], list[torch.Tensor]]) -> N
         raise TypeError(f"register_state needs a class, not {cls!r}")
     if not callable(tensors):
         raise TypeError(f"register_state({cls.__name__}, ...) needs a function obj -> list of tensors")
-    with _REGISTERING:
-        _TYPES[cls] = StateType(type_name(cls), tensors)
+    _TYPES[cls] = StateType(type_name(cls), tensors)
 
 
 def state_type(obj: Any) -> StateType | None:
@@ -92,8 +90,7 @@ def state_type(obj: Any) -> StateType | None:
     except KeyError:
         pass
     found = _builtin(cls)
-    with _REGISTERING:
-        return _TYPES.setdefault(cls, found)
+    return _TYPES.setdefault(cls, found)
 
 
 # -- transformers, without importing it ------------------------------------------------------------

@@ -8,7 +8,6 @@ whose signature it recorded.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -299,7 +298,6 @@ class ComposedBackend(Backend):
 #: name -> backend class: the registry `register_backend` writes (xpupack's own backends and any a
 #: user adds) and `backend_from_json` reads; a manifest resolves only names registered here
 BACKENDS: dict[str, type[Backend]] = {}
-_REGISTERING = threading.Lock()
 
 #: the modules of xpupack's own backends; `import xpupack` no longer imports them (it imports no torch)
 _BUILTIN = ("eager", "graph", "inductor", "torchao")
@@ -307,8 +305,7 @@ _BUILTIN = ("eager", "graph", "inductor", "torchao")
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
     """Class decorator: makes a backend resolvable by its ``name`` from a manifest."""
-    with _REGISTERING:
-        BACKENDS[cls.name] = cls
+    BACKENDS[cls.name] = cls  # one dict assignment: atomic, no lock needed
     return cls
 
 
