@@ -13,14 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ._device import model_device
 from .environment import resolve_device
-from .errors import DeviceMapError, DeviceUnavailableError
-from .manifest import module_slot, package_slots
+from .errors import DeviceMapError, DeviceUnavailableError, PackageFormatError
+from .manifest import MANIFEST, module_slot, package_slots
+from .signature import device_from_name
+
+
+def manifest_devices(manifest: dict, root: Path) -> list[torch.device]:
+    """The device each device slot of the package was built on (tensor leaves of its specs are on them)."""
+    try:
+        return [device_from_name(name) for name in package_slots(manifest)]
+    except ValueError as exc:
+        raise PackageFormatError(f"{root / MANIFEST}: {exc}; the package is damaged — rebuild it",
+                                 path=MANIFEST) from None
 
 
 def slot_order(devices: Iterable[torch.device]) -> list[torch.device]:

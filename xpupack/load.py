@@ -22,9 +22,9 @@ from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_jso
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
-from .manifest import MANIFEST, check_files, listed_files, module_slot, package_slots, read_manifest
+from .manifest import check_files, listed_files, module_slot, read_manifest
 from .plan import ON_MISMATCH, Choice, Context, choose
-from .signature import device_from_name, dtype_name, flatten
+from .signature import dtype_name, flatten
 from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source
@@ -123,7 +123,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
                                           default=_device.model_device(model))
     device = placement.first
     here = environment(device)
-    build_devices = manifest_devices(manifest, source.root)
+    build_devices = devices.manifest_devices(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
     plans = [_plan(model, module, source, build_devices, placement, context) for module in manifest["modules"]]
     weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
@@ -196,15 +196,6 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
             f"{manifest['model']['class']}): " + "; ".join(problems)
             + " — build the model with the same architecture and dtype as the package",
             expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
-
-
-def manifest_devices(manifest: dict, root: Path) -> list[torch.device]:
-    """The device each device slot of the package was built on (tensor leaves of its specs are on them)."""
-    try:
-        return [device_from_name(name) for name in package_slots(manifest)]
-    except ValueError as exc:
-        raise PackageFormatError(f"{root / MANIFEST}: {exc}; the package is damaged — rebuild it",
-                                 path=MANIFEST) from None
 
 
 def _plan(model: nn.Module, entry: dict, source: Source, build_devices: list[torch.device],
