@@ -79,7 +79,7 @@ class TunedModule:
         #: calls served by padding up to a recorded batch (`xpupack.padding`)
         self.padded = 0
         self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
-        self._pads_in_place = getattr(runner, "run_padded", None)
+        self._pads_in_place = runner.run_padded
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1

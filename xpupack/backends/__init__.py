@@ -42,7 +42,9 @@ one call of signature ``index`` (one of ``runner.supported``); ``leaves`` are
 the call's inputs flattened in the signature's leaf order (what a device graph
 copies into its static buffers), ``args``/``kwargs`` the same call unflattened.
 The dispatcher (`xpupack.tuned`) decides whether a call fits a signature; a
-runner only ever sees calls that do. ``undo``/``redo`` take back and reapply
+runner only ever sees calls that do. A runner that can pad a smaller batch
+into its own buffers sets ``run_padded`` (the graph runner does); otherwise the
+dispatcher pads a copy of the call and uses ``run``. ``undo``/``redo`` take back and reapply
 what building or restoring changed in the module (TorchAO's quantized
 weights), so a rejected candidate or a failed load leaves the module as it was.
 """

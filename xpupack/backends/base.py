@@ -109,6 +109,9 @@ class Runner:
     #: the runner of the backend this one builds on (``GraphBackend(base=...)``); what it owns
     #: and what it changed in the module are this runner's too
     base_runner: Runner | None = None
+    #: ``run_padded(index, leaves, axes, batch)`` where a runner pads a smaller batch into its own
+    #: buffers (the graph backend); None: `TunedModule` pads a copy of the call and uses `run`
+    run_padded: Callable[..., Any] | None = None
 
     def __init__(self, supported: set[int]):
         self.supported = set(supported)
