@@ -11,6 +11,7 @@ model itself built before the clock starts).
 
     python benchmarks/llm_decode.py --device cuda > llm_decode.json
     python benchmarks/llm_decode.py --variants xpupack_bf16,hand_graph_inductor
+    python benchmarks/llm_decode.py --variants xpupack_int8 --compile-options '{"coordinate_descent_tuning": true}'
 
 Variants: hf_dynamic, hf_static (transformers' auto-compiled static cache),
 hf_static_after_import (the same after ``import xpupack``), hand_graph_eager,
@@ -166,17 +167,19 @@ def run_variant(name: str, device: str, workdir: Path) -> dict:
     return result
 
 
-def strategy_for(name: str):
+def strategy_for(name: str, compile_options: dict | None = None):
     import xpupack
 
     if name == "xpupack_int8":
         # random weights quantize worse than trained ones: int8's default 30 dB floor is lowered here
         return xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend(
-            base=xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=20))))
+            base=xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=20), compile_options=compile_options)))
+    if compile_options:
+        return xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend(compile_options=compile_options)))
     return None  # the default: graph over Inductor first on a GPU
 
 
-def build_package(name: str, device: str, workdir: Path) -> dict:
+def build_package(name: str, device: str, workdir: Path, compile_options: dict | None = None) -> dict:
     """Tunes on the decode loop and on generate(), saves without weights (the loader builds the same model)."""
     import torch
     import xpupack
@@ -192,7 +195,8 @@ def build_package(name: str, device: str, workdir: Path) -> dict:
                               do_sample=False, cache_implementation="static")
 
     started = time.perf_counter()
-    xpupack.tune(model, ["loop", "generate"], run=run, device=device, strategy=strategy_for(name))
+    xpupack.tune(model, ["loop", "generate"], run=run, device=device,
+                 strategy=strategy_for(name, compile_options))
     tuned_s = time.perf_counter() - started
     xpupack.save(model, workdir / name, weights=False)
     return {"tune_s": tuned_s, "report": xpupack.tuned.session_of(model).modules[""].report}
@@ -232,12 +236,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--variants", default=",".join(ALL))
     parser.add_argument("--workdir", default=None, help="where packages go (default: a temporary directory)")
+    parser.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
+                        help='Inductor settings for the xpupack variants, e.g. \'{"coordinate_descent_tuning": true}\'')
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--build", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one or args.build:
         workdir = Path(args.workdir)
-        print(json.dumps(build_package(args.build, args.device, workdir) if args.build
+        print(json.dumps(build_package(args.build, args.device, workdir, args.compile_options) if args.build
                          else run_variant(args.one, args.device, workdir), default=str))
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="llm-decode-"))
@@ -245,7 +251,8 @@ def main() -> None:
     for name in args.variants.split(","):
         common = ["--device", args.device, "--workdir", str(workdir)]
         if name.startswith("xpupack"):
-            results[f"{name}_build"] = fresh([*common, "--build", name])
+            options = ["--compile-options", json.dumps(args.compile_options)] if args.compile_options else []
+            results[f"{name}_build"] = fresh([*common, *options, "--build", name])
         results[name] = fresh([*common, "--one", name])
         print(f"{name}: {json.dumps(results[name], default=str)[:400]}", file=sys.stderr, flush=True)
     parameters = sum(v for k, v in _parameter_count().items())
@@ -258,7 +265,8 @@ def main() -> None:
             summary[f"{name}_loop_vs_hand_graph_inductor"] = mine["loop_tokens_per_s"] / hand
         if hf and mine.get("generate_tokens_per_s"):
             summary[f"{name}_generate_vs_hf_static"] = mine["generate_tokens_per_s"] / hf
-    print(json.dumps({"config": CONFIG, "prompt": PROMPT, "new_tokens": NEW_TOKENS, "summary": summary,
+    print(json.dumps({"config": CONFIG, "prompt": PROMPT, "new_tokens": NEW_TOKENS,
+                      "compile_options": args.compile_options, "summary": summary,
                       "results": results}, indent=2, default=str))
 
 

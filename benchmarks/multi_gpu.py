@@ -41,6 +41,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from graph_latency import make_model  # noqa: E402 (the h1024x12 model of the single-GPU benchmark)
 
 HIDDEN, LAYERS, SEQ, BATCHES = 1024, 12, 32, (1, 8)
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """One line on stderr per step, so a long run shows where it is (stdout carries only the JSON)."""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 class Split(nn.Module):
@@ -99,10 +105,13 @@ def _backends(model) -> dict:
 def _eager_and_tuned(model, modules, devices, sample_device) -> dict:
     """Eager and tuned latency of ``model`` for each batch size (tuned in place, device=None)."""
     ids = {batch: _ids(batch, sample_device) for batch in BATCHES}
+    progress(f"eager on {', '.join(map(str, devices))}")
     eager = {batch: timed_us(lambda b=batch: model(ids[b]), devices) for batch in BATCHES}
     with torch.inference_mode():
         expected = {batch: model(ids[batch]).float() for batch in BATCHES}
+    progress("tuning")
     xpupack.tune(model, list(ids.values()), modules=modules, strategy=_graph_strategy())
+    progress("timing the tuned model")
     tuned = {batch: timed_us(lambda b=batch: model(ids[b]), devices) for batch in BATCHES}
     with torch.inference_mode():
         error = max(float((model(ids[b]).float() - expected[b]).abs().max()) for b in BATCHES)
