@@ -17,6 +17,8 @@ Each variant is timed in the same process, device-synchronized on every GPU
 it uses, median of many calls; ratios are computed from those numbers.
 
     python benchmarks/multi_gpu.py > multi_gpu.json
+    python benchmarks/multi_gpu.py --only split          # one part at a time
+    python benchmarks/multi_gpu.py --device cpu --smoke  # the code path on a CPU (gloo, eager): no figures
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ import torch
 from torch import nn
 
 import xpupack
+from xpupack import _device
 from xpupack.tuned import session_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_latency import make_model  # noqa: E402 (the h1024x12 model of the single-GPU benchmark)
 
 HIDDEN, LAYERS, SEQ, BATCHES = 1024, 12, 32, (1, 8)
+#: --smoke: a tiny model and few calls, to run the code path (CI, on a CPU)
+SMOKE = dict(hidden=64, layers=2, warmup=1, iterations=3)
 _START = time.perf_counter()
 
 
@@ -68,11 +73,18 @@ class Split(nn.Module):
         return self.head(self.norm(x.to(self.embed.weight.device)))
 
 
-def timed_us(fn, devices: list[torch.device], *, warmup: int = 20, iterations: int = 200) -> float:
+class Sizes:
+    """The model and call counts of one run (`SMOKE` shrinks them)."""
+    hidden, layers, warmup, iterations = HIDDEN, LAYERS, 20, 200
+
+
+def timed_us(fn, devices: list[torch.device]) -> float:
     """Median microseconds per call, waiting for every device in ``devices`` before each clock read."""
+    warmup, iterations = Sizes.warmup, Sizes.iterations
+
     def sync():
         for device in devices:
-            torch.cuda.synchronize(device)
+            _device.synchronize(device)
 
     samples = []
     with torch.inference_mode():
@@ -118,12 +130,14 @@ def _eager_and_tuned(model, modules, devices, sample_device) -> dict:
     return {"eager_us": eager, "tuned_us": tuned, "max_abs_diff": error, **_backends(model)}
 
 
-def bench_split(dtype: torch.dtype) -> dict:
-    two = ["cuda:0", "cuda:1"]
-    split = _eager_and_tuned(Split(make_model(HIDDEN, LAYERS, dtype, "cpu"), two), ["stages.*"],
-                             [torch.device(d) for d in two], "cuda:0")
-    one = _eager_and_tuned(Split(make_model(HIDDEN, LAYERS, dtype, "cpu"), ["cuda:0"]), ["stages.*"],
-                           [torch.device("cuda:0")], "cuda:0")
+def _model(dtype: torch.dtype, device: str) -> nn.Module:
+    return make_model(Sizes.hidden, Sizes.layers, dtype, device)
+
+
+def bench_split(dtype: torch.dtype, device_type: str) -> dict:
+    two = [f"{device_type}:0", f"{device_type}:1"] if device_type != "cpu" else ["cpu", "cpu"]
+    split = _eager_and_tuned(Split(_model(dtype, "cpu"), two), ["stages.*"], [torch.device(d) for d in two], two[0])
+    one = _eager_and_tuned(Split(_model(dtype, "cpu"), two[:1]), ["stages.*"], [torch.device(two[0])], two[0])
     result = {"backends": split["backends"], "fallbacks": split["fallbacks"],
               "max_abs_diff_vs_eager": split["max_abs_diff"]}
     for batch in BATCHES:
@@ -135,23 +149,28 @@ def bench_split(dtype: torch.dtype) -> dict:
     return result
 
 
-def tp_rank(dtype: torch.dtype, out: Path) -> None:
+def tp_rank(dtype: torch.dtype, device_type: str, out: Path) -> None:
     """One rank of the tensor-parallel run (started by torchrun from `bench_tensor_parallel`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    mesh = init_device_mesh("cuda", (world,))
+    if device_type == "cpu":
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device(device_type, int(os.environ["LOCAL_RANK"]))
+        getattr(torch, device_type).set_device(device)
+        dist.init_process_group("nccl" if device_type == "cuda" else "xccl", device_id=device)
+    mesh = init_device_mesh(device_type, (world,))
     result: dict = {}
     if rank == 0:  # one GPU, while the other ranks wait
-        one = _eager_and_tuned(make_model(HIDDEN, LAYERS, dtype, str(device)), ["layers.*"], [device], str(device))
-        result["one_gpu"] = one
+        progress("one GPU, rank 0")
+        result["one_gpu"] = _eager_and_tuned(_model(dtype, str(device)), ["layers.*"], [device], str(device))
     dist.barrier()
-    model = make_model(HIDDEN, LAYERS, dtype, str(device))
+    progress(f"tensor parallel, rank {rank}")
+    model = _model(dtype, str(device))
     for block in model.layers:
         parallelize_module(block, mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
     result["tensor_parallel"] = _eager_and_tuned(model, ["layers.*"], [device], str(device))
@@ -164,12 +183,13 @@ def tp_rank(dtype: torch.dtype, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def bench_tensor_parallel(dtype_name: str) -> dict:
+def bench_tensor_parallel(dtype_name: str, device_type: str, smoke: bool) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rank0.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   __file__, "--dtype", dtype_name, "--tp-rank-out", str(out)]
-        subprocess.run(command, check=True, stdout=sys.stderr)
+                   __file__, "--dtype", dtype_name, "--device", device_type, "--tp-rank-out", str(out),
+                   *(["--smoke"] if smoke else [])]
+        subprocess.run(command, check=True, stdout=2)  # the ranks print to our stderr: stdout carries the JSON only
         raw = json.loads(out.read_text())
     tp, one = raw["tensor_parallel"], raw["one_gpu"]
     result = {"backends": tp["backends"], "fallbacks": tp["fallbacks"], "rejected": tp["rejected"],
@@ -185,25 +205,33 @@ def bench_tensor_parallel(dtype_name: str) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on a CPU")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "xpu", "cpu"],
+                        help="the device type; cpu runs the code path only (one device, gloo, no graphs)")
     parser.add_argument("--only", choices=["split", "tensor_parallel"], default=None)
+    parser.add_argument("--smoke", action="store_true", help=f"a tiny model and few calls ({SMOKE})")
     parser.add_argument("--tp-rank-out", type=Path, default=None, help=argparse.SUPPRESS)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
+    options.dtype = options.dtype or ("float32" if options.device == "cpu" else "bfloat16")
     dtype = getattr(torch, options.dtype)
+    if options.smoke:
+        Sizes.hidden, Sizes.layers, Sizes.warmup, Sizes.iterations = SMOKE.values()
     if options.tp_rank_out is not None:
-        tp_rank(dtype, options.tp_rank_out)
-        return
-    if torch.cuda.device_count() < 2:
-        sys.exit("needs two CUDA devices")
-    report = {"torch": torch.__version__, "xpupack": xpupack.__version__, "device": torch.cuda.get_device_name(0),
-              "model": f"h{HIDDEN}x{LAYERS}, seq {SEQ}", "dtype": options.dtype}
+        tp_rank(dtype, options.device, options.tp_rank_out)
+        return None
+    if options.device != "cpu" and getattr(torch, options.device).device_count() < 2:
+        sys.exit(f"needs two {options.device} devices (or --device cpu for the code path)")
+    name = _device.device_name(torch.device(options.device, 0) if options.device != "cpu" else torch.device("cpu"))
+    report = {"torch": torch.__version__, "xpupack": xpupack.__version__, "device": name,
+              "model": f"h{Sizes.hidden}x{Sizes.layers}, seq {SEQ}", "dtype": options.dtype, "smoke": options.smoke}
     if options.only in (None, "split"):
-        report["split"] = bench_split(dtype)
+        report["split"] = bench_split(dtype, options.device)
     if options.only in (None, "tensor_parallel"):
-        report["tensor_parallel"] = bench_tensor_parallel(options.dtype)
+        report["tensor_parallel"] = bench_tensor_parallel(options.dtype, options.device, options.smoke)
     print(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":
