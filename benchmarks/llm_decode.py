@@ -217,9 +217,12 @@ def serve_package(name: str, device: str, workdir: Path) -> dict:
     loop, tokens = loop_tokens_per_s(model, device)
     first_generate_s, generate = generate_tokens_per_s(model, device)
     stats = xpupack.stats(model)[""]
+    from torch._dynamo.utils import counters  # where the serving process's compile time went
+
     return {"package_to_first_token_s": first_token_s, "first_token": first, "loop_tokens_per_s": loop,
             "tokens": tokens, "first_generate_s": first_generate_s, "generate_tokens_per_s": generate,
-            "recording_memory_bytes": stats["memory_bytes"], "stats": stats}
+            "recording_memory_bytes": stats["memory_bytes"], "stats": stats,
+            "inductor_counters": dict(counters["inductor"])}
 
 
 def fresh(arguments: list[str]) -> dict:
