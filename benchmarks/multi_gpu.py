@@ -9,9 +9,12 @@ batch 1 and 8). Printed as one JSON object:
   same model on one GPU (eager and tuned the same way);
 - ``tensor_parallel``: two ranks under torchrun (this script starts them),
   each block's MLP column-/row-parallel (one all-reduce per block), the blocks
-  tuned as device graphs with their all-reduce recorded, against eager tensor
-  parallel and against one GPU. Rank 0's timings; every rank runs the same
-  number of calls (collectives), so timing uses a fixed count, not a budget.
+  tuned with the same graph-first strategy, against eager tensor parallel and
+  against one GPU. The graph backend refuses sharded modules on GPUs (their
+  all-reduce cannot be recorded on torch 2.11: README, "Bigger than one
+  GPU"), so ``rejected`` says why and "tuned" is the next backend, eager.
+  Rank 0's timings; every rank runs the same number of calls (collectives),
+  so timing uses a fixed count, not a budget.
 
 Each variant is timed in the same process, device-synchronized on every GPU
 it uses, median of many calls; ratios are computed from those numbers.

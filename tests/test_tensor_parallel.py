@@ -85,3 +85,74 @@ def test_moving_a_sharded_module_records_it_again(emulated_graphs, fallback_call
     with pytest.raises(RuntimeError), torch.no_grad():
         model(samples[0])  # float32 into float64 weights: eager's error, after recording again failed
     assert xpupack.stats(model)["layers.0"]["rerecordings"] == 1
+
+
+@pytest.fixture
+def graphs_without_collectives(emulated_graphs, monkeypatch):
+    """Emulated graphs that, like CUDA graphs on torch 2.11 with NCCL, cannot record collectives."""
+    monkeypatch.setattr(emulated_graphs, "records_collectives", False, raising=False)
+    return emulated_graphs
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_sharded_module_is_refused_before_any_capture_where_collectives_cannot_be_recorded(
+        graphs_without_collectives, tmp_path):
+    """A failed capture of an all-reduce left two H200 ranks hung: the graph backend does not try it, every
+    rank refuses alike, and the next backend serves (README: "Bigger than one GPU")."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    samples = [torch.randn(2, 8)]
+    strategy = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"], strategy=strategy)
+    assert graphs_without_collectives.captures == 0
+    assert xpupack.stats(model)["layers.0"]["backend"] == "eager"
+    report = xpupack.tuned.session_of(model).modules["layers.0"].report
+    rejected = [entry for entry in report if entry["status"] == "rejected"]
+    assert [entry["backend"] for entry in rejected] == ["graph"]
+    assert "collectives are not recorded" in rejected[0]["reason"]
+    assert "record_collectives=True" in rejected[0]["reason"]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_record_collectives_opts_in_and_is_stored_in_the_package(graphs_without_collectives, tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    samples = [torch.randn(2, 8)]
+    strategy = xpupack.Only(xpupack.GraphBackend(record_collectives=True))
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"], strategy=strategy)
+    assert xpupack.stats(model)["layers.0"]["backend"] == "graph" and graphs_without_collectives.captures == 1
+    root = xpupack.save(model, tmp_path / "pkg")
+    assert read_manifest(root)["modules"][0]["backend"]["options"] == {"record_collectives": True}
+    loaded = xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), root)
+    assert xpupack.stats(loaded)["layers.0"]["backend"] == "graph"
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(loaded(samples[0])), make_blocks(seed=0, depth=1)(samples[0]))
+
+
+def test_record_collectives_takes_only_a_bool():
+    with pytest.raises(ValueError, match="record_collectives"):
+        xpupack.GraphBackend(record_collectives="yes")
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_graph_package_of_a_sharded_module_loads_on_a_device_that_cannot_record_its_collectives(
+        emulated_graphs, tmp_path, monkeypatch):
+    """Built where collectives record, loaded where they do not: the module is refused before any capture
+    and runs the original forward, with the same answers."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1,))
+    samples = [torch.randn(2, 8)]
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"],
+                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    assert xpupack.stats(model)["layers.0"]["backend"] == "graph"
+    root = xpupack.save(model, tmp_path / "pkg")
+    monkeypatch.setattr(emulated_graphs, "records_collectives", False, raising=False)
+    captures = emulated_graphs.captures
+    loaded = xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), root)
+    assert emulated_graphs.captures == captures
+    assert xpupack.stats(loaded)["layers.0"]["backend"] == "eager"  # the original forward
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(loaded(samples[0])), make_blocks(seed=0, depth=1)(samples[0]))

@@ -69,6 +69,10 @@ class DeviceGraphs:
 
     #: a capture only records the work; the recorded call runs on the first replay
     capture_executes = False
+    #: whether a tensor-parallel module's collectives can be recorded. Not by default: on two H200s
+    #: (torch 2.11, NCCL) capturing a DTensor block's all-reduce failed with "CUDA error: invalid
+    #: argument", by hand as through xpupack, and left the ranks' communicator hung afterwards
+    records_collectives = False
 
     def __init__(self, device_type: str, graph_class: str):
         self.device_type = device_type

@@ -21,6 +21,8 @@ class EmulatedGraphs:
     device_type = "cpu"
     #: the capture runs the function (a real capture only records it), like the call it records
     capture_executes = True
+    #: a replay runs the function again, so a sharded module's collectives really happen on every replay
+    records_collectives = True
 
     def __init__(self):
         self.captures = 0

@@ -65,8 +65,10 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
         recordings = rest.pop("max_recordings", None)
         copies = rest.pop("copy_outputs", None)
         budget = rest.pop("max_memory", None)
+        collectives = rest.pop("record_collectives", None)
         if rest or (recordings is not None and (type(recordings) is not int or recordings < 1 or recordings == 16)) \
                 or (copies is not None and copies is not False) \
+                or (collectives is not None and collectives is not True) \
                 or (budget is not None and (type(budget) is not int or budget < 1)):
             return None
         inner = None

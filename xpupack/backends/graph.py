@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .. import _device
-from ..distributed import is_dtensor
+from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError
 from ..signature import flatten, unflatten
 from ..state import state_type
@@ -440,6 +440,18 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _refuse_unsafe_collectives(target: Target, device: torch.device, opted_in: bool) -> None:
+    """A sharded (DTensor) module calls collectives. Unless the device's graphs are known to record them,
+    or the caller opted in, it is refused before anything is captured: a failed capture of a collective
+    can leave every rank's communicator hung, which no fallback undoes. Every rank refuses alike."""
+    api = _device.graphs_for(device)
+    if is_sharded(target.module) and not opted_in and not (api and api.records_collectives):
+        raise RuntimeError(
+            "a tensor-parallel module's collectives are not recorded on "
+            f"{device.type}: capturing an all-reduce failed on torch 2.11 with NCCL ('CUDA error: invalid "
+            "argument') and left the ranks hung; GraphBackend(record_collectives=True) tries anyway")
+
+
 def _refuse_input_mutation(spec: ModuleSpec) -> None:
     if spec.mutates_inputs:
         raise RuntimeError("the module changes its input tensors in place; a replay would change its own "
@@ -465,6 +477,11 @@ class GraphBackend(ComposedBackend):
             under ``skipped``) and their calls are padded up to a larger recording where the module
             allows it, else run the original module. None: no budget. Applied again when a loader
             records. Calls with state (a KV cache) are recorded while serving, outside the budget.
+        record_collectives: record tensor-parallel (DTensor) modules, collectives included, on a
+            GPU. Off by default: capturing an NCCL all-reduce failed on torch 2.11 and left the
+            ranks hung (README, "Bigger than one GPU"); such modules are refused before any
+            capture and run the strategy's next backend. Turn on only where a test on your
+            stack shows the capture works.
 
     Raises:
         TuningError: an option is out of range.
@@ -477,7 +494,7 @@ class GraphBackend(ComposedBackend):
     pads_calls = True
 
     def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = 16,
-                 copy_outputs: bool = True, max_memory: int | None = None):
+                 copy_outputs: bool = True, max_memory: int | None = None, record_collectives: bool = False):
         self._set_base(base)
         if isinstance(self.base, GraphBackend):
             raise ValueError("GraphBackend(base=GraphBackend()) would record a recording")
@@ -489,9 +506,12 @@ class GraphBackend(ComposedBackend):
                                        or max_memory < 1):
             raise TuningError(f"GraphBackend(max_memory={max_memory!r}): give a positive number of bytes "
                               "(an int, e.g. 2 * 2**30 for 2 GiB), or None for no budget")
+        if not isinstance(record_collectives, bool):
+            raise ValueError(f"GraphBackend(record_collectives={record_collectives!r}): give True or False")
         self.max_recordings = max_recordings
         self.copy_outputs = copy_outputs
         self.max_memory = max_memory
+        self.record_collectives = record_collectives
 
     @property
     def depends_on(self) -> tuple[str, ...]:
@@ -509,6 +529,8 @@ class GraphBackend(ComposedBackend):
             options["copy_outputs"] = False
         if self.max_memory is not None:
             options["max_memory"] = self.max_memory
+        if self.record_collectives:
+            options["record_collectives"] = True
         return options
 
     def available(self, device: torch.device) -> bool:
@@ -534,6 +556,7 @@ class GraphBackend(ComposedBackend):
                            copy_outputs=self.copy_outputs, max_memory=self.max_memory, base_runner=base_runner)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        _refuse_unsafe_collectives(target, device, self.record_collectives)
         _refuse_input_mutation(spec)
         runner = self._runner(target, spec, device, self._build_base(target, spec, device))
         try:
@@ -548,6 +571,7 @@ class GraphBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
+        _refuse_unsafe_collectives(target, device, self.record_collectives)
         _refuse_input_mutation(spec)
         base_runner = self._restore_base(target, spec, config, folder, device, use_artifacts)
         runner = self._runner(target, spec, device, base_runner)
