@@ -9,10 +9,10 @@ batch 1 and 8). Printed as one JSON object:
   same model on one GPU (eager and tuned the same way);
 - ``tensor_parallel``: two ranks under torchrun (this script starts them),
   each block's MLP column-/row-parallel (one all-reduce per block), the blocks
-  tuned with the same graph-first strategy, against eager tensor parallel and
-  against one GPU. The graph backend refuses sharded modules on GPUs (their
-  all-reduce cannot be recorded on torch 2.11: README, "Bigger than one
-  GPU"), so ``rejected`` says why and "tuned" is the next backend, eager.
+  tuned graph first, then Inductor, then eager, against eager tensor parallel
+  and against one GPU (tuned graph first). The graph backend refuses sharded
+  modules on GPUs (their all-reduce cannot be recorded on torch 2.11: README,
+  "Bigger than one GPU"), so ``rejected`` says why and "tuned" is Inductor.
   Rank 0's timings; every rank runs the same number of calls (collectives),
   so timing uses a fixed count, not a budget.
 
@@ -106,9 +106,12 @@ def _ids(batch: int, device: str) -> torch.Tensor:
     return torch.randint(0, 32000, (batch, SEQ), generator=torch.Generator().manual_seed(batch)).to(device)
 
 
-def _graph_strategy() -> xpupack.Strategy:
-    # never timed against eager: the benchmark shows the ratio, and tensor-parallel ranks must choose alike
-    return xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
+def _strategy(*, inductor: bool = False) -> xpupack.Strategy:
+    """Graph first, eager last (Inductor between them for tensor parallel, where the graph backend refuses
+    the sharded blocks). Never timed against eager: the benchmark shows the ratio, and tensor-parallel
+    ranks must choose alike."""
+    middle = [xpupack.InductorBackend()] if inductor else []
+    return xpupack.FirstWins([xpupack.GraphBackend(), *middle, xpupack.EagerBackend()], min_speedup=None)
 
 
 def _backends(model) -> dict:
@@ -117,7 +120,7 @@ def _backends(model) -> dict:
             "fallbacks": sum(s["fallbacks"] for s in stats.values())}
 
 
-def _eager_and_tuned(model, modules, devices, sample_device) -> dict:
+def _eager_and_tuned(model, modules, devices, sample_device, strategy: xpupack.Strategy | None = None) -> dict:
     """Eager and tuned latency of ``model`` for each batch size (tuned in place, device=None)."""
     ids = {batch: _ids(batch, sample_device) for batch in BATCHES}
     progress(f"eager on {', '.join(map(str, devices))}")
@@ -125,7 +128,7 @@ def _eager_and_tuned(model, modules, devices, sample_device) -> dict:
     with torch.inference_mode():
         expected = {batch: model(ids[batch]).float() for batch in BATCHES}
     progress("tuning")
-    xpupack.tune(model, list(ids.values()), modules=modules, strategy=_graph_strategy())
+    xpupack.tune(model, list(ids.values()), modules=modules, strategy=strategy or _strategy())
     progress("timing the tuned model")
     tuned = {batch: timed_us(lambda b=batch: model(ids[b]), devices) for batch in BATCHES}
     with torch.inference_mode():
@@ -176,7 +179,8 @@ def tp_rank(dtype: torch.dtype, device_type: str, out: Path) -> None:
     model = _model(dtype, str(device))
     for block in model.layers:
         parallelize_module(block, mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
-    result["tensor_parallel"] = _eager_and_tuned(model, ["layers.*"], [device], str(device))
+    result["tensor_parallel"] = _eager_and_tuned(model, ["layers.*"], [device], str(device),
+                                                 _strategy(inductor=True))
     rejected = {path: [e.get("reason") for e in tuned.report if e["status"] == "rejected"]
                 for path, tuned in session_of(model).modules.items()}
     result["tensor_parallel"]["rejected"] = {p: r for p, r in rejected.items() if r}
