@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import xpupack
+from support.backends import PaddingCountingBackend
 from support.models import make_stack
 from support.package_tools import rewrite_json
 from xpupack.cli import main
@@ -428,3 +429,48 @@ def test_half_precision_rows_that_mix_are_still_refused(emulated_graphs):
     xpupack.tune(model, samples, modules=["mix", "mlp"], strategy=GRAPH)
     assert "rows mix" in spec_of(model, "mix").padding_refused and "SQNR" in spec_of(model, "mix").padding_refused
     assert spec_of(model, "mlp").batch_axes and spec_of(model, "mlp").padding_refused is None
+
+
+# -- a package's batch axes are a claim: checked before a loaded model pads with them ---------------
+
+def _wrong_output_axes(spec):
+    for axes in spec["batch_axes"]:
+        axes["outputs"] = [1]  # the columns: of the same size as the rows only for the batch of 8
+
+
+@pytest.mark.parametrize("strategy", [GRAPH, xpupack.Only(PaddingCountingBackend())], ids=["graph", "padded-copy"])
+def test_output_batch_axes_that_name_the_wrong_rows_never_cut_an_answer(emulated_graphs, tmp_path, fallback_calls,
+                                                                        strategy):
+    """Regression (found by tests/test_fuzz.py): a spec rewritten with its digest to cut the outputs along
+    the wrong axis gave padded calls outputs of the wrong shape, or, where the shapes happen to agree
+    (8 x 8), the wrong values. Axes that do not fit the outputs are refused, and the first padded call
+    into each recording of a loaded package is checked against the original module."""
+    model, reference = tune_ladder(strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    rewrite_json(root, "modules/layers.0.mlp/spec.json", _wrong_output_axes)
+    loaded = xpupack.load(make_stack(), root)
+    serve(loaded, reference, (3, 5, 7, 5))
+    stats = xpupack.stats(loaded)
+    assert stats["layers.0.mlp"]["padded"] == 0 and stats["layers.0.mlp"]["fallbacks"] == 4
+    assert "padding check" in stats["layers.0.mlp"]["fallback_reasons"]
+    assert (stats["layers.1.mlp"]["padded"], stats["layers.1.mlp"]["fallbacks"]) == (4, 0)  # untouched: checked once
+
+
+def test_a_loaded_package_checks_its_first_padded_call_per_recording_only(emulated_graphs, tmp_path, fallback_calls,
+                                                                          monkeypatch):
+    model, reference = tune_ladder()
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(make_stack(), root)
+    tuned = xpupack.tuned.session_of(loaded).modules["layers.0.mlp"]
+    originals = []
+    forward = tuned.target.forward
+    monkeypatch.setattr(tuned.target, "forward", lambda *a, **k: originals.append(1) or forward(*a, **k))
+    serve(loaded, reference, (3, 3, 5, 7, 7))  # 3 -> 4, 5 and 7 -> 8
+    assert len(originals) == 2 and fallback_calls == []
+    assert xpupack.stats(loaded)["layers.0.mlp"]["padded"] == 5
+    # a freshly tuned model was checked on its samples while tuning: no call runs the original
+    tuned_now = xpupack.tuned.session_of(model).modules["layers.0.mlp"]
+    forward_now = tuned_now.target.forward
+    monkeypatch.setattr(tuned_now.target, "forward", lambda *a, **k: originals.append(2) or forward_now(*a, **k))
+    serve(model, reference, (3, 5))
+    assert 2 not in originals

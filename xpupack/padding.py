@@ -337,6 +337,26 @@ def _mask(key: tuple, axes: tuple[int | None, ...], shapes: list) -> tuple[tuple
     return (*key[:len(key) - count], *leaf_keys), batch
 
 
+def check_output_axes(outputs: Any, axes: BatchAxes, batch: int) -> None:
+    """Checks a package's claim about where the rows of ``outputs`` (a call of ``batch`` rows) are.
+
+    The batch axes tuning found always name one axis (or None) per output leaf, each batched leaf
+    a tensor with ``batch`` rows on its axis; the input axes are checked when the spec is read.
+    Axes that break this come from a damaged or hostile package, and cutting by them would hand
+    back the wrong rows.
+
+    Raises:
+        ValueError: the axes do not fit the outputs.
+    """
+    leaves, _ = flatten((outputs,), {})
+    if len(leaves) != len(axes.outputs) or any(
+            axis is not None and not (isinstance(leaf, _Tensor) and leaf.dim() > axis and leaf.shape[axis] == batch)
+            for leaf, axis in zip(leaves, axes.outputs)):
+        shapes = [list(leaf.shape) if isinstance(leaf, _Tensor) else type(leaf).__name__ for leaf in leaves]
+        raise ValueError(f"the package's output batch axes {list(axes.outputs)} do not fit the outputs "
+                         f"{shapes} of a call of {batch} rows; the package is damaged — rebuild it")
+
+
 def pad_call(args: tuple, kwargs: dict, axes: BatchAxes, batch: int) -> tuple[tuple, dict, list]:
     """The call grown to ``batch`` rows, zeros filling the rows it lacks; returns ``(args, kwargs, leaves)``."""
     leaves, tree = flatten(args, kwargs)

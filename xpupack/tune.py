@@ -136,5 +136,5 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
     padding.plan(spec, target.forward, references)
     backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
-    return TunedModule(target, spec, backend, runner, report)
+    return TunedModule(target, spec, backend, runner, report, padding_checked=True)  # `padding.plan` checked it
 

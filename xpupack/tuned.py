@@ -23,7 +23,7 @@ from . import _hooks
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
-from .padding import PadTable, cut_outputs, pad_call
+from .padding import PadTable, check_output_axes, cut_outputs, pad_call
 from .signature import Signature, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, state_type, unrecordable_hint
 
@@ -49,7 +49,7 @@ class TunedModule:
     """The ``forward`` of a tuned module: fit check, then backend or fallback."""
 
     def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
-                 report: list[dict] | None = None):
+                 report: list[dict] | None = None, *, padding_checked: bool = False):
         self.target = target
         self.spec = spec
         self.backend = backend
@@ -80,6 +80,10 @@ class TunedModule:
         self.padded = 0
         self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
         self._pads_in_place = runner.run_padded
+        #: signatures whose padded calls are known to agree with the original module: all of them when
+        #: tuning checked the batch axes on its samples; none after a load, whose axes are the package's
+        #: claim (the first padded call into each is checked, `_check_first_padded_call`)
+        self._padding_checked: set[int] = set(self._table.values()) if padding_checked else set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -103,7 +107,7 @@ class TunedModule:
         try:
             if padding is None:
                 return self.runner.run(index, args, kwargs, leaves)
-            return self._run_padded(padding, args, kwargs, leaves)
+            outputs = self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
             self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
             self._table = {k: i for k, i in self._table.items() if i != index}
@@ -113,6 +117,26 @@ class TunedModule:
             log.warning("%s: %s backend failed (%s); this signature now runs the original module",
                         self.target.path or "<model>", self.backend_name, exc)
             return self._fallback(args, kwargs, "backend error", leaves)
+        if index not in self._padding_checked and not self._check_first_padded_call(index, outputs, args, kwargs):
+            return self._fallback(args, kwargs, "padding check", leaves)
+        self.padded += 1
+        return outputs
+
+    def _check_first_padded_call(self, index: int, outputs: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether a loaded package's first padded call into signature ``index`` agrees with the original
+        module on the caller's rows (run here once). A package's batch axes are its author's claim, and
+        axes that name the wrong rows (or a module whose rows mix) would hand back wrong answers; on a
+        mismatch that signature is no longer padded into."""
+        with torch.no_grad():
+            problem = self.backend.compare(outputs, self.target.forward(*args, **kwargs))
+        if problem is None:
+            self._padding_checked.add(index)
+            return True
+        self._padding.retire(index)
+        self.backend_errors[index] = f"padding check: {problem}"
+        log.warning("%s: a padded call into %s disagreed with the original module (%s); calls are no longer "
+                    "padded into it", self.target.path or "<model>", self.spec.signatures[index].describe(), problem)
+        return False
 
     def _run_padded(self, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
         """Runs a call padded up to the recorded batch ``padding`` names and cuts the outputs back.
@@ -121,12 +145,11 @@ class TunedModule:
         get a padded copy of the call."""
         index, axes, batch, recorded = padding
         if self._pads_in_place is not None:
-            outputs = self._pads_in_place(index, leaves, axes, batch)
-        else:
-            padded_args, padded_kwargs, padded_leaves = pad_call(args, kwargs, axes, recorded)
-            outputs = cut_outputs(self.runner.run(index, padded_args, padded_kwargs, padded_leaves), axes, batch)
-        self.padded += 1
-        return outputs
+            return self._pads_in_place(index, leaves, axes, batch)
+        padded_args, padded_kwargs, padded_leaves = pad_call(args, kwargs, axes, recorded)
+        padded = self.runner.run(index, padded_args, padded_kwargs, padded_leaves)
+        check_output_axes(padded, axes, recorded)
+        return cut_outputs(padded, axes, batch)
 
     def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
         """A call of a tuned signature's family whose state has a new layout (a KV cache of another

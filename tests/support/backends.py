@@ -124,3 +124,11 @@ class ShortcutBackend(Backend):
 
     def build(self, target, spec, device):
         return CountingRunner(target.module.shortcut, set(range(len(spec.signatures))))
+
+
+@register_backend
+class PaddingCountingBackend(CountingBackend):
+    """`CountingBackend` that takes padded calls the way Inductor does (a padded copy of the call)."""
+
+    name = "counting-pads"
+    pads_calls = True

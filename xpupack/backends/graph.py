@@ -36,7 +36,7 @@ import threading
 from collections import OrderedDict
 from operator import is_
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -44,12 +44,10 @@ from torch import nn
 from .. import _device
 from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError
+from ..padding import BatchAxes, check_output_axes, signature_batch
 from ..signature import flatten, unflatten
 from ..state import state_type
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
-
-if TYPE_CHECKING:
-    from ..padding import BatchAxes
 
 log = logging.getLogger(__name__)
 
@@ -306,6 +304,9 @@ class GraphRunner(Runner):
             recording.set_outputs(outputs)
         finally:
             recording.live = {}
+        axes = self.spec.batch_axes.get(index)
+        if axes is not None:  # padded calls will be cut by these axes: they must fit (a package's are a claim)
+            check_output_axes(outputs, axes, signature_batch(self.spec.signatures[index], axes)[1])
         # its static inputs, and what its capture added to the shared pool (outputs, work space)
         recording.memory = pool_memory + sum(static[slot].untyped_storage().nbytes()
                                              for slot in recording.tensor_slots)
