@@ -357,6 +357,16 @@ def check_output_axes(outputs: Any, axes: BatchAxes, batch: int) -> None:
                          f"{shapes} of a call of {batch} rows; the package is damaged — rebuild it")
 
 
+def padded_rows_differ(backend: Any, actual: Any, expected: Any) -> str | None:
+    """Why a padded call's outputs (``actual``) differ from the original module's on the caller's rows
+    alone (``expected``), or None: they pass the backend's own comparison, or, in half precision, reach
+    the SQNR that a larger batch's other kernels leave (`ROWS_SQNR_DB`, as the tune-time check allows)."""
+    problem = backend.compare(actual, expected)
+    if problem is None or mismatch(actual, expected, backend.tolerances(), low_precision_sqnr_db=ROWS_SQNR_DB) is None:
+        return None
+    return problem
+
+
 def pad_call(args: tuple, kwargs: dict, axes: BatchAxes, batch: int) -> tuple[tuple, dict, list]:
     """The call grown to ``batch`` rows, zeros filling the rows it lacks; returns ``(args, kwargs, leaves)``."""
     leaves, tree = flatten(args, kwargs)

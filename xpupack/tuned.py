@@ -23,7 +23,7 @@ from . import _hooks
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
-from .padding import PadTable, check_output_axes, cut_outputs, pad_call
+from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .signature import Signature, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, state_type, unrecordable_hint
 
@@ -128,7 +128,7 @@ class TunedModule:
         axes that name the wrong rows (or a module whose rows mix) would hand back wrong answers; on a
         mismatch that signature is no longer padded into."""
         with torch.no_grad():
-            problem = self.backend.compare(outputs, self.target.forward(*args, **kwargs))
+            problem = padded_rows_differ(self.backend, outputs, self.target.forward(*args, **kwargs))
         if problem is None:
             self._padding_checked.add(index)
             return True
