@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import xpupack
-from support.backends import CountingBackend, CpuOnlyNever, DelayBackend, ShortcutBackend
+from support.backends import CountingBackend, CpuOnlyNever, DelayBackend, ShortcutBackend, TransformingCountingBackend
 from support.models import Accumulator, RunningCache, SlowEager, make_stack, stack_samples
 from xpupack.errors import NoCandidateError
 
@@ -169,3 +169,34 @@ def test_candidates_are_checked_against_eager_per_dtype():
     assert mismatch(torch.tensor([1, 2]), torch.tensor([1, 3])) == "output 0: values differ from eager"
     assert mismatch(torch.tensor([float("nan")]), torch.tensor([float("nan")])) is None
     assert "structure" in mismatch((x, x), x)
+
+
+def test_paired_timing_alternates_the_two_functions():
+    from xpupack import _timing
+
+    order = []
+    first, second = _timing.measure_pair(lambda: order.append("a"), lambda: order.append("b"),
+                                         torch.device("cpu"), warmup=2, iterations=5)
+    assert order == ["a", "b"] * 7 and first.iterations == second.iterations == 5
+
+
+@pytest.mark.parametrize("backend, paired", [(CountingBackend(), True),
+                                             (TransformingCountingBackend(), False),
+                                             (xpupack.GraphBackend(base=TransformingCountingBackend()), False)],
+                         ids=["candidate", "transforms-module", "over-a-transforming-base"])
+def test_the_speed_gate_times_eager_and_the_candidate_side_by_side(monkeypatch, emulated_graphs, backend, paired):
+    """Eager and a candidate timed in separate stretches let a burst of machine load during one of them
+    decide the gate (a CPU build once measured Inductor at 8x eager); a candidate that leaves the module
+    as it is is timed in alternating calls with eager. One that changes the module in place cannot be
+    (eager's forward is gone), and keeps eager's up-front timing."""
+    from xpupack import _timing
+
+    pairs = []
+    measure_pair = _timing.measure_pair
+    monkeypatch.setattr(_timing, "measure_pair", lambda *a, **k: pairs.append(1) or measure_pair(*a, **k))
+    model = make_stack()
+    xpupack.tune(model, stack_samples(), modules=["layers.0.mlp"],
+                 strategy=xpupack.FirstWins([backend, xpupack.EagerBackend()], min_speedup=0.01))
+    entry = report(model)[0]
+    assert entry["status"] == "chosen" and entry["speedup"] > 0
+    assert bool(pairs) is paired

@@ -132,3 +132,11 @@ class PaddingCountingBackend(CountingBackend):
 
     name = "counting-pads"
     pads_calls = True
+
+
+@register_backend
+class TransformingCountingBackend(CountingBackend):
+    """`CountingBackend` that declares it changes the module in place (as TorchAO does)."""
+
+    name = "counting-transforms"
+    transforms_module = True
