@@ -155,11 +155,11 @@ def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: Modul
         return None
     facts: dict = {}
     paired_eager = None
-    if gated and not _transforms_module(backend):
-        times, paired_eager = gate.paired_times(runner)
-    elif gated or strategy.times_candidates:
-        times = gate.times(runner)
     if gated or strategy.times_candidates:
+        if gated and not _transforms_module(backend):
+            times, paired_eager = gate.paired_times(runner)
+        else:
+            times = gate.times(runner)
         facts["median_us"] = round(gate.per_call_us(times), 2)
     if gated:
         speedup, candidate_us, eager_us = gate.compare(times, paired_eager)

@@ -6,14 +6,21 @@ import torch
 from torch import nn
 
 
-class Residual(nn.Module):
+class Block(nn.Module):
+    """An MLP block: ``up``, ReLU, ``down`` (tests/support/tp_worker.py shards these two)."""
+
     def __init__(self, width: int):
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
         self.down = nn.Linear(4 * width, width)
 
     def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
+        return self.down(torch.relu(self.up(x)))
+
+
+class Residual(Block):
+    def forward(self, x):
+        return x + super().forward(x)
 
 
 class Chain(nn.Module):

@@ -26,17 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import xpupack
+from support.split_models import Block
 from xpupack.tuned import session_of
-
-
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
 
 
 class Blocks(nn.Module):
