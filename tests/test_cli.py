@@ -92,6 +92,8 @@ def test_bench_json(built):
     (["inspect", "no/such/dir"], "not a directory"),
     (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
     (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
+    (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "startup_margin=0.5"),
+    (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.0, or none"),
 ])
 def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 import xpupack
-from support.backends import CountingBackend, CpuOnlyNever, DelayBackend, ShortcutBackend, TransformingCountingBackend
+from support.backends import (ArtifactBackend, CountingBackend, CpuOnlyNever, DelayBackend, FastArtifactBackend,
+                              ShortcutBackend, TransformingCountingBackend)
 from support.models import Accumulator, RunningCache, SlowEager, make_stack, stack_samples
 from xpupack.errors import NoCandidateError
 
@@ -30,6 +31,52 @@ def test_default_order_is_graph_inductor_eager():
     strategy = default_strategy()
     assert isinstance(strategy, xpupack.FirstWins)
     assert [b.name for b in strategy.backends] == ["graph", "inductor", "eager"]
+
+
+def test_on_a_gpu_the_default_weighs_graph_over_inductor_against_the_plain_graph():
+    from xpupack.strategies import DEFAULT_STARTUP_MARGIN, default_strategy
+
+    strategy = default_strategy(torch.device("cuda"))
+    assert [b.label for b in strategy.backends] == ["graph+inductor", "graph", "inductor", "eager"]
+    assert strategy.startup_margin == DEFAULT_STARTUP_MARGIN == 1.05
+    assert "startup_margin=1.05" in repr(strategy)
+
+
+def test_compiled_code_no_faster_than_a_lighter_candidate_gives_way_to_it():
+    model = SlowEager(delay=0.005)
+    # the compiled candidate runs the slow forward, the lighter one the shortcut
+    strategy = xpupack.FirstWins([ArtifactBackend(), ShortcutBackend(), xpupack.EagerBackend()],
+                                 min_speedup=None, iterations=3, startup_margin=1.05)
+    xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
+    entries = {e["backend"]: e for e in report(model, "")}
+    assert entries["artifact"]["status"] == "rejected" and entries["shortcut"]["status"] == "chosen"
+    assert "below the start-up margin 1.05x" in entries["artifact"]["reason"]
+    assert entries["artifact"]["startup_ratio"] == entries["shortcut"]["startup_ratio"] < 1.05
+    assert xpupack.stats(model)[""]["backend"] == "shortcut"
+
+
+def test_compiled_code_clearly_faster_than_the_lighter_candidate_is_kept():
+    model = SlowEager(delay=0.005)
+    strategy = xpupack.FirstWins([FastArtifactBackend(), CpuOnlyNever(), DelayBackend(), xpupack.EagerBackend()],
+                                 min_speedup=None, iterations=3, startup_margin=1.05)
+    xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
+    entries = report(model, "")
+    assert [(e["backend"], e["status"]) for e in entries] == [("fast-artifact", "chosen"), ("delay", "rejected")]
+    assert entries[0]["startup_ratio"] > 1.05
+    assert "at least the start-up margin" in entries[1]["reason"]
+
+
+def test_without_a_startup_margin_the_first_compiled_candidate_wins_untimed_against_later_ones():
+    model = SlowEager(delay=0.005)
+    xpupack.tune(model, [torch.randn(2, 8)], strategy=xpupack.FirstWins(
+        [ArtifactBackend(), ShortcutBackend()], min_speedup=None))
+    assert report(model, "") == [{"backend": "artifact", "status": "chosen", "reason": "first to pass"}]
+
+
+@pytest.mark.parametrize("margin", [0.9, True, "1.05"])
+def test_a_startup_margin_below_one_or_not_a_number_is_refused(margin):
+    with pytest.raises(ValueError, match="startup_margin"):
+        xpupack.FirstWins([xpupack.EagerBackend()], startup_margin=margin)
 
 
 def test_first_wins_with_no_passing_candidate_explains_each():

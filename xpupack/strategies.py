@@ -106,6 +106,17 @@ class _SpeedGate:
                     iterations=self.iterations))
         return candidate_times, eager_times
 
+    def paired_between(self, first: Runner, second: Runner) -> tuple[dict[int, float], dict[int, float]]:
+        """Median microseconds per call of two candidates on the signatures both support, timed in
+        alternating calls (neither may change the module: both run at once)."""
+        first_times, second_times = {}, {}
+        for index in sorted(first.supported & second.supported):
+            first_times[index], second_times[index] = (
+                timing.median_us for timing in _timing.measure_pair(
+                    _timed_call(first, self.spec, index), _timed_call(second, self.spec, index), self.device,
+                    iterations=self.iterations))
+        return first_times, second_times
+
     def _build_eager(self) -> Runner:
         from .backends.eager import EagerBackend
 
@@ -237,21 +248,91 @@ class Strategy:
 class FirstWins(Strategy):
     """The first backend, in order, that builds, matches eager and is faster than eager wins.
 
+    Args:
+        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+            first candidate to pass carries compiled artifacts (seconds of loading on a fresh server)
+            and a later candidate without them passes too (the plain device graph after graph over
+            Inductor), the two are timed side by side and the compiled one is kept only when it runs
+            the recorded calls at least ``startup_margin`` times as fast. None: the first to pass wins.
+        min_speedup, iterations: as for every `Strategy`.
+
     Example:
         >>> xpupack.FirstWins([xpupack.GraphBackend(), xpupack.InductorBackend(), xpupack.EagerBackend()])
         >>> xpupack.FirstWins([xpupack.InductorBackend(), xpupack.EagerBackend()], min_speedup=1.2)
+        >>> xpupack.FirstWins([xpupack.GraphBackend(base=xpupack.InductorBackend()), xpupack.GraphBackend(),
+        ...                    xpupack.EagerBackend()], startup_margin=1.05)
     """
+
+    def __init__(self, backends: Sequence[Backend], *, min_speedup: float | None = 1.0, iterations: int = 20,
+                 startup_margin: float | None = None):
+        super().__init__(backends, min_speedup=min_speedup, iterations=iterations)
+        if startup_margin is not None and (isinstance(startup_margin, bool)
+                                           or not isinstance(startup_margin, (int, float)) or startup_margin < 1):
+            raise ValueError(f"FirstWins(startup_margin={startup_margin!r}): give a number >= 1 (e.g. 1.05), "
+                             "or None to let the first passing candidate win")
+        self.startup_margin = startup_margin
+
+    def _options(self) -> dict:
+        options = super()._options()
+        if self.startup_margin is not None:
+            options["startup_margin"] = self.startup_margin
+        return options
 
     def choose(self, target, spec, references, device):
         report: list[dict] = []
         gate = _SpeedGate(target, spec, device, self.iterations)
-        for backend in self.backends:
+        for position, backend in enumerate(self.backends):
             attempt = _attempt(self, backend, target, spec, references, device, report, gate)
             if attempt is not None:
                 runner, facts = attempt
-                report.append({"backend": backend.label, "status": "chosen", "reason": "first to pass", **facts})
+                entry = {"backend": backend.label, "status": "chosen", "reason": "first to pass", **facts}
+                if self.startup_margin is not None and backend.compiled_artifacts:
+                    lighter = self._lighter_candidate(self.backends[position + 1:], target, spec, references,
+                                                      device, report, gate)
+                    if lighter is not None:
+                        return self._weigh_startup((backend, runner, entry), lighter, gate, report)
+                report.append(entry)
                 return backend, runner, report
         raise NoCandidateError(_explain(target, report))
+
+    def _lighter_candidate(self, later: Sequence[Backend], target, spec, references, device, report,
+                           gate) -> tuple[Backend, Runner, dict] | None:
+        """The first of ``later`` without compiled artifacts (eager aside) that passes, or None."""
+        for backend in later:
+            if backend.compiled_artifacts or is_reference(backend) or not backend.available(device):
+                continue
+            attempt = _attempt(self, backend, target, spec, references, device, report, gate)
+            if attempt is not None:
+                runner, facts = attempt
+                return backend, runner, {"backend": backend.label, **facts}
+        return None
+
+    def _weigh_startup(self, compiled: tuple[Backend, Runner, dict], lighter: tuple[Backend, Runner, dict],
+                       gate: "_SpeedGate", report: list[dict]) -> tuple[Backend, Runner, list[dict]]:
+        """Keeps the compiled candidate only where it is `startup_margin` times as fast as the lighter one,
+        both timed in alternating calls; the other is refused with both figures in its reason."""
+        (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry) = compiled, lighter
+        heavy_times, light_times = gate.paired_between(heavy_runner, light_runner)
+        heavy_us, light_us = gate.per_call_us(heavy_times), gate.per_call_us(light_times)
+        ratio = light_us / max(heavy_us, 1e-3)
+        heavy_entry["startup_ratio"] = light_entry["startup_ratio"] = round(ratio, 3)
+        figures = f"{heavy.label} {heavy_us:.1f} vs {light.label} {light_us:.1f} µs per recorded call"
+        margin = self.startup_margin
+        if ratio >= margin:
+            light_entry["reason"] = (f"{heavy.label} is {ratio:.3f}x as fast ({figures}), at least the start-up "
+                                     f"margin {margin}x that its compiled code must earn")
+            heavy_entry["reason"] = f"first to pass; {ratio:.3f}x {light.label}'s speed (start-up margin {margin}x)"
+            chosen, dropped = (heavy, heavy_runner, heavy_entry), (light_runner, light_entry)
+        else:
+            heavy_entry["reason"] = (f"only {ratio:.3f}x as fast as {light.label} ({figures}), below the start-up "
+                                     f"margin {margin}x: its compiled code costs seconds on a fresh server")
+            light_entry["reason"] = f"as fast within the start-up margin {margin}x, with no compiled code"
+            chosen, dropped = (light, light_runner, light_entry), (heavy_runner, heavy_entry)
+        chosen[2]["status"], dropped[1]["status"] = "chosen", "rejected"
+        dropped[0].release()
+        dropped[0].undo()
+        report += [heavy_entry, light_entry]
+        return chosen[0], chosen[1], report
 
 
 class Fastest(Strategy):
@@ -332,6 +413,11 @@ def default_backends(device: torch.device | None = None) -> list[Backend]:
     return backends
 
 
+#: how much faster than the plain device graph graph-over-Inductor must be to be the default's choice:
+#: its compiled code costs seconds at load on a fresh server, the plain graph's capture milliseconds
+DEFAULT_STARTUP_MARGIN = 1.05
+
+
 def default_strategy(device: torch.device | None = None) -> Strategy:
-    """``FirstWins(default_backends(device))``."""
-    return FirstWins(default_backends(device))
+    """``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``."""
+    return FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)

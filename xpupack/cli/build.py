@@ -41,13 +41,13 @@ def parse_backends(text: str):
     return backends
 
 
-def _ratio(text: str) -> float | None:
+def _ratio(text: str, option: str = "--min-speedup") -> float | None:
     if text.strip().lower() == "none":
         return None
     try:
         return float(text)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: give a number such as 1.0, or none", param_hint="--min-speedup") from None
+        raise click.BadParameter(f"{text!r}: give a number such as 1.0, or none", param_hint=option) from None
 
 
 def _sizes(text: str) -> list[int]:
@@ -82,6 +82,10 @@ def _sizes(text: str) -> list[int]:
 @click.option("--min-speedup", "min_speedup", default="1.0", show_default=True, metavar="RATIO|none",
               help="Reject a candidate (other than eager) unless it runs the samples' calls more than RATIO "
                    "times as fast as eager; 'none' keeps slower ones (quantizing for size, say).")
+@click.option("--startup-margin", "startup_margin", default="1.05", show_default=True, metavar="RATIO|none",
+              help="first-wins: a candidate with compiled code (graph+inductor) is kept only when it runs the "
+                   "calls RATIO times as fast as the next candidate without it (the plain graph), since its "
+                   "compiled code costs seconds on a fresh server; 'none': the first to pass wins.")
 @click.option("--batch-sizes", "batch_sizes", default=None, metavar="N,N,...",
               help="Also record these batch sizes, made from each sample by repeating or cutting its rows "
                    "(xpupack.tune's batch_sizes), e.g. 1,2,4,8,16,24,32: smaller batches are padded up to them.")
@@ -89,8 +93,8 @@ def _sizes(text: str) -> list[int]:
               help="The samples' batch axis for --batch-sizes (default 0).")
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
 @handle_errors
-def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, batch_sizes,
-          batch_axis, no_weights):
+def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, startup_margin,
+          batch_sizes, batch_axis, no_weights):
     """Tune MODULE:FACTORY's model on its samples and write a package to --out.
 
     \b
@@ -115,8 +119,11 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
 
         device = _device.resolve(device)
         candidates = parse_backends(backends) if backends is not None else default_backends(device)
-        chosen = (xpupack.Fastest if strategy == "fastest" else xpupack.FirstWins)(
-            candidates, min_speedup=_ratio(min_speedup))
+        if strategy == "fastest":
+            chosen = xpupack.Fastest(candidates, min_speedup=_ratio(min_speedup))
+        else:
+            chosen = xpupack.FirstWins(candidates, min_speedup=_ratio(min_speedup),
+                                       startup_margin=_ratio(startup_margin, "--startup-margin"))
         status.update("building the model")
         model = make_model()
         samples = make_samples()
