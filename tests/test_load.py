@@ -30,6 +30,24 @@ def test_load_restores_the_package_weights_over_other_weights(package):
     assert set(xpupack.stats(model)) == {"layers.0.mlp", "layers.1.mlp"}
 
 
+def test_a_load_says_where_its_time_went(package, caplog):
+    model = make_stack(seed=7)
+    with caplog.at_level("INFO", logger="xpupack"):
+        xpupack.load(model, package)
+    phases = xpupack.stats(model, totals=True)["totals"]["load_seconds"]
+    assert list(phases) == ["verify", "weights", "shared_artifacts", "modules", "activate"]
+    assert all(seconds >= 0 for seconds in phases.values())
+    modules = xpupack.stats(model)
+    assert all(0 <= modules[path]["load_s"] <= phases["modules"] for path in ("layers.0.mlp", "layers.1.mlp"))
+    assert "loaded " in caplog.text and "modules " in caplog.text
+
+
+def test_a_model_tuned_here_has_no_load_times():
+    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER)
+    assert "load_s" not in xpupack.stats(model)["layers.0.mlp"]
+    assert "load_seconds" not in xpupack.stats(model, totals=True)["totals"]
+
+
 def test_package_without_weights_keeps_the_models_own(tmp_path):
     model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER)
     root = xpupack.save(model, tmp_path / "pkg", weights=False)

@@ -9,6 +9,7 @@ failed load leaves the model exactly as it was.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -114,6 +115,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     """
     if on_mismatch not in ON_MISMATCH:
         raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
+    clock = _Phases()
     source = resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token)
     manifest = read_manifest(source.root)
     check_files(source.root, manifest, links_within=source.links_within,
@@ -130,6 +132,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
 
+    clock.lap("verify")
     edit = ModelEdit(model)
     previous = find_session(model)
     was_active = previous is not None and previous.active
@@ -141,19 +144,24 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
                 edit.undo_runner(tuned.runner)
         _place_tensors(edit, model, weights, placement)
         edit.set_eval(model)
+        clock.lap("weights")
         with listed_files(source.root, manifest):  # backends read no file the manifest does not list
             _restore_shared(manifest, source, plans, context)
+            clock.lap("shared_artifacts")
             modules = {}
             for number, plan in enumerate(plans, 1):
                 if progress:
                     progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
                 with _device.on_device(plan.context.device):
                     modules[plan.path] = _restore(plan, plan.context)
+                modules[plan.path].load_s = clock.lap("modules")
                 edit.keep_runner(modules[plan.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"], devices=placement.modules)
         attach(model, session)
         session.activate()
+        clock.lap("activate")
+        session.load_seconds = clock.seconds
     except BaseException:
         edit.rollback()
         detach(model)
@@ -164,7 +172,23 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         raise
     if previous is not None:
         previous.deactivate()  # its modules now run the new session: this only frees its recordings
+    log.info("loaded %s in %.2f s (%s)", source.description, sum(clock.seconds.values()),
+             ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in clock.seconds.items()))
     return model
+
+
+class _Phases:
+    """Where a load's time goes (`Session.load_seconds`): seconds per phase, laps adding up."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> float:
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + elapsed
+        return elapsed
 
 
 def _unhook(session: Session) -> None:

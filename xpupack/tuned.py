@@ -75,6 +75,8 @@ class TunedModule:
             if signature.state_slots and index in runner.supported:
                 self._families.setdefault(signature.family, set()).add(signature.state_layout)
         self.new_sizes = 0
+        #: seconds the load spent restoring this module (compiling, recording, checking); None when tuned here
+        self.load_s: float | None = None
         self._refused: set = set()
         #: calls served by padding up to a recorded batch (`xpupack.padding`)
         self.padded = 0
@@ -219,6 +221,7 @@ class TunedModule:
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
                 **({"new_sizes": self.new_sizes} if self._families else {}),
+                **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
                 **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
                 **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {})}
 
@@ -262,6 +265,9 @@ class Session:
     architecture: dict = field(default_factory=dict)
     #: the model this session tunes (`attach` sets it)
     owner: "weakref.ref[nn.Module] | None" = None
+    #: where a load's time went, seconds per phase (verify, weights, shared_artifacts, modules, activate);
+    #: empty for a session tuned here
+    load_seconds: dict[str, float] = field(default_factory=dict)
 
     def device_of(self, path: str) -> torch.device:
         """The device the tuned module at ``path`` runs on."""
@@ -357,7 +363,11 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
     Args:
         model: a tuned or loaded model.
         totals: return ``{"modules": <the per-module dict>, "totals": {...}}`` instead, where
-            ``totals`` sums ``calls``, ``fallbacks``, ``padded`` and ``memory_bytes`` over the modules.
+            ``totals`` sums ``calls``, ``fallbacks``, ``padded`` and ``memory_bytes`` over the modules
+            and, for a loaded model, holds ``load_seconds``: where the load's time went, per phase.
+
+    A loaded module's entry has ``load_s``: the seconds its restore took (compiling or loading
+    compiled code, recording device graphs, the check against the original module).
 
     Example:
         >>> xpupack.stats(model)["layers.0.mlp"]
@@ -369,8 +379,11 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
     modules = {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
     if not totals:
         return modules
-    return {"modules": modules, "totals": {key: sum(entry[key] for entry in modules.values())
-                                           for key in ("calls", "fallbacks", "padded", "memory_bytes")}}
+    summed = {key: sum(entry[key] for entry in modules.values())
+              for key in ("calls", "fallbacks", "padded", "memory_bytes")}
+    if session.load_seconds:
+        summed["load_seconds"] = {phase: round(seconds, 3) for phase, seconds in session.load_seconds.items()}
+    return {"modules": modules, "totals": summed}
 
 
 def activate(model: nn.Module) -> nn.Module:
