@@ -266,3 +266,23 @@ def test_importing_everything_installs_nothing_process_wide(run_python):
         changed = [key for key in before if before[key] != after[key]]
         assert not changed, {key: (before[key], after[key]) for key in changed}
     """)
+
+
+def test_tuning_saving_and_loading_a_plain_model_import_neither_dynamo_nor_dtensor(run_python, eager_package,
+                                                                                  tmp_path):
+    # a plain model holds no DTensor, and an eager package compiles nothing: a new server must not pay
+    # for importing torch.distributed.tensor (2 s on an H200 host) or the compile stack to find that out
+    run_python(f"""
+        import sys
+        import torch
+        import xpupack
+        sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
+        from support.models import make_stack, stack_samples
+        eager = xpupack.Only(xpupack.EagerBackend())
+        model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=eager)
+        xpupack.save(model, {str(tmp_path / "again")!r})
+        xpupack.load(make_stack(seed=3), {str(eager_package)!r})
+        heavy = [m for m in ("torch.distributed.tensor", "torch._dynamo.convert_frame", "torch._inductor.compile_fx")
+                 if m in sys.modules]
+        assert not heavy, heavy
+    """)
