@@ -104,7 +104,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3,
             samples.append((end - start) * 1e6)
             if end > deadline and len(samples) >= 3:
                 break
-    return _timing(samples)
+    return _timing_of(samples)
 
 
 def compare(candidate: Sequence[Callable[[], object] | None], eager: Sequence[Callable[[], object]],
@@ -207,7 +207,7 @@ def _summarize(per_round: list[tuple[list[float], list[float | None]]], weights:
         candidate_us.append(candidate_call)
         ratios.append(eager_call / max(candidate_call, 1e-3))
     low, high = _median_interval(ratios)
-    return Comparison(_timing(candidate_us), _timing(eager_us), statistics.median(ratios), low, high, len(ratios))
+    return Comparison(_timing_of(candidate_us), _timing_of(eager_us), statistics.median(ratios), low, high, len(ratios))
 
 
 def _median_interval(values: list[float]) -> tuple[float, float]:
@@ -225,7 +225,7 @@ def _median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[k - 1], ordered[n - k]
 
 
-def _timing(samples: list[float]) -> Timing:
+def _timing_of(samples: list[float]) -> Timing:
     ordered = sorted(samples)
     p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
     return Timing(statistics.median(ordered), p90, len(ordered))
