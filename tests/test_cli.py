@@ -82,6 +82,9 @@ def test_bench_json(built):
     rows = json.loads(result.output)["results"]
     assert len(rows) == 4
     assert all(r["tuned"]["median_us"] > 0 and r["eager"]["p90_us"] > 0 and not r["fell_back"] for r in rows)
+    # the speedup is a median over rounds of tuned and eager calls taken in turns, with its interval
+    assert all(r["speedup_interval"][0] <= r["speedup"] <= r["speedup_interval"][1] and r["rounds"] >= 3
+               and isinstance(r["noisy"], bool) for r in rows)
 
 
 @pytest.mark.parametrize("args, message", [

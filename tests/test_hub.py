@@ -366,6 +366,72 @@ def test_cli_push_prints_the_commit_url(eager_package, monkeypatch):
     assert 'revision="' + "0" * 39 + '1"' in result.stderr
 
 
+@pytest.fixture
+def listening_port():
+    """A loopback port that listens but never answers: any connection to it stays in its backlog."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.setblocking(False)
+        yield server
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_push_dry_run_shows_the_repo_files_sizes_and_message_and_contacts_nothing(eager_package, monkeypatch,
+                                                                                 listening_port):
+    port = listening_port.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    result = CliRunner().invoke(main, ["push", str(eager_package), "org/tiny", "--revision", "candidate",
+                                       "--dry-run"])
+    assert result.exit_code == 0, result.output
+    with pytest.raises(BlockingIOError):
+        listening_port.accept()  # no connection was ever made
+    out = result.output
+    manifest = read_manifest(eager_package)
+    assert f"repo: org/tiny, branch candidate, on http://127.0.0.1:{port}" in out
+    for name in ("xpupack.json", *manifest["files"]):
+        size = (eager_package / name).stat().st_size
+        assert any(line.split() [:2] == [name, str(size)] for line in out.splitlines()), name
+    assert "README.md" in out and "(model card)" in out
+    assert "commit message: xpupack package: 2 module(s) (eager)" in out
+    assert "dry run: nothing was uploaded" in out
+
+
+def test_push_plan_is_what_push_commits(eager_package, monkeypatch):
+    from xpupack.publish import plan_push
+
+    plan = plan_push(eager_package, "org/tiny")
+    fake = FakeHfApi().install(monkeypatch)
+    xpupack.push(eager_package, "org/tiny")
+    (commit,) = fake.commits
+    assert {name: len(data) for name, data in commit["added"].items()} == dict(plan.files)
+    assert commit["commit_message"] == plan.commit_message
+
+
+def test_push_that_cannot_reach_the_hub_names_the_endpoint_it_tried(eager_package, monkeypatch):
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(xpupack.HubError, match=f"cannot reach the Hub at {endpoint}.*HF_ENDPOINT") as caught:
+        xpupack.push(eager_package, "org/tiny")
+    assert caught.value.repo_id == "org/tiny"
+    result = CliRunner().invoke(main, ["push", str(eager_package), "org/tiny"])
+    assert result.exit_code == 1 and f"error: cannot reach the Hub at {endpoint}" in result.output
+    assert "Traceback" not in result.output
+
+
 # ---------------------------------------------------------------- model card
 
 

@@ -50,8 +50,10 @@ def test_compiled_code_no_faster_than_a_lighter_candidate_gives_way_to_it():
     xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
     entries = {e["backend"]: e for e in report(model, "")}
     assert entries["artifact"]["status"] == "rejected" and entries["shortcut"]["status"] == "chosen"
-    assert "below the start-up margin 1.05x" in entries["artifact"]["reason"]
+    assert "not clearly above the start-up margin 1.05x" in entries["artifact"]["reason"]
     assert entries["artifact"]["startup_ratio"] == entries["shortcut"]["startup_ratio"] < 1.05
+    low, high = entries["artifact"]["startup_ratio_interval"]
+    assert low <= entries["artifact"]["startup_ratio"] <= high
     assert xpupack.stats(model)[""]["backend"] == "shortcut"
 
 
@@ -104,7 +106,8 @@ def test_fastest_times_every_passing_candidate_and_keeps_one():
     timed = [e for e in entries if e["status"] in ("chosen", "accepted")]
     assert len(timed) == 2 and all(e["median_us"] > 0 for e in timed)
     chosen = next(e for e in entries if e["status"] == "chosen")
-    assert chosen["median_us"] == min(e["median_us"] for e in timed)
+    # the highest speedup over eager timed alongside it wins; eager itself counts 1.0
+    assert chosen.get("speedup", 1.0) == max(e.get("speedup", 1.0) for e in timed)
 
 
 # -- the speed gate: never slower than eager (issue 11) -----------------------------------------------
@@ -218,32 +221,142 @@ def test_candidates_are_checked_against_eager_per_dtype():
     assert "structure" in mismatch((x, x), x)
 
 
-def test_paired_timing_alternates_the_two_functions():
+# -- timing on a shared machine: rounds, an interval, and "could not tell" -----------------------------
+
+def metered_tune(monkeypatch, clock, eager_us, fast_us, *, strategy=xpupack.FirstWins, **options):
+    """Tunes a `Metered` model with `MeteredBackend` against eager, timed on ``clock``; returns its report."""
+    import functools
+
+    from support.backends import MeteredBackend
+    from support.models import Metered
     from xpupack import _timing
 
-    order = []
-    first, second = _timing.measure_pair(lambda: order.append("a"), lambda: order.append("b"),
-                                         torch.device("cpu"), warmup=2, iterations=5)
-    assert order == ["a", "b"] * 7 and first.iterations == second.iterations == 5
+    monkeypatch.setattr(_timing, "compare", functools.partial(_timing.compare, clock=clock))
+    model = Metered(clock, eager_us, fast_us)
+    xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy([MeteredBackend(), xpupack.EagerBackend()],
+                                                               **options))
+    return model, report(model, "")
 
 
-@pytest.mark.parametrize("backend, paired", [(CountingBackend(), True),
-                                             (TransformingCountingBackend(), False),
-                                             (xpupack.GraphBackend(base=TransformingCountingBackend()), False)],
-                         ids=["candidate", "transforms-module", "over-a-transforming-base"])
-def test_the_speed_gate_times_eager_and_the_candidate_side_by_side(monkeypatch, emulated_graphs, backend, paired):
-    """Eager and a candidate timed in separate stretches let a burst of machine load during one of them
-    decide the gate (a CPU build once measured Inductor at 8x eager); a candidate that leaves the module
-    as it is is timed in alternating calls with eager. One that changes the module in place cannot be
-    (eager's forward is gone), and keeps eager's up-front timing."""
+def test_compare_takes_turns_each_round_and_switches_sides_through_the_hooks():
+    """Each round times both sides, which goes first alternating; a side's hook runs when the turn passes
+    to it (a module changed in place is changed back for eager's turn), and the candidate's side is
+    current again at the end."""
+    from support.clock import FakeClock
     from xpupack import _timing
 
-    pairs = []
-    measure_pair = _timing.measure_pair
-    monkeypatch.setattr(_timing, "measure_pair", lambda *a, **k: pairs.append(1) or measure_pair(*a, **k))
-    model = make_stack()
-    xpupack.tune(model, stack_samples(), modules=["layers.0.mlp"],
-                 strategy=xpupack.FirstWins([backend, xpupack.EagerBackend()], min_speedup=0.01))
-    entry = report(model)[0]
-    assert entry["status"] == "chosen" and entry["speedup"] > 0
-    assert bool(pairs) is paired
+    clock = FakeClock()
+    events = []
+    result = _timing.compare([lambda: events.append("C")], [lambda: events.append("E")], torch.device("cpu"),
+                             rounds=3, warmup=1, to_eager=lambda: events.append("undo"),
+                             to_candidate=lambda: events.append("redo"), clock=clock)
+    assert "".join(e[0] for e in events) == "uErC" + "uErC" + "CuE" + "ErC"
+    assert result.rounds == 3 and result.candidate.iterations == result.eager.iterations == 3
+
+
+def test_a_candidate_signature_that_falls_back_costs_eager_s_time_of_the_same_round():
+    from support.clock import FakeClock
+    from xpupack import _timing
+
+    clock = FakeClock()
+    result = _timing.compare([lambda: clock.spend("candidate", 10), None],
+                             [lambda: clock.spend("eager", 40), lambda: clock.spend("eager", 100)],
+                             torch.device("cpu"), weights=[3, 1], clock=clock)
+    # per recorded call: eager (3*40 + 100) / 4 = 55, the candidate (3*10 + 100) / 4 = 32.5
+    assert result.speedup == result.low == pytest.approx(55 / 32.5) and result.high == pytest.approx(55 / 32.5)
+    assert result.eager.median_us == pytest.approx(55) and not result.noisy
+
+
+def test_timings_that_cannot_tell_get_more_rounds_but_a_bounded_number():
+    from support.clock import FakeClock, scattered
+    from xpupack import _timing
+
+    clock = FakeClock(scattered(seed=1, spread=3.0))
+    calls = ([lambda: clock.spend("candidate", 100)], [lambda: clock.spend("eager", 100)])
+    unsure = _timing.compare(*calls, torch.device("cpu"), threshold=1.0, rounds=10, clock=clock)
+    assert unsure.verdict(1.0) == "unsure" and unsure.noisy and unsure.rounds == 40  # 4x rounds at most
+    assert _timing.compare(*calls, torch.device("cpu"), rounds=10, clock=clock).rounds == 10  # no threshold
+    # slow calls stop at the time budget (a few rounds first, no more after twice the budget)
+    clock = FakeClock(scattered(seed=0, spread=3.0))
+    slow = ([lambda: clock.spend("candidate", 1e6)], [lambda: clock.spend("eager", 1e6)])
+    assert _timing.compare(*slow, torch.device("cpu"), threshold=1.0, budget_s=4.0, clock=clock).rounds == \
+        _timing.MIN_ROUNDS
+
+
+def test_the_median_s_interval_comes_from_order_statistics():
+    from xpupack._timing import _median_interval
+
+    values = [float(v) for v in range(1, 21)]
+    assert _median_interval(values) == (6.0, 15.0)  # n = 20: the 6th smallest and the 6th largest
+    assert _median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)  # too few for 95%: the range
+    assert _median_interval([2.0]) == (2.0, 2.0)
+
+
+def test_a_burst_of_load_cannot_make_a_candidate_that_changes_the_module_look_faster(monkeypatch):
+    """A candidate that changes the module in place (TorchAO) was compared with eager timed before it was
+    built: a burst of load during eager's timing made it look 8x faster. Timed alongside eager (the
+    change taken back for eager's turns), 120 µs against eager's 100 µs stays slower, burst or not."""
+    from support.clock import FakeClock, burst
+
+    clock = FakeClock(burst(calls=30, factor=10.0))
+    model, (metered, eager) = metered_tune(monkeypatch, clock, eager_us=100, fast_us=120)
+    assert metered["status"] == "rejected" and "not faster than eager" in metered["reason"]
+    assert metered["speedup"] == pytest.approx(100 / 120, abs=1e-3) and not metered["noisy"]
+    assert eager["status"] == "chosen" and model.switched is False
+    # the sides took turns: no side ran more than twice in a row (eager, candidate, candidate, eager...)
+    runs = "".join(side[0] for side in clock.log)
+    assert "ccc" not in runs and "eee" not in runs
+
+
+def test_a_clean_comparison_keeps_a_faster_candidate_with_its_interval(monkeypatch):
+    from support.clock import FakeClock
+
+    model, entries = metered_tune(monkeypatch, FakeClock(), eager_us=100, fast_us=50, iterations=10)
+    assert [(e["backend"], e["status"], e["reason"]) for e in entries] == [("metered", "chosen", "first to pass")]
+    assert entries[0]["speedup"] == 2.0 and entries[0]["speedup_interval"] == [2.0, 2.0]
+    assert entries[0]["rounds"] == 10 and entries[0]["noisy"] is False and model.switched is True
+
+
+def test_timings_that_cannot_tell_keep_eager_and_say_they_were_noisy(monkeypatch, tmp_path):
+    """On a busy machine a candidate about as fast as eager can measure anywhere from 0.3x to 3x: after
+    the extra rounds the interval still holds min_speedup, so the candidate is kept out (a tuned module
+    must never be slower than eager), and its reason, the package and `inspect` say the timings were noisy."""
+    from click.testing import CliRunner
+    from support.clock import FakeClock, scattered
+    from xpupack.cli import main
+
+    model, (metered, eager) = metered_tune(monkeypatch, FakeClock(scattered(seed=1, spread=3.0)),
+                                           eager_us=100, fast_us=95, iterations=10)
+    assert metered["status"] == "rejected" and metered["noisy"] is True and metered["rounds"] == 40
+    low, high = metered["speedup_interval"]
+    assert low <= 1.0 < high
+    assert "could not tell whether it is faster than eager, timings too noisy" in metered["reason"]
+    assert f"95% interval {low:.3g}-{high:.3g}x over 40 rounds" in metered["reason"]
+    assert eager["status"] == "chosen" and model.switched is False
+    root = xpupack.save(model, tmp_path / "pkg")
+    shown = CliRunner().invoke(main, ["inspect", str(root)])
+    assert shown.exit_code == 0 and "timings too noisy" in shown.output.replace("\n", " ")
+
+
+@pytest.mark.parametrize("kind, reason", [(xpupack.FirstWins, "first to pass"), (xpupack.Fastest, "fastest")])
+def test_a_candidate_clearly_faster_on_noisy_timings_is_kept_and_marked_noisy(monkeypatch, kind, reason):
+    from support.clock import FakeClock, scattered
+
+    model, entries = metered_tune(monkeypatch, FakeClock(scattered(seed=2, spread=1.5)), eager_us=300,
+                                  fast_us=100, strategy=kind)
+    metered = entries[0]
+    low, high = metered["speedup_interval"]
+    assert metered["status"] == "chosen" and metered["noisy"] is True and 1.0 < low < high
+    assert metered["reason"] == f"{reason}; noisy timings: 95% interval {low}-{high}x eager's speed over " \
+                                f"{metered['rounds']} rounds"
+
+
+def test_fastest_keeps_the_highest_speedup_over_eager_timed_alongside_it(monkeypatch):
+    """Candidates timed minutes apart cannot be ranked by their own times on a busy machine; their ratios
+    to eager, each timed alongside eager, can. Eager counts 1.0."""
+    from support.clock import FakeClock
+
+    _, entries = metered_tune(monkeypatch, FakeClock(), eager_us=100, fast_us=150, strategy=xpupack.Fastest,
+                              min_speedup=None)
+    assert [(e["backend"], e["status"]) for e in entries] == [("metered", "accepted"), ("eager", "chosen")]
+    assert entries[0]["speedup"] == pytest.approx(100 / 150, abs=1e-3) and "speedup" not in entries[1]

@@ -1,6 +1,6 @@
 """Latency of each tuned module against eager, per recorded signature (``xpupack bench``).
 
-Uses the same device-synchronized timing as `Fastest`.
+Uses the speed gate's timing (`_timing.compare`): tuned and eager calls take turns.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import logging
 import torch
 from torch import nn
 
-from . import _timing
-from .tuned import session_of
+from . import _hooks, _timing
+from .tuned import Session, session_of
 
 log = logging.getLogger("xpupack")
 
@@ -20,9 +20,14 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     """Times every tuned module of ``model`` on each recorded signature, tuned and eager side by side.
 
     Inputs are synthesised from the signatures (signatures with state, a KV
-    cache, are left out: nothing can synthesise one). Both sides call the module the
-    same way (``module(*args)``): first with the tuned modules active (fit check
-    and dispatch included), then deactivated, which is plain eager PyTorch.
+    cache, are left out: nothing can synthesise one). Both sides call the module
+    the same way (``module(*args)``), in turns: with the tuned forwards in place
+    (fit check and dispatch included), then without them, which is plain eager
+    PyTorch, and so on, so that other work on the machine slows both alike. Each
+    row's ``speedup`` is the median over ``iterations`` rounds of eager's time over
+    the tuned one's, with its 95% interval (``speedup_interval``); while that
+    interval holds 1.0, up to 4x as many rounds are timed, and ``noisy`` marks
+    timings that scattered widely.
     """
     session = session_of(model)
     cases = [(path, tuned, signature, *signature.synthesize())
@@ -33,24 +38,36 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
         log.warning("%d signature(s) with a KV cache are not timed: only a real call brings a cache "
                     "(benchmarks/llm_decode.py times decoding)", skipped)
 
-    def time_all() -> list[_timing.Timing]:
-        with torch.no_grad():
-            return [_timing.measure(lambda: tuned.target.module(*args, **kwargs), session.device_of(path),
-                                    warmup=warmup, iterations=iterations, budget_s=10.0)
-                    for path, tuned, _signature, args, kwargs in cases]
-
     was_active = session.active
     session.activate()
     fallbacks = {path: tuned.fallbacks for path, tuned in session.modules.items()}
-    tuned_timings = time_all()
-    fell_back = {path for path, tuned in session.modules.items() if tuned.fallbacks > fallbacks[path]}
-    session.deactivate()
     try:
-        eager_timings = time_all()
+        with torch.no_grad():
+            results = [_timing.compare([_call(tuned, args, kwargs)], [_call(tuned, args, kwargs)],
+                                       session.device_of(path), threshold=1.0, rounds=iterations, warmup=warmup,
+                                       budget_s=10.0, to_eager=lambda: _route(session, tuned=False),
+                                       to_candidate=lambda: _route(session, tuned=True))
+                       for path, tuned, _signature, args, kwargs in cases]
     finally:
-        if was_active:
-            session.activate()
+        if not was_active:
+            session.deactivate()
+    fell_back = {path for path, tuned in session.modules.items() if tuned.fallbacks > fallbacks[path]}
     return [{"module": path, "signature": signature.describe(), "backend": tuned.backend_name,
-             "fell_back": path in fell_back, "tuned": fast.to_json(), "eager": eager.to_json(),
-             "speedup": round(eager.median_us / fast.median_us, 3) if fast.median_us else None}
-            for (path, tuned, signature, _a, _k), fast, eager in zip(cases, tuned_timings, eager_timings)]
+             "fell_back": path in fell_back, "tuned": result.candidate.to_json(), "eager": result.eager.to_json(),
+             **result.to_json()}
+            for (path, tuned, signature, _a, _k), result in zip(cases, results)]
+
+
+def _call(tuned, args: tuple, kwargs: dict):
+    module = tuned.target.module
+    return lambda: module(*args, **kwargs)
+
+
+def _route(session: Session, *, tuned: bool) -> None:
+    """Puts the tuned forwards in place, or takes them off, without `Session.deactivate`'s releasing the
+    recordings (which the next tuned turn would then make again)."""
+    for module in session.modules.values():
+        if tuned:
+            _hooks.install(module.target.module, module)
+        else:
+            _hooks.uninstall(module.target.module, module, module.target.forward)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("xpupack")
 
 
+@dataclass(frozen=True)
+class PushPlan:
+    """What `push` would commit, worked out without contacting the Hub (``xpupack push --dry-run``).
+
+    ``files`` pairs each path in the repo with its size in bytes: ``xpupack.json``,
+    every file it lists, then the model card (``README.md``). Files of an earlier
+    package in the repo that this one lacks are deleted in the same commit; which
+    ones only the Hub can say.
+    """
+
+    root: Path
+    repo_id: str
+    revision: str | None
+    endpoint: str
+    files: tuple[tuple[str, int], ...]
+    card: bytes
+    commit_message: str
+
+
+def plan_push(path: str | Path, repo_id: str, *, revision: str | None = None) -> PushPlan:
+    """Verifies the package at ``path`` and works out the commit `push` would make; contacts nothing.
+
+    Raises:
+        PackageFormatError, IntegrityError: the package is damaged.
+        ValueError: ``revision`` is a commit hash (push commits to a branch).
+    """
+    root = Path(path)
+    manifest = check_package(root)  # a damaged package never reaches the Hub
+    if revision is not None and COMMIT_HASH.fullmatch(revision):
+        raise ValueError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
+                         "name or leave revision=None for main")
+    card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
+    files = tuple((name, (root / name).stat().st_size) for name in [MANIFEST, *manifest["files"]])
+    return PushPlan(root, repo_id, revision, hub_settings().endpoint, files + ((MODEL_CARD, len(card)),), card,
+                    _commit_message(manifest))
+
+
 def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
          token: str | bool | None = None) -> CommitInfo:
     """Verifies the package at ``path`` and uploads it to Hub repo ``repo_id`` in one commit.
@@ -27,6 +65,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     an earlier package in the repo that this one lacks (weights, ``modules/``,
     ``backends/``) are deleted in the same commit (the history keeps them). The
     repo's other files (a ``LICENSE``, docs) stay: loading ignores them.
+    `plan_push` shows the same commit without uploading it.
 
     Args:
         path: a package directory written by `xpupack.save` or `xpupack build`.
@@ -43,7 +82,8 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
 
     Raises:
         PackageFormatError, IntegrityError: the package is damaged; nothing is uploaded.
-        HubError: the Hub refused (no write access, offline, ...).
+        HubError: the Hub refused (no write access, offline, ...) or could not be reached (the
+            message names the endpoint tried).
 
     Example:
         >>> url = xpupack.push("tiny-pkg", "org/tiny")
@@ -51,17 +91,13 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    root = Path(path)
-    manifest = check_package(root)  # a damaged package never reaches the Hub
-    if revision is not None and COMMIT_HASH.fullmatch(revision):
-        raise ValueError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
-                         "name or leave revision=None for main")
+    plan = plan_push(path, repo_id, revision=revision)
+    root = plan.root
     hub = hub_settings()
     if hub.offline:
         raise HubError("HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id,
                        revision=revision)
-    card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
-    listed = [MANIFEST, *manifest["files"]]
+    listed = [name for name, _size in plan.files if name != MODEL_CARD]
     api = hub_api(hub, token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -70,10 +106,9 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         stale = [name for name in api.list_repo_files(repo_id, revision=revision)
                  if name not in listed and _package_owned(name)]
         operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
-        operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card))
+        operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=plan.card))
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
-        info = api.create_commit(repo_id, operations, commit_message=_commit_message(manifest),
-                                 revision=revision)
+        info = api.create_commit(repo_id, operations, commit_message=plan.commit_message, revision=revision)
     except OfflineModeIsEnabled:
         raise HubError("huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was imported): "
                        "pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id) from None
@@ -85,8 +120,25 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
                            repo_id=repo_id, revision=revision) from None
         raise HubError(f"pushing {root} to {repo_id} failed: {first_line(exc)}", repo_id=repo_id,
                        revision=revision) from None
-    log.info("pushed %s to %s (%d files): %s", root, repo_id, len(listed) + 1, info.commit_url)
+    except Exception as exc:
+        if not _unreachable(exc):
+            raise
+        raise HubError(f"cannot reach the Hub at {hub.endpoint} to push {root} to {repo_id} ({first_line(exc)}): "
+                       "check the network, and HF_ENDPOINT if that is not the Hub you meant",
+                       repo_id=repo_id, revision=revision) from None
+    log.info("pushed %s to %s (%d files): %s", root, repo_id, len(plan.files), info.commit_url)
     return info
+
+
+#: (module, class) of the errors that mean no answer came (refused, unresolvable, timed out), whichever HTTP
+#: client huggingface_hub uses: httpx and httpx2 (huggingface_hub 1 and 2), requests (before), or the socket's own
+_NO_ANSWER = {("httpx", "TransportError"), ("httpx2", "TransportError"), ("requests.exceptions", "ConnectionError"),
+              ("requests.exceptions", "Timeout"), ("builtins", "ConnectionError"), ("builtins", "TimeoutError")}
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the server gave no answer at all (not an HTTP error status, not a local file's)."""
+    return any((cls.__module__.split("._")[0], cls.__name__) in _NO_ANSWER for cls in type(exc).__mro__)
 
 
 def _package_owned(name: str) -> bool:

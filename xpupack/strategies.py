@@ -72,78 +72,61 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
 
 
 class _SpeedGate:
-    """Times eager and a candidate on the recorded signatures of one module (README: "Tuning").
+    """Times candidates against eager on the recorded signatures of one module (README: "Tuning").
 
-    Each signature's median (device-synchronized) is weighted by how often the
-    samples called it; a signature the candidate cannot run costs what eager
-    costs, since such calls fall back. Eager is timed once before any
-    candidate is built (TorchAO changes the module in place), and again in
-    alternating calls with each candidate that leaves the module as it is
-    (`paired_times`): a burst of load on a shared machine during one of two
-    separate timings once made Inductor look 8x faster than eager on a CPU.
+    Eager and the candidate take turns in rounds (`_timing.compare`), each
+    signature weighted by how often the samples called it; a signature the
+    candidate cannot run costs what eager costs, since such calls fall back. A
+    candidate that changes the module in place (TorchAO) takes that back for
+    eager's turns and reapplies it for its own, so it too is compared with eager
+    timed alongside it, never with eager timed before it was built.
     """
 
     def __init__(self, target: Target, spec: ModuleSpec, device: torch.device, iterations: int):
         self.target, self.spec, self.device, self.iterations = target, spec, device, iterations
-        self._eager: dict[int, float] | None = None
-        self._eager_runner: Runner | None = None
+        self._eager: Runner | None = None
 
-    def times(self, runner: Runner) -> dict[int, float]:
-        """Median microseconds per call of each signature ``runner`` supports."""
-        return {index: _timing.measure(_timed_call(runner, self.spec, index), self.device,
-                                       iterations=self.iterations).median_us
-                for index in sorted(runner.supported)}
+    def times(self, runner: Runner) -> float:
+        """Microseconds per recorded call of ``runner`` timed alone (eager's own entry in `Fastest`)."""
+        return self._per_call_us({index: _timing.measure(_timed_call(runner, self.spec, index), self.device,
+                                                         iterations=self.iterations).median_us
+                                  for index in sorted(runner.supported)})
 
-    def paired_times(self, runner: Runner) -> tuple[dict[int, float], dict[int, float]]:
-        """The candidate's and eager's median microseconds per call of each signature ``runner`` supports,
-        timed in alternating calls. Only for a candidate that leaves the module as it was."""
-        eager = self._eager_runner or self._build_eager()
-        candidate_times, eager_times = {}, {}
-        for index in sorted(runner.supported):
-            candidate_times[index], eager_times[index] = (
-                timing.median_us for timing in _timing.measure_pair(
-                    _timed_call(runner, self.spec, index), _timed_call(eager, self.spec, index), self.device,
-                    iterations=self.iterations))
-        return candidate_times, eager_times
+    def compare(self, backend: Backend, runner: Runner, threshold: float | None) -> _timing.Comparison:
+        """``runner`` against eager; while the result cannot tell whether it beats ``threshold``, more
+        rounds are timed (up to 4x ``iterations``)."""
+        eager = self._eager or self._build_eager()
+        signatures = range(len(self.spec.signatures))
+        transforms = _transforms_module(backend)
+        return _timing.compare(
+            [_timed_call(runner, self.spec, index) if index in runner.supported else None for index in signatures],
+            [_timed_call(eager, self.spec, index) for index in signatures], self.device,
+            weights=self.spec.signature_weights(), threshold=threshold, rounds=self.iterations,
+            to_eager=runner.undo if transforms else None, to_candidate=runner.redo if transforms else None)
 
-    def paired_between(self, first: Runner, second: Runner) -> tuple[dict[int, float], dict[int, float]]:
-        """Median microseconds per call of two candidates on the signatures both support, timed in
-        alternating calls (neither may change the module: both run at once)."""
-        first_times, second_times = {}, {}
-        for index in sorted(first.supported & second.supported):
-            first_times[index], second_times[index] = (
-                timing.median_us for timing in _timing.measure_pair(
-                    _timed_call(first, self.spec, index), _timed_call(second, self.spec, index), self.device,
-                    iterations=self.iterations))
-        return first_times, second_times
+    def between(self, heavy: Runner, light: Runner, threshold: float) -> _timing.Comparison:
+        """Two candidates timed in rounds as `compare` times one against eager: ``light`` takes eager's
+        side, so the speedup is ``heavy``'s over ``light``'s. Neither may change the module (both run at
+        once); a signature only ``light`` runs costs ``light``'s time on both sides."""
+        signatures = range(len(self.spec.signatures))
+        light_calls = [_timed_call(light, self.spec, index) if index in light.supported else None
+                       for index in signatures]
+        eager = self._eager or self._build_eager()
+        fallback = [call or _timed_call(eager, self.spec, index) for index, call in zip(signatures, light_calls)]
+        return _timing.compare(
+            [_timed_call(heavy, self.spec, index) if index in heavy.supported else None for index in signatures],
+            fallback, self.device, weights=self.spec.signature_weights(), threshold=threshold,
+            rounds=self.iterations)
 
     def _build_eager(self) -> Runner:
         from .backends.eager import EagerBackend
 
-        self._eager_runner = EagerBackend().build(self.target, self.spec, self.device)
-        return self._eager_runner
-
-    def per_call_us(self, times: dict[int, float], fill: dict[int, float] | None = None) -> float:
-        """The mean time of one recorded call from per-signature ``times``; signatures missing there
-        take their time from ``fill`` (eager's, for calls that would fall back) or are left out."""
-        weights, fill = self.spec.signature_weights(), fill or {}
-        pairs = [(weights[i], times[i] if i in times else fill[i])
-                 for i in range(len(weights)) if i in times or i in fill]
-        return sum(w * t for w, t in pairs) / max(1, sum(w for w, _ in pairs))
-
-    def eager_times(self) -> dict[int, float]:
-        if self._eager is None:
-            self._eager = self.times(self._build_eager())
+        self._eager = EagerBackend().build(self.target, self.spec, self.device)
         return self._eager
 
-    def compare(self, times: dict[int, float], paired_eager: dict[int, float] | None = None
-                ) -> tuple[float, float, float]:
-        """``(speedup, candidate µs, eager µs)`` per recorded call; a speedup above 1 is faster than eager.
-        ``paired_eager``: eager's times from `paired_times`, used where given."""
-        eager_times = {**self.eager_times(), **(paired_eager or {})}
-        eager = self.per_call_us(eager_times)
-        candidate = self.per_call_us(times, fill=eager_times)
-        return eager / max(candidate, 1e-3), candidate, eager
+    def _per_call_us(self, times: dict[int, float]) -> float:
+        weights = self.spec.signature_weights()
+        return sum(weights[i] * t for i, t in times.items()) / max(1, sum(weights[i] for i in times))
 
 
 def is_reference(backend: Backend) -> bool:
@@ -155,33 +138,48 @@ def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: Modul
              references: list[list[Any]], device: torch.device, report: list[dict],
              gate: _SpeedGate) -> tuple[Runner, dict] | None:
     """`check_candidate`, then the speed gate; returns the runner and the facts for its report entry
-    (``median_us``, ``speedup``), or records the refusal in ``report`` and returns None."""
+    (``median_us``, and against eager ``speedup``, ``speedup_interval``, ``rounds``, ``noisy``), or records
+    the refusal in ``report`` and returns None."""
     gated = strategy.min_speedup is not None and not is_reference(backend)
     try:
-        if gated and backend.available(device):
-            gate.eager_times()  # before the candidate changes the module
         runner = check_candidate(backend, target, spec, references, device)
     except Rejected as exc:
         report.append({"backend": backend.label, "status": "rejected", "reason": str(exc), **exc.facts})
         return None
-    facts: dict = {}
-    paired_eager = None
-    if gated or strategy.times_candidates:
-        if gated and not _transforms_module(backend):
-            times, paired_eager = gate.paired_times(runner)
-        else:
-            times = gate.times(runner)
-        facts["median_us"] = round(gate.per_call_us(times), 2)
-    if gated:
-        speedup, candidate_us, eager_us = gate.compare(times, paired_eager)
-        facts["speedup"] = round(speedup, 3)
-        if not speedup > strategy.min_speedup:
-            runner.undo()
-            report.append({"backend": backend.label, "status": "rejected", **facts,
-                           "reason": f"not faster than eager: {facts['speedup']}x eager's speed ({candidate_us:.1f} vs "
-                                     f"{eager_us:.1f} µs per recorded call); min_speedup={strategy.min_speedup}"})
-            return None
+    if not (gated or strategy.times_candidates):
+        return runner, {}
+    if is_reference(backend):
+        return runner, {"median_us": round(gate.times(runner), 2)}
+    result = gate.compare(backend, runner, strategy.min_speedup)
+    facts = {"median_us": round(result.candidate.median_us, 2), **result.to_json()}
+    verdict = result.verdict(strategy.min_speedup) if gated else "faster"
+    if verdict != "faster":
+        runner.undo()
+        report.append({"backend": backend.label, "status": "rejected", **facts,
+                       "reason": _too_slow(result, verdict, strategy.min_speedup)})
+        return None
     return runner, facts
+
+
+def _too_slow(result: _timing.Comparison, verdict: str, min_speedup: float) -> str:
+    """Why a candidate did not pass the speed gate: slower, or timings that could not tell (which count
+    as slower: a tuned module must never be slower than eager)."""
+    numbers = (f"{round(result.speedup, 3)}x eager's speed ({result.candidate.median_us:.1f} vs "
+               f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); min_speedup={min_speedup}")
+    if verdict == "slower":
+        return f"not faster than eager: {numbers}"
+    if result.noisy:
+        return (f"could not tell whether it is faster than eager, timings too noisy: {numbers}; kept out, since a "
+                "tuned module must not be slower than eager — build again on a quieter machine")
+    return f"not clearly faster than eager: {numbers}"
+
+
+def _noise_note(facts: dict) -> str:
+    """Appended to a kept candidate's reason when its speedup stands on noisy timings."""
+    if not facts.get("noisy"):
+        return ""
+    low, high = facts["speedup_interval"]
+    return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {facts['rounds']} rounds"
 
 
 def _transforms_module(backend: Backend) -> bool:
@@ -205,10 +203,14 @@ class Strategy:
     Args:
         backends: the candidates, in order.
         min_speedup: a candidate other than eager is rejected unless it runs the
-            recorded calls more than ``min_speedup`` times as fast as eager
-            (device-synchronized medians per signature, weighted by how often
-            the samples made each call). ``None`` switches the gate off.
-        iterations: timed calls per signature.
+            recorded calls more than ``min_speedup`` times as fast as eager:
+            timed in rounds alongside eager (device-synchronized, each signature
+            weighted by how often the samples made it), the whole confidence
+            interval of the median speedup must lie above ``min_speedup``; one
+            that timings cannot tell is rejected too, marked noisy where they
+            scattered. ``None`` switches the gate off.
+        iterations: timed rounds per comparison with eager; up to 4x as many while
+            the timings cannot tell.
     """
 
     #: whether every passing candidate is timed even with the speed gate off
@@ -285,7 +287,8 @@ class FirstWins(Strategy):
             attempt = _attempt(self, backend, target, spec, references, device, report, gate)
             if attempt is not None:
                 runner, facts = attempt
-                entry = {"backend": backend.label, "status": "chosen", "reason": "first to pass", **facts}
+                entry = {"backend": backend.label, "status": "chosen",
+                         "reason": "first to pass" + _noise_note(facts), **facts}
                 if self.startup_margin is not None and backend.compiled_artifacts:
                     lighter = self._lighter_candidate(self.backends[position + 1:], target, spec, references,
                                                       device, report, gate)
@@ -312,20 +315,24 @@ class FirstWins(Strategy):
         """Keeps the compiled candidate only where it is `startup_margin` times as fast as the lighter one,
         both timed in alternating calls; the other is refused with both figures in its reason."""
         (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry) = compiled, lighter
-        heavy_times, light_times = gate.paired_between(heavy_runner, light_runner)
-        heavy_us, light_us = gate.per_call_us(heavy_times), gate.per_call_us(light_times)
-        ratio = light_us / max(heavy_us, 1e-3)
-        heavy_entry["startup_ratio"] = light_entry["startup_ratio"] = round(ratio, 3)
-        figures = f"{heavy.label} {heavy_us:.1f} vs {light.label} {light_us:.1f} µs per recorded call"
         margin = self.startup_margin
-        if ratio >= margin:
+        result = gate.between(heavy_runner, light_runner, margin)
+        heavy_entry["startup_ratio"] = light_entry["startup_ratio"] = round(result.speedup, 3)
+        heavy_entry["startup_ratio_interval"] = light_entry["startup_ratio_interval"] = [
+            round(result.low, 3), round(result.high, 3)]
+        ratio = result.speedup
+        figures = (f"{heavy.label} {result.candidate.median_us:.1f} vs {light.label} {result.eager.median_us:.1f} µs "
+                   f"per recorded call, {result.interval()}")
+        margin = self.startup_margin
+        # the compiled code must be clearly worth its start-up: timings that cannot tell keep the lighter one
+        if result.verdict(margin) == "faster":
             light_entry["reason"] = (f"{heavy.label} is {ratio:.3f}x as fast ({figures}), at least the start-up "
                                      f"margin {margin}x that its compiled code must earn")
             heavy_entry["reason"] = f"first to pass; {ratio:.3f}x {light.label}'s speed (start-up margin {margin}x)"
             chosen, dropped = (heavy, heavy_runner, heavy_entry), (light_runner, light_entry)
         else:
-            heavy_entry["reason"] = (f"only {ratio:.3f}x as fast as {light.label} ({figures}), below the start-up "
-                                     f"margin {margin}x: its compiled code costs seconds on a fresh server")
+            heavy_entry["reason"] = (f"{ratio:.3f}x as fast as {light.label} ({figures}), not clearly above the "
+                                     f"start-up margin {margin}x: its compiled code costs seconds on a fresh server")
             light_entry["reason"] = f"as fast within the start-up margin {margin}x, with no compiled code"
             chosen, dropped = (light, light_runner, light_entry), (heavy_runner, heavy_entry)
         chosen[2]["status"], dropped[1]["status"] = "chosen", "rejected"
@@ -336,7 +343,13 @@ class FirstWins(Strategy):
 
 
 class Fastest(Strategy):
-    """Builds every candidate that passes, times each (device-synchronized), keeps the fastest."""
+    """Builds every candidate that passes, times each against eager, keeps the fastest.
+
+    Each candidate is timed in rounds alongside eager (device-synchronized), and
+    the one with the highest speedup over eager wins (eager itself counts 1.0):
+    ratios to eager timed at the same moments stay true under machine load,
+    where candidates' own times, taken minutes apart, would not.
+    """
 
     times_candidates = True
 
@@ -354,9 +367,9 @@ class Fastest(Strategy):
                 timed.append((entry, backend, runner))
         if not timed:
             raise NoCandidateError(_explain(target, report))
-        entry, backend, runner = min(timed, key=lambda item: item[0]["median_us"])
+        entry, backend, runner = max(timed, key=lambda item: item[0].get("speedup", 1.0))
         runner.redo()
-        entry["status"], entry["reason"] = "chosen", "fastest"
+        entry["status"], entry["reason"] = "chosen", "fastest" + _noise_note(entry)
         return backend, runner, report
 
 

@@ -151,3 +151,33 @@ class FastArtifactBackend(ArtifactBackend):
 
     def build(self, target, spec, device):
         return ArtifactRunner(target.module.shortcut, set(range(len(spec.signatures))), from_artifacts=False)
+
+
+class SwitchRunner(Runner):
+    """Runs the module's own forward; undo and redo switch a `models.Metered` module back and forth."""
+
+    def __init__(self, module, forward, supported):
+        super().__init__(supported)
+        self.module, self.forward = module, forward
+
+    def run(self, index, args, kwargs, leaves):
+        return self.forward(*args, **kwargs)
+
+    def undo(self):
+        self.module.switched = False
+
+    def redo(self):
+        self.module.switched = True
+
+
+@register_backend
+class MeteredBackend(Backend):
+    """Switches a `models.Metered` module to its candidate's cost in place, as TorchAO changes a module."""
+
+    name = "metered"
+    transforms_module = True
+
+    def build(self, target, spec, device):
+        runner = SwitchRunner(target.module, target.forward, set(range(len(spec.signatures))))
+        runner.redo()
+        return runner

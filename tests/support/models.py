@@ -65,6 +65,28 @@ class Accumulator(nn.Module):
         return cache.total / cache.steps
 
 
+class Metered(nn.Module):
+    """A linear layer that spends ``eager_us`` of a `clock.FakeClock`'s time per call, or ``fast_us`` once
+    `backends.MeteredBackend` has switched it (in place, as TorchAO quantizes a module); ``shortcut``
+    (`backends.ShortcutBackend`) spends ``fast_us`` without switching it."""
+
+    def __init__(self, clock, eager_us: float, fast_us: float, width: int = 8):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.clock, self.eager_us, self.fast_us = clock, eager_us, fast_us
+        self.switched = False
+
+    def forward(self, x):
+        if self.switched:
+            return self.shortcut(x)
+        self.clock.spend("eager", self.eager_us)
+        return self.linear(x)
+
+    def shortcut(self, x):
+        self.clock.spend("candidate", self.fast_us)
+        return self.linear(x)
+
+
 class SlowEager(nn.Module):
     """A linear layer whose forward waits ``delay`` seconds first; ``shortcut`` gives the same without waiting."""
 

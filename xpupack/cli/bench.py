@@ -12,13 +12,19 @@ from ._common import byte_size, console, echo_json, handle_errors, import_object
 @click.option("--model", "model_factory", required=True, metavar="MODULE:FACTORY",
               help="Function building the model the package was made from.")
 @click.option("--device", default=None, help="Device to load onto. Default: the best device here.")
-@click.option("--iterations", default=50, show_default=True, help="Timed calls per signature.")
+@click.option("--iterations", default=50, show_default=True,
+              help="Timed rounds (a tuned and an eager call) per signature; up to 4x as many while the "
+                   "timings cannot tell whether tuned is faster.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
 @json_option
 @handle_errors
 def bench(package, model_factory, device, iterations, revision, as_json):
     """Load PACKAGE into MODULE:FACTORY's model and report, per recorded signature, the tuned
-    module's latency against eager (device-synchronized; median and p90, in microseconds)."""
+    module's latency against eager (device-synchronized; median and p90, in microseconds).
+
+    Tuned and eager calls take turns, so that other work on the machine slows both alike; the speedup
+    is the median over rounds with its 95% interval, and "noisy" marks timings that scattered widely.
+    """
     import xpupack
     from xpupack.bench import benchmark
     from xpupack.environment import resolve_device
@@ -44,7 +50,8 @@ def bench(package, model_factory, device, iterations, revision, as_json):
                       row["backend"] + (" (fell back)" if row["fell_back"] else ""),
                       f"{row['tuned']['median_us']:.1f}", f"{row['tuned']['p90_us']:.1f}",
                       f"{row['eager']['median_us']:.1f}", f"{row['eager']['p90_us']:.1f}",
-                      f"{row['speedup']:.2f}×")
+                      f"{row['speedup']:.2f}× ({row['speedup_interval'][0]:.2f}-{row['speedup_interval'][1]:.2f})"
+                      + (" noisy" if row["noisy"] else ""))
     console().print(table)
     console().print(f"recording memory: {byte_size(memory['total_bytes'])} in all; "
                     + ", ".join(f"{path or '<model>'} {byte_size(n)}" for path, n in memory["modules"].items()))
