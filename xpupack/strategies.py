@@ -321,9 +321,9 @@ class Only(Strategy):
         reasons = "; ".join(f"{count} x {reason}" for reason, count in spec.unrecordable.items())
         raise NoCandidateError(
             f"{target.path or '<model>'}: the {backend.label} backend can take none of its {spec.calls} calls "
-            f"(none could be recorded): {reasons}. Make those calls recordable (an object of your own: xpupack.register_state), or "
-            f"tune with "
-            f"FirstWins([{backend!r}, EagerBackend()]) to keep such modules eager")
+            f"(none could be recorded): {reasons}. Make those calls recordable (an object of your own: "
+            f"xpupack.register_state), or tune with FirstWins([{backend!r}, EagerBackend()]) to keep such "
+            f"modules eager")
 
 
 def _explain(target: Target, report: list[dict]) -> str:
