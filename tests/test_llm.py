@@ -285,6 +285,14 @@ def test_generate_with_the_default_mistral_window_replays_decode_steps(traced_gr
     assert traced_graphs.replays - replays == NEW_TOKENS - 3
 
 
+def test_inductor_leaves_sliding_window_decode_steps_alone():
+    """Dynamo guards on the window's Python count: it would compile again for every position."""
+    from xpupack.errors import NoCandidateError
+
+    with pytest.raises(NoCandidateError, match="no recorded signature could be built"):
+        tune_llm(lambda: tiny_mistral(sliding_window=10), strategy=xpupack.Only(xpupack.InductorBackend()))
+
+
 def test_a_call_whose_tokens_fill_the_window_is_never_replayed():
     from transformers.cache_utils import StaticSlidingWindowLayer
 
