@@ -20,9 +20,8 @@ takes one of three Python paths on it (filling the window, becoming full,
 full). `SlidingWindowCounters` follows that int for the graph backend: a
 recording is made and replayed per path, never across a path change, the
 counter is advanced after each replay as the call would have, and while a
-call is captured the layer's reads of its length go through its tensor
-count, so that no position is baked into the recording (README: "Language
-models").
+call is captured the layer's reads of its length go through a tensor, so
+that no position is baked into the recording (README: "Language models").
 """
 
 from __future__ import annotations
