@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import xpupack
-from support.language_models import decode_loop, generate, prompt, static_cache, tiny_gpt2, tiny_llama
+from support.emulated_graph import TracedGraphs
+from support.language_models import (decode_loop, generate, prompt, static_cache, tiny_gemma2, tiny_gemma3,
+                                     tiny_gpt2, tiny_llama, tiny_mistral)
 from support.models import Accumulator, RunningCache, make_stack
+from xpupack import _device
 from xpupack.manifest import read_manifest
 from xpupack.signature import Signature, StateLeaf, Unsynthesizable
 
@@ -224,6 +227,84 @@ def test_generate_does_not_compile_a_tuned_model(emulated_graphs):
     assert model.generation_config.disable_compile is False
     xpupack.activate(model)
     assert model.generation_config.disable_compile is True
+
+
+# -- sliding-window caches (Mistral, Gemma 2, Gemma 3) ------------------------------------------------
+
+@pytest.fixture
+def traced_graphs(monkeypatch):
+    """Device graphs on CPU that run a call's Python once, as real ones do (`TracedGraphs`): a Python value
+    the call read is baked into its recording, so a replay at another position would show it."""
+    api = TracedGraphs()
+    monkeypatch.setitem(_device.GRAPH_APIS, "cpu", api)
+    return api
+
+
+#: a window of 10 with an 8-token prompt: the first decode steps fill the window, the later ones slide it
+SLIDING = {
+    "mistral-default-window": tiny_mistral,  # 4096: every step fills
+    "mistral": lambda seed=0: tiny_mistral(seed, sliding_window=10),
+    "gemma2": lambda seed=0: tiny_gemma2(seed, sliding_window=10),
+    "gemma3": lambda seed=0: tiny_gemma3(seed, sliding_window=10),
+}
+
+
+def bare_decode(model, ids, new_tokens, logits):
+    """Tokens and caches only: the model derives positions and masks from the cache's counts."""
+    return decode_loop(model, ids, new_tokens, static_cache(model, 32), positions=False, step_logits=logits)
+
+
+@pytest.mark.parametrize("make", SLIDING.values(), ids=SLIDING.keys())
+def test_sliding_window_decode_steps_replay_with_eager_logits_also_after_load(traced_graphs, make, tmp_path):
+    model = make()
+    xpupack.tune(model, [prompt()], run=lambda m, ids: bare_decode(m, ids, 4, []), strategy=GRAPH)
+    assert whole(model)["backend"] == "graph"
+    ids = prompt(seed=3)
+    for served in (model, xpupack.load(make(seed=1), xpupack.save(model, tmp_path / "pkg"))):
+        xpupack.deactivate(served)
+        expected_logits = []
+        expected = bare_decode(served, ids, 10, expected_logits)
+        xpupack.activate(served)
+        replays, logits = traced_graphs.replays, []
+        assert torch.equal(bare_decode(served, ids, 10, logits), expected)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(logits, expected_logits, strict=True))
+        stats = whole(served)
+        assert stats["backend"] == "graph" and stats["fallbacks"] <= 2  # the prefills
+        assert traced_graphs.replays - replays >= 10 - 6  # a path's first step runs, its second records
+
+
+def test_generate_with_the_default_mistral_window_replays_decode_steps(traced_graphs):
+    """The default config's window (4096) is a sliding-window cache even for a short generate()."""
+    model, reference = tune_llm(tiny_mistral)
+    stats = whole(model)
+    assert stats["backend"] == "graph"
+    ids = prompt(seed=7)
+    calls, fallbacks, replays = stats["calls"], stats["fallbacks"], traced_graphs.replays
+    assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
+    assert whole(model)["calls"] - calls == NEW_TOKENS and whole(model)["fallbacks"] - fallbacks == 1
+    assert traced_graphs.replays - replays == NEW_TOKENS - 3
+
+
+def test_inductor_leaves_sliding_window_decode_steps_alone():
+    """Dynamo guards on the window's Python count: it would compile again for every position."""
+    from xpupack.errors import NoCandidateError
+
+    with pytest.raises(NoCandidateError, match="no recorded signature could be built"):
+        tune_llm(lambda: tiny_mistral(sliding_window=10), strategy=xpupack.Only(xpupack.InductorBackend()))
+
+
+def test_a_call_whose_tokens_fill_the_window_is_never_replayed():
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    from xpupack.state import FILLING, FULL, SlidingWindowCounters
+
+    cache = type("Cache", (), {})()
+    cache.layers = [StaticSlidingWindowLayer(max_cache_len=32, sliding_window=4)]
+    counters = SlidingWindowCounters()
+    assert counters.path(cache, (2,), (1,)) == counters.path(cache, (0,), (4,)) == (FILLING,)
+    assert counters.path(cache, (4,), (1,)) == counters.path(cache, (90,), (1,)) == (FULL,)
+    assert counters.path(cache, (3,), (2,)) is None  # the window becomes full inside the call
+    assert counters.path(cache, (4,), (3,)) is None  # several tokens into a full window
 
 
 # -- the package ---------------------------------------------------------------------------------

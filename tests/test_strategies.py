@@ -94,6 +94,38 @@ def test_only_raises_the_backend_error():
                      strategy=xpupack.Only(CountingBackend(offset=0.5)))
 
 
+class _UnregisteredCache:
+    """A state object nobody registered: calls that pass one cannot be recorded."""
+
+    def __init__(self):
+        self.total = torch.zeros(1, 8)
+
+
+class _UsesCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache.total.add_(self.linear(x))
+        return cache.total.clone()
+
+
+def test_only_raises_when_its_backend_can_take_none_of_the_calls():
+    model = _UsesCache().eval()
+    cache = _UnregisteredCache()
+    with pytest.raises(NoCandidateError, match=r"(?s)<model>.*counting.*none of its 3 calls.*_UnregisteredCache"):
+        xpupack.tune(model, [torch.randn(1, 8) for _ in range(3)], run=lambda m, x: m(x, cache),
+                     strategy=xpupack.Only(CountingBackend()))
+
+
+def test_only_eager_keeps_a_module_whose_calls_cannot_be_recorded():
+    model = _UsesCache().eval()
+    cache = _UnregisteredCache()
+    xpupack.tune(model, [torch.randn(1, 8)], run=lambda m, x: m(x, cache), strategy=xpupack.Only(xpupack.EagerBackend()))
+    assert xpupack.stats(model)[""]["backend"] == "eager"
+
+
 def test_fastest_times_every_passing_candidate_and_keeps_one():
     model = make_stack()
     # CountingBackend runs eager's forward: as fast as eager, so the speed gate is off here

@@ -109,14 +109,16 @@ class _Recording:
             spec.signatures.append(signature)
             spec.samples.append([])
             spec.states.append([])
+            spec.counts.append([])
             spec.signature_calls.append(0)
         spec.signature_calls[index] += 1
         if len(spec.samples[index]) < SAMPLES_PER_SIGNATURE:
             spec.samples[index].append((snapshot(args), snapshot(kwargs)))
             # a state object is kept by reference; its tensors as they are before this call are copied,
             # so that every candidate later runs this call on the state eager ran it on
-            state = signature.state_tensors(flatten(args, kwargs)[0])
-            spec.states[index].append([tensor.detach().clone() for tensor in state])
+            leaves = flatten(args, kwargs)[0]
+            spec.states[index].append([tensor.detach().clone() for tensor in signature.state_tensors(leaves)])
+            spec.counts[index].append([counters.read(obj) for counters, obj in signature.state_counters(leaves)])
 
 
 def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],

@@ -245,6 +245,12 @@ class Signature:
             tensors += state_type(leaves[slot]).state_tensors(leaves[slot])
         return tensors
 
+    def state_counters(self, leaves: list) -> list[tuple[Any, Any]]:
+        """``(counters, object)`` for each state object of a call of this signature that keeps Python-side
+        counters (`xpupack.state.SlidingWindowCounters`); empty for most signatures."""
+        return [(kind.counters, leaves[slot]) for slot in self.state_slots
+                for kind in [state_type(leaves[slot])] if kind.counters is not None]
+
     def describe(self) -> str:
         """A short human-readable form, e.g. ``(f32[2,16,64], scale=2.0)``."""
         parts = []

@@ -13,11 +13,22 @@ transformers is never imported for it), other types through
 `register_state`. Everything such an object changes between calls must live
 in the tensors its function returns: Python-side counters would be baked
 into a recording and replayed stale.
+
+The one built-in exception is the sliding-window layer of a ``StaticCache``
+(Mistral, Gemma 2, Gemma 3), which counts its tokens in a Python int and
+takes one of three Python paths on it (filling the window, becoming full,
+full). `SlidingWindowCounters` follows that int for the graph backend: a
+recording is made and replayed per path, never across a path change, the
+counter is advanced after each replay as the call would have, and while a
+call is captured the layer's reads of its length go through a tensor, so
+that no position is baked into the recording (README: "Language models").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +46,8 @@ class StateType:
     #: ``module.QualifiedName`` of the type, as stored in a package's spec
     name: str
     tensors: Callable[[Any], list[torch.Tensor]]
+    #: the Python-side counters its objects keep beside their tensors (built-in types only), or None
+    counters: "SlidingWindowCounters | None" = None
 
     def state_tensors(self, obj: Any) -> list[torch.Tensor]:
         """The object's state tensors; raises `StateNotReady` when there are none to record yet."""
@@ -97,13 +110,15 @@ def state_type(obj: Any) -> StateType | None:
 
 def _builtin(cls: type) -> StateType | None:
     if cls.__module__ == "transformers.cache_utils" and cls.__name__ == "StaticCache":
-        return StateType(type_name(cls), _static_cache_tensors)
+        return StateType(type_name(cls), _static_cache_tensors, SlidingWindowCounters())
     return None
 
 
-#: the one layer class whose whole mutable state is in tensors (sliding-window layers keep a
-#: Python-side counter, which a recording would replay stale)
-_GRAPH_SAFE_LAYERS = ("StaticLayer",)
+#: the layer classes a recording can follow: ``StaticLayer`` keeps all its mutable state in tensors, the
+#: sliding-window layer also a Python count that `SlidingWindowCounters` follows. Exact class names:
+#: a subclass (a linear-attention hybrid, an indexed layer) may keep more Python-side state.
+_SLIDING_LAYER = "StaticSlidingWindowLayer"
+_GRAPH_SAFE_LAYERS = ("StaticLayer", _SLIDING_LAYER)
 
 
 #: layer class -> names of its tensor attributes, in order (read off the first initialised layer)
@@ -142,3 +157,105 @@ def unrecordable_hint(obj: Any) -> str:
         return ("; pass cache_implementation=\"static\" to generate() (or a StaticCache as the cache) "
                 "to have decode steps tuned")
     return ""
+
+
+# -- Python-side counters: the sliding-window layers of a StaticCache ------------------------------
+
+#: the Python path of one sliding-window layer in a call, per `SlidingWindowCounters.path`
+FILLING, FULL = "filling", "full"
+
+
+class SlidingWindowCounters:
+    """Follows the Python token count (``cumulative_length_int``) of a ``StaticCache``'s sliding-window layers.
+
+    The count decides which Python path the layer's ``update`` and ``get_mask_sizes`` take, and
+    ``get_seq_length`` (the model's positions, the query offset of its masks) returns it. A device graph
+    runs none of that Python: it replays the path and the values the capture saw. So the graph backend
+    records and replays per path (`path`), captures with the layer's reads of its length going through a
+    tensor (`following`), writes the count into that tensor before each replay (`sync`), and advances the
+    count after each replay by what the recorded call added (`write`). The counts of one cache are a
+    tuple, one int per sliding layer; a cache without sliding layers has the empty tuple.
+
+    While the window fills, the layer's own tensor count equals its int (transformers writes at the
+    tensor count). Once it is full, transformers stops counting in the tensor; the recording then reads
+    a 0-d tensor of xpupack's own per layer (`tensors`; its address is part of the recording's key), so
+    that the cache's own tensors stay exactly as eager leaves them.
+    """
+
+    def read(self, cache: Any) -> tuple[int, ...]:
+        return tuple(layer.cumulative_length_int for layer in _sliding_layers(cache))
+
+    def write(self, cache: Any, counts: tuple[int, ...]) -> None:
+        for layer, count in zip(_sliding_layers(cache), counts):
+            layer.cumulative_length_int = count
+
+    def path(self, cache: Any, before: tuple[int, ...], added: tuple[int, ...]) -> Hashable | None:
+        """The Python path of a call that adds ``added`` tokens to counts ``before``: one recording serves
+        every call of the same signature and path. None where a recording would bake the call's position
+        (the window becoming full within the call, or several tokens into a full window): such calls run
+        the original module."""
+        paths = []
+        for layer, count, tokens in zip(_sliding_layers(cache), before, added):
+            window = layer.max_cache_len
+            if count + tokens <= window:
+                paths.append(FILLING)  # writes at the tensor count; masks sized (window, 0)
+            elif count >= window and tokens == 1:
+                paths.append(FULL)  # rolls the window by one; masks offset by the count
+            else:
+                return None
+        return tuple(paths)
+
+    def tensors(self, cache: Any) -> list[torch.Tensor]:
+        """xpupack's count tensor of each sliding layer whose window is full (made on first use)."""
+        return [_full_count(layer) for layer in _sliding_layers(cache)
+                if layer.cumulative_length_int >= layer.max_cache_len]
+
+    def sync(self, cache: Any) -> None:
+        """Writes each full layer's count into the tensor its recordings read."""
+        for layer in _sliding_layers(cache):
+            if layer.cumulative_length_int >= layer.max_cache_len:
+                _full_count(layer).fill_(layer.cumulative_length_int)
+
+    @contextmanager
+    def following(self, cache: Any) -> Iterator[None]:
+        """While a call is captured (after `sync`): the layers' reads of their length go through tensors
+        (the same values, which a replay reads afresh). Instance attributes, removed afterwards."""
+        layers = _sliding_layers(cache)
+        try:
+            for layer in layers:
+                full = layer.cumulative_length_int >= layer.max_cache_len
+                length = _full_count(layer) if full else layer.cumulative_length
+                layer.get_seq_length = _constant(length)
+                if full:
+                    layer.get_mask_sizes = _full_mask_sizes(layer.max_cache_len, length)
+            yield
+        finally:
+            for layer in layers:
+                vars(layer).pop("get_seq_length", None)
+                vars(layer).pop("get_mask_sizes", None)
+
+
+#: sliding layer -> xpupack's count tensor for it once its window is full (dropped with the layer)
+_FULL_COUNTS: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _full_count(layer: Any) -> torch.Tensor:
+    count = _FULL_COUNTS.get(layer)
+    if count is None:
+        count = _FULL_COUNTS.setdefault(layer, torch.zeros((), dtype=layer.cumulative_length.dtype,
+                                                           device=layer.cumulative_length.device))
+    return count
+
+
+def _constant(value: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: value
+
+
+def _full_mask_sizes(window: int, length: torch.Tensor) -> Callable[[int], tuple]:
+    """transformers' sizes for a full window, ``(window + q - 1, length - window + 1)``, with the offset (which
+    moves with every token) a tensor."""
+    return lambda query_length: (window + query_length - 1, length - window + 1)
+
+
+def _sliding_layers(cache: Any) -> list:
+    return [layer for layer in cache.layers if type(layer).__name__ == _SLIDING_LAYER]

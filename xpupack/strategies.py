@@ -233,6 +233,10 @@ class Strategy:
                device: torch.device) -> tuple[Backend, Runner, list[dict]]:
         raise NotImplementedError
 
+    def check_unrecorded(self, target: Target, spec: ModuleSpec) -> None:
+        """Called for a module the samples called but none of whose calls could be recorded (so no
+        backend can take them and it stays eager); `Only` raises there."""
+
     def _options(self) -> dict:
         """Options that differ from their defaults, as `__repr__` shows them."""
         options: dict = {}
@@ -403,6 +407,17 @@ class Only(Strategy):
         except Rejected as exc:
             raise NoCandidateError(f"{target.path or '<model>'}: {backend.label} backend rejected: {exc}") from exc
         return backend, runner, [{"backend": backend.label, "status": "chosen", "reason": "only candidate"}]
+
+    def check_unrecorded(self, target, spec):
+        backend = self.backends[0]
+        if is_reference(backend) or not spec.calls:
+            return
+        reasons = "; ".join(f"{count} x {reason}" for reason, count in spec.unrecordable.items())
+        raise NoCandidateError(
+            f"{target.path or '<model>'}: the {backend.label} backend can take none of its {spec.calls} calls "
+            f"(none could be recorded): {reasons}. Make those calls recordable (an object of your own: "
+            f"xpupack.register_state), or tune with FirstWins([{backend!r}, EagerBackend()]) to keep such "
+            f"modules eager")
 
 
 def _explain(target: Target, report: list[dict]) -> str:

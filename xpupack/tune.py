@@ -118,6 +118,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
 
 def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torch.device) -> TunedModule:
     if not spec.signatures:
+        strategy.check_unrecorded(target, spec)
         why = "never called by the samples" if not spec.calls else "; ".join(spec.unrecordable)
         log.warning("%s: %s; it stays eager", target.path or "<model>", why)
         backend = EagerBackend()

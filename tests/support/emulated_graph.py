@@ -56,3 +56,41 @@ class EmulatedGraphs:
 
         memory = sum(leaf.untyped_storage().nbytes() for leaf in static_leaves if isinstance(leaf, torch.Tensor))
         return replay, outputs, memory
+
+
+class TracedGraphs(EmulatedGraphs):
+    """Device graphs on CPU that, like real ones, run a call's Python once: `capture` traces the function
+    (``make_fx``) into its tensor operations, and `replay` runs that trace, so every Python value the
+    call read (a counter, a branch taken) is baked in as a real recording bakes it. The tensors the
+    function reads and updates in place (parameters, a KV cache) are the trace's by reference."""
+
+    records_collectives = False
+
+    def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
+                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        with torch.no_grad():
+            for _ in range(warmup):
+                fn()
+            if self.fail_capture():
+                raise RuntimeError("emulated capture failure")
+            traced_outputs: list = []
+            trace = make_fx(lambda: _tensor_leaves(traced_outputs.append(fn()) or traced_outputs[-1]))()
+        self.captures += 1
+        outputs = traced_outputs[-1]
+        static_leaves, _ = flatten((outputs,), {})
+
+        def replay() -> None:
+            self.replays += 1
+            with torch.no_grad():
+                fresh = trace()
+            for static, value in zip(_tensor_leaves(outputs), fresh):
+                static.copy_(value)
+
+        memory = sum(leaf.untyped_storage().nbytes() for leaf in static_leaves if isinstance(leaf, torch.Tensor))
+        return replay, outputs, memory
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in flatten((tree,), {})[0] if isinstance(leaf, torch.Tensor)]

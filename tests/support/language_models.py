@@ -19,6 +19,41 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+def tiny_mistral(seed: int = 0, sliding_window: int | None = None):
+    """A tiny Mistral: every layer attends through a sliding window (``None``: the default config's, 4096)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    window = {} if sliding_window is None else {"sliding_window": sliding_window}
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, **window)
+    return MistralForCausalLM(config).eval()
+
+
+def tiny_gemma2(seed: int = 0, sliding_window: int = 8):
+    """A tiny Gemma 2: a sliding-window layer, then a full-attention one (its cache mixes both)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=sliding_window)
+    return Gemma2ForCausalLM(config).eval()
+
+
+def tiny_gemma3(seed: int = 0, sliding_window: int = 8):
+    """A tiny Gemma 3 text model: a sliding-window layer (local rotary), then a full-attention one."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(config).eval()
+
+
 def tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -56,17 +91,26 @@ def static_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
-def decode_loop(model, ids: torch.Tensor, new_tokens: int, cache) -> torch.Tensor:
-    """A hand-written greedy decode loop: one prefill call, then one call per token."""
+def decode_loop(model, ids: torch.Tensor, new_tokens: int, cache, *, positions: bool = True,
+                step_logits: list | None = None) -> torch.Tensor:
+    """A hand-written greedy decode loop: one prefill call, then one call per token. ``positions=False``
+    passes only the tokens and the cache (the model derives positions and masks from the cache);
+    ``step_logits`` collects each decode step's logits."""
     name = cache_argument(model)
     # transformers before 5.20 also takes the positions as `cache_position` (else it derives them on the host)
     positions_too = "cache_position" in inspect.signature(type(model).forward).parameters
     length = ids.shape[1]
     tokens = []
 
-    def step(inputs, positions):
-        extra = {"cache_position": positions[0]} if positions_too else {}
-        return model(input_ids=inputs, **{name: cache}, use_cache=True, position_ids=positions, **extra).logits
+    def step(inputs, at):
+        if not positions:
+            out = model(input_ids=inputs, **{name: cache}, use_cache=True).logits
+        else:
+            extra = {"cache_position": at[0]} if positions_too else {}
+            out = model(input_ids=inputs, **{name: cache}, use_cache=True, position_ids=at, **extra).logits
+        if step_logits is not None and inputs.shape[1] == 1:
+            step_logits.append(out)
+        return out
 
     with torch.no_grad():
         logits = step(ids, torch.arange(length, device=ids.device)[None])

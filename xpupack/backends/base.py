@@ -56,8 +56,13 @@ class ModuleSpec:
     #: ``states[i][k]``: copies of the state tensors of ``samples[i][k]`` from before that call
     #: (empty lists for signatures without state)
     states: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    #: ``counts[i][k]``: the Python-side counters of the state objects of ``samples[i][k]`` from before that
+    #: call (`xpupack.state.SlidingWindowCounters`), or an empty list
+    counts: list[list[list[tuple]]] = field(default_factory=list)
     #: state tensor -> its contents when tuning first put a recorded state back (restored at the end)
     _after_run: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    #: state object -> its counters when tuning first put a recorded state back (restored at the end)
+    _counts_after_run: dict[int, tuple[Any, Any, tuple]] = field(default_factory=dict, repr=False)
 
     def example(self, index: int) -> tuple[tuple, dict]:
         """A recorded sample of signature ``index`` where one exists, else synthesised inputs.
@@ -83,6 +88,11 @@ class ModuleSpec:
             for tensor, copy in zip(live, saved):
                 self._after_run.setdefault(id(tensor), (tensor, tensor.detach().clone()))
                 tensor.copy_(copy)
+        counts = self.counts[index][number] if index < len(self.counts) else []
+        for (counters, obj), saved_counts in zip(self.signatures[index].state_counters(flatten(args, kwargs)[0]),
+                                                 counts):
+            self._counts_after_run.setdefault(id(obj), (counters, obj, counters.read(obj)))
+            counters.write(obj, saved_counts)
         return args, kwargs
 
     def observe(self, index: int, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -97,8 +107,11 @@ class ModuleSpec:
         they had when the samples' run ended."""
         for tensor, contents in self._after_run.values():
             tensor.copy_(contents)
+        for counters, obj, counts in self._counts_after_run.values():
+            counters.write(obj, counts)
         self._after_run.clear()
-        self.samples, self.states = [], []
+        self._counts_after_run.clear()
+        self.samples, self.states, self.counts = [], [], []
 
 
 class Runner:

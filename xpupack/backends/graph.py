@@ -16,7 +16,10 @@ only calls whose state tensors sit at the recorded addresses. The first call
 at new addresses runs for real (it also warms up libraries and Inductor), the
 second is recorded and replayed; the least recently used of these
 recordings is dropped at the ``max_recordings`` cap. A recording never holds
-a reference to the state, so a freed cache is really freed.
+a reference to the state, so a freed cache is really freed. A state object
+with Python-side counters (a sliding-window KV cache, `xpupack.state`) is
+recorded once per Python path its counters put the call on, and its
+counters are advanced after each replay.
 
 Before each replay the runner checks that the module still holds the very
 parameter and buffer storage it recorded: after ``.to()``, a dtype change or
@@ -34,6 +37,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
+from contextlib import ExitStack
 from operator import is_
 from pathlib import Path
 from typing import Any, Callable
@@ -202,8 +206,12 @@ class GraphRunner(Runner):
         self.state_slots = [signature.state_slots for signature in spec.signatures]
         #: signature index -> recording, for calls without state (recorded up front)
         self.recordings: dict[int, _Recording] = {}
-        #: (signature index, state tensor addresses) -> recording, least recently used first
+        #: (signature index, state tensor addresses, counter paths) -> recording, least recently used first
         self.state_recordings: OrderedDict[tuple, _Recording] = OrderedDict()
+        #: signature index -> what one call adds to each state object's Python-side counters
+        self._added: dict[int, tuple] = {}
+        #: calls with counters on a path no recording can follow (`SlidingWindowCounters.path`), run for real
+        self.unreplayable_runs = 0
         self._warm: OrderedDict[tuple, None] = OrderedDict()
         self.failures: dict[int, str] = {}
         #: signature index -> why the memory budget left it out (its calls are padded up or fall back)
@@ -382,14 +390,40 @@ class GraphRunner(Runner):
         return recording.outputs(leaves, self.copy_outputs)
 
     def _run_with_state(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
-        """A call with state replays the recording made at its state tensors' addresses. The first call
-        at new addresses runs for real (once: it updates the state), the next one there is recorded."""
-        addresses = tuple(t.data_ptr() for t in self.spec.signatures[index].state_tensors(leaves))
-        key = (index, addresses)
+        """A call with state replays the recording made at its state tensors' addresses (and, for state
+        with Python-side counters, on its counters' path). The first call at new addresses runs for real
+        (once: it updates the state), the next one there is recorded."""
+        signature = self.spec.signatures[index]
+        counted = signature.state_counters(leaves)
+        before = tuple(counters.read(obj) for counters, obj in counted)
+        paths: tuple = ()
+        if any(before):
+            added = self._added.get(index)
+            if added is None:  # the first such call: run it for real to learn what it adds
+                output = self.function(index, args, kwargs, leaves)
+                self._added[index] = _difference(tuple(counters.read(obj) for counters, obj in counted), before)
+                self.warm_runs += 1
+                return output
+            paths = tuple(counters.path(obj, counts, adds)
+                          for (counters, obj), counts, adds in zip(counted, before, added))
+            if None in paths:
+                self.unreplayable_runs += 1
+                return self.function(index, args, kwargs, leaves)
+        tensors = signature.state_tensors(leaves)
+        if paths:
+            tensors += [t for counters, obj in counted for t in counters.tensors(obj)]
+        key = (index, tuple(t.data_ptr() for t in tensors), paths)
         recording = self.state_recordings.get(key)
         if recording is not None:
             self.state_recordings.move_to_end(key)
-            return self._replay(recording, leaves)
+            if not paths:
+                return self._replay(recording, leaves)
+            for counters, obj in counted:
+                counters.sync(obj)
+            output = self._replay(recording, leaves)
+            for (counters, obj), counts, adds in zip(counted, before, self._added[index]):
+                counters.write(obj, _sum(counts, adds))  # what the call's Python would have counted
+            return output
         if key not in self._warm:
             self._warm[key] = None
             if len(self._warm) > _WARM_RUNS_KEPT:
@@ -397,9 +431,19 @@ class GraphRunner(Runner):
             self.warm_runs += 1
             return self.function(index, args, kwargs, leaves)
         self._make_room()
-        recording = self.record(index, args, kwargs, warmup=0)
+        with ExitStack() as following:
+            for counters, obj in counted:
+                counters.sync(obj)
+                following.enter_context(counters.following(obj))
+            recording = self.record(index, args, kwargs, warmup=0)
         del self._warm[key]
-        self.state_recordings[key] = recording
+        if paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) \
+                != self._added[index]:  # its replays would advance the counters by what another call added
+            log.warning("%s: calls of %s change their state's counters by different amounts; not replayed",
+                        self.target.path or "<model>", signature.describe())
+            self._added.pop(index)
+        else:
+            self.state_recordings[key] = recording
         if self.api.capture_executes:  # the capture itself ran this call
             return recording.outputs(leaves, self.copy_outputs)
         return self._replay(recording, leaves)
@@ -431,9 +475,20 @@ class GraphRunner(Runner):
                  **self.recorded()}
         if any(self.state_slots):
             facts["warm_runs"] = self.warm_runs
+        if self.unreplayable_runs:
+            facts["unreplayable_runs"] = self.unreplayable_runs
         if self.failures:
             facts["not_recorded"] = {self.spec.signatures[i].describe(): why for i, why in self.failures.items()}
         return facts
+
+
+def _difference(after: tuple, before: tuple) -> tuple:
+    """Counters ``after`` less ``before``, per state object and counter."""
+    return tuple(tuple(a - b for a, b in zip(later, earlier)) for later, earlier in zip(after, before))
+
+
+def _sum(counts: tuple, added: tuple) -> tuple:
+    return tuple(count + adds for count, adds in zip(counts, added))
 
 
 def _reason(exc: BaseException) -> str:

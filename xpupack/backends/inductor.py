@@ -251,14 +251,18 @@ class InductorBackend(ComposedBackend):
                  base_runner: Runner | None) -> Runner:
         # a base transforms the module in place, so its own forward is what gets compiled
         compiled = torch.compile(_own_entry(target.forward), dynamic=False, **self._settings(device))
+        # a sliding-window KV cache counts its tokens in a Python int, which Dynamo guards on: it would
+        # compile again for every position (up to its recompile limit), so those calls are left to others
+        supported = {index for index in range(len(spec.signatures))
+                     if not (index < len(spec.counts) and any(any(sample) for sample in spec.counts[index]))}
         with _recording() as recorded, torch.no_grad():
-            for index in range(len(spec.signatures)):
+            for index in sorted(supported):
                 try:
                     args, kwargs = spec.example(index)
                 except Unsynthesizable:
                     continue  # a call with a KV cache at load: it compiles on its first real call
                 compiled(*args, **kwargs)  # compile now, not on the user's first call
-        runner = InductorRunner(compiled, set(range(len(spec.signatures))), recorded)
+        runner = InductorRunner(compiled, supported, recorded)
         runner.base_runner = base_runner
         return runner
 
