@@ -1,10 +1,13 @@
 """The undo log of a load: every change `xpupack.load` makes to a model, and how to take it back.
 
-A failed load calls `ModelEdit.rollback`, which leaves the model exactly as it was.
+A failed load calls `ModelEdit.rollback`, which leaves the model exactly as it was. Edits of one
+model run one at a time (`model_lock`).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -12,6 +15,22 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .backends.base import Runner
+
+
+_model_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The lock that `load`, `tune`, `activate` and `deactivate` hold while they change which forwards
+    ``model``'s modules run: two loads into one model interleaving could leave a module running the
+    replaced load's forward, out of `stats` and out of reach of `deactivate`. Reentrant, so that a load
+    inside a tuning's ``run`` (or a `deactivate` inside a load) does not wait on itself."""
+    with _model_locks_guard:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.RLock()
+        return lock
 
 
 class ModelEdit:

@@ -16,14 +16,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device, _hooks, devices, distributed
-from ._model_edit import ModelEdit, named_tensors
+from . import _device, _hooks, devices, distributed, padding
+from ._model_edit import ModelEdit, model_lock, named_tensors
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
 from .manifest import check_files, listed_files, module_slot, read_manifest
 from .plan import ON_MISMATCH, Choice, Context, choose
+from .recorder import BufferWatch, observe_calls
 from .signature import dtype_name, flatten
 from .spec import read_module_spec
 from .hub import resolve_source
@@ -129,7 +130,14 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
+    with model_lock(model):  # one load into a model at a time: the edit reads and replaces its session
+        return _edit(model, source, manifest, plans, weights, placement, context, progress)
 
+
+def _edit(model: nn.Module, source: Source, manifest: dict, plans: list[_ModulePlan],
+          weights: dict[str, torch.Tensor] | None, placement: devices.Placement, context: Context,
+          progress: Callable[[str], None] | None) -> nn.Module:
+    """Installs the weights, restores each module's backend and activates them, or leaves the model as it was."""
     edit = ModelEdit(model)
     previous = find_session(model)
     was_active = previous is not None and previous.active
@@ -147,10 +155,11 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             for number, plan in enumerate(plans, 1):
                 if progress:
                     progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
-                with _device.on_device(plan.context.device):
+                # the load's own runs of the module (checks, recordings) leave its buffers as the package has them
+                with _device.on_device(plan.context.device), BufferWatch(plan.module).kept():
                     modules[plan.path] = _restore(plan, plan.context)
                 edit.keep_runner(modules[plan.path].runner)
-        session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
+        session = Session(modules, context.device, environment=context.here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"], devices=placement.modules)
         attach(model, session)
         session.activate()
@@ -302,6 +311,8 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
     target = Target(plan.path, plan.module, _hooks.original_forward(plan.module))
     report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.choice.note or "from package"}]
     try:
+        if plan.backend.pads_calls:
+            _check_claims(target, plan.spec, context)
         runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, context.device,
                                       use_artifacts=plan.choice.use_artifacts)
     except Exception as exc:  # a failed restore has undone its own changes to the module
@@ -315,6 +326,17 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
         runner.undo()
         return _restore_failed(plan, context, exc)
     return TunedModule(target, plan.spec, plan.backend, runner, report)
+
+
+def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
+    """What a package says about its module's calls is its author's word; for a backend that records or
+    pads calls, the loader sees for itself whether the module writes its inputs in place or its own
+    buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
+    (`xpupack.padding.check_loaded`). README: "Calls, fit and fallback"."""
+    observe_calls(target.forward, target.module, spec)
+    padding.check_loaded(spec, target.forward, trusted=context.trusted)
+    if spec.padding_refused and not spec.batch_axes:
+        log.info("%s: calls are not padded: %s", target.path or "<model>", spec.padding_refused)
 
 
 def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> TunedModule:
@@ -350,12 +372,15 @@ def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, run
     changed since: a damaged or hostile package that still passes its digests,
     artifacts that do not fit this machine.
     """
+    buffers = BufferWatch(target.module)  # both runs start from the same buffers (running statistics...)
     with torch.no_grad():
         for index in sorted(runner.supported):
             if spec.signatures[index].state_slots:
                 continue  # only a real call brings a KV cache; its recording was checked when tuning
             args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
+            buffers.restore()
             expected = target.forward(*args, **kwargs)
+            buffers.restore()
             leaves, _ = flatten(args, kwargs)
             problem = backend.compare(runner.run(index, args, kwargs, leaves), expected)
             if problem:
