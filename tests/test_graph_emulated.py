@@ -311,7 +311,7 @@ class WritesIntoModel(nn.Module):
 
 @pytest.mark.parametrize("strategy", [GRAPH, xpupack.Only(PaddingCountingBackend())], ids=["graph", "padded-copy"])
 def test_a_package_saying_its_module_leaves_its_inputs_alone_is_checked_at_load(
-        emulated_graphs, tmp_path, fallback_calls, strategy):
+        emulated_graphs, tmp_path, fallback_calls, backend_downgrades, strategy):
     """Regression: ``mutates_inputs: false`` was the package's word. For a module that writes into an input,
     a replay (or a padded copy of the call) wrote into a copy, and the caller's tensor stayed as it was while
     the outputs matched. The loader now sees the write on its own check run: no recording, no padding."""
@@ -322,9 +322,13 @@ def test_a_package_saying_its_module_leaves_its_inputs_alone_is_checked_at_load(
     root = xpupack.save(model, tmp_path / "pkg")
     loaded = xpupack.load(WritesIntoModel(), root)
     assert xpupack.tuned.session_of(loaded).modules["inner"].spec.mutates_inputs
+    graph = strategy is GRAPH  # no recording: the original module runs; a padding backend runs, but never pads
     for batch in (4, 3):  # a recorded batch (a replay), and one that would be padded up to 4
         x, out = torch.randn(batch, 8), torch.zeros(batch, 8)
         with torch.no_grad():
             y = loaded(x, out)
             assert torch.allclose(out, loaded.inner.linear(x)) and torch.allclose(y, out)
     assert xpupack.stats(loaded)["inner"]["padded"] == 0
+    assert [(event.running, "in place" in event.reason) for event in backend_downgrades] == \
+        ([("eager", True)] if graph else [])
+    assert len(fallback_calls) == 1  # the batch of 3, which no recording takes

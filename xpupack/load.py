@@ -29,7 +29,7 @@ from .signature import dtype_name, flatten
 from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source
-from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
+from .tuned import DowngradeEvent, Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
 
@@ -325,7 +325,9 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
     except Exception as exc:
         runner.undo()
         return _restore_failed(plan, context, exc)
-    return TunedModule(target, plan.spec, plan.backend, runner, report)
+    promised, running = plan.choice.built.label, plan.backend.label
+    downgrade = DowngradeEvent(plan.path, promised, running, plan.choice.note) if running != promised else None
+    return TunedModule(target, plan.spec, plan.backend, runner, report, downgrade=downgrade)
 
 
 def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from . import _hooks
 from ._model_edit import model_lock
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
+from ._listeners import downgrade_listeners as _downgrade_listeners
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
@@ -47,11 +48,23 @@ class FallbackEvent:
     reason: str
 
 
+@dataclass(frozen=True)
+class DowngradeEvent:
+    """A loaded module that runs another backend than its package's (``promised``): ``running`` instead
+    (``"eager"``: the original module), and why (no device graphs here, a restore that failed...)."""
+
+    path: str
+    promised: str
+    running: str
+    reason: str
+
+
 class TunedModule:
     """The ``forward`` of a tuned module: fit check, then backend or fallback."""
 
     def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
-                 report: list[dict] | None = None, *, padding_checked: bool = False):
+                 report: list[dict] | None = None, *, padding_checked: bool = False,
+                 downgrade: DowngradeEvent | None = None):
         self.target = target
         self.spec = spec
         self.backend = backend
@@ -86,9 +99,15 @@ class TunedModule:
         #: tuning checked the batch axes on its samples; none after a load, whose axes are the package's
         #: claim (the first padded call into each is checked, `_check_first_padded_call`)
         self._padding_checked: set[int] = set(self._table.values()) if padding_checked else set()
+        #: set by `xpupack.load` when the package's backend does not run here; each call reports it
+        #: to the downgrade listeners (the pytest plugin), as each fallback is reported
+        self.downgrade = downgrade
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        if self.downgrade is not None and _downgrade_listeners:
+            for listener in list(_downgrade_listeners):
+                listener(self.downgrade)
         module = self.target.module
         key, leaves = fit_key(args, kwargs)
         try:
@@ -242,6 +261,8 @@ class TunedModule:
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
                 **({"new_sizes": self.new_sizes} if self._families else {}),
                 **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
+                **({"downgraded": {"package": self.downgrade.promised, "why": self.downgrade.reason}}
+                   if self.downgrade else {}),
                 **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {})}
 
     def __deepcopy__(self, memo):
