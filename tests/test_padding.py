@@ -575,3 +575,30 @@ def test_a_loaded_module_that_writes_its_own_buffers_is_not_padded_and_loading_l
     with torch.no_grad():
         loaded(torch.randn(3, 8))
     assert loaded[0].rows_seen.item() == 3 and len(fallback_calls) == 1
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        return self.embedding(ids)
+
+
+def test_batch_axes_over_integer_inputs_alone_are_kept_only_from_a_trusted_source(emulated_graphs):
+    """The loader's check fills integer inputs with zeros (the only index valid for any table): rows that
+    differ only in token ids give it nothing to vary, so such a package's word counts only where its
+    compiled code would (a local folder, a pinned Hub commit, trust_compiled=True)."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(Embed())
+    xpupack.tune(model, [torch.randint(0, 16, (batch, 4), generator=generator) for batch in LADDER], modules=["0"],
+                 strategy=GRAPH)
+    tuned = spec_of(model, "0")
+    assert tuned.batch_axes
+    xpupack.deactivate(model)  # the checks run the original forward
+    for trusted in (True, False):
+        spec = copy.deepcopy(tuned)
+        xpupack.padding.check_loaded(spec, model[0].forward, trusted=trusted)
+        assert bool(spec.batch_axes) == trusted
+        assert trusted or "not trusted" in spec.padding_refused

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import _device, _hooks, devices, distributed, padding
-from ._model_edit import ModelEdit, model_lock, named_tensors
+from ._model_edit import ModelEdit, edits_model, named_tensors
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
@@ -62,6 +62,7 @@ class _ModulePlan:
         return self.choice.locate(self.package_config, self.package_folder)[1]
 
 
+@edits_model
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
          device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
@@ -130,14 +131,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
-    with model_lock(model):  # one load into a model at a time: the edit reads and replaces its session
-        return _edit(model, source, manifest, plans, weights, placement, context, progress)
 
-
-def _edit(model: nn.Module, source: Source, manifest: dict, plans: list[_ModulePlan],
-          weights: dict[str, torch.Tensor] | None, placement: devices.Placement, context: Context,
-          progress: Callable[[str], None] | None) -> nn.Module:
-    """Installs the weights, restores each module's backend and activates them, or leaves the model as it was."""
     edit = ModelEdit(model)
     previous = find_session(model)
     was_active = previous is not None and previous.active
@@ -159,7 +153,7 @@ def _edit(model: nn.Module, source: Source, manifest: dict, plans: list[_ModuleP
                 with _device.on_device(plan.context.device), BufferWatch(plan.module).kept():
                     modules[plan.path] = _restore(plan, plan.context)
                 edit.keep_runner(modules[plan.path].runner)
-        session = Session(modules, context.device, environment=context.here, strategy=manifest.get("strategy", ""),
+        session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"], devices=placement.modules)
         attach(model, session)
         session.activate()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import _device, _hooks, devices, distributed, padding
+from ._model_edit import edits_model
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
@@ -23,6 +24,7 @@ from .tuned import (Session, TunedModule, attach, describe_architecture, detach,
 log = logging.getLogger("xpupack")
 
 
+@edits_model
 def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
          device: str | torch.device | None = None, strategy: Strategy | None = None,
          run: Callable[[nn.Module, Any], Any] | None = None, *, batch_sizes: Iterable[int] | None = None,

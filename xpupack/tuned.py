@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import _hooks
-from ._model_edit import model_lock
+from ._model_edit import edits_model
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from .backends.base import Backend, ModuleSpec, Runner, Target
@@ -416,15 +416,15 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
                                            for key in ("calls", "fallbacks", "padded", "memory_bytes")}}
 
 
+@edits_model  # after a load into the model running in another thread, never amid it
 def activate(model: nn.Module) -> nn.Module:
     """Routes calls of the tuned modules through their backends again (after `deactivate`)."""
-    with model_lock(model):  # after a load into the model running in another thread, never amid it
-        session_of(model).activate()
+    session_of(model).activate()
     return model
 
 
+@edits_model
 def deactivate(model: nn.Module) -> nn.Module:
     """Restores every tuned module's original forward; `activate` undoes it."""
-    with model_lock(model):
-        session_of(model).deactivate()
+    session_of(model).deactivate()
     return model
