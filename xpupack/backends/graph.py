@@ -216,8 +216,9 @@ class GraphRunner(Runner):
         self._lock = threading.Lock()
 
     def add_signature(self, index: int) -> None:
-        self.state_slots.append(self.spec.signatures[index].state_slots)
-        super().add_signature(index)
+        with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
+            self.state_slots.append(self.spec.signatures[index].state_slots)
+            super().add_signature(index)
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -231,7 +232,7 @@ class GraphRunner(Runner):
         their state.
         """
         stateless = []
-        for index in range(len(self.spec.signatures)):
+        for index in range(len(self.state_slots)):  # a signature being added has no slots yet: it comes next time
             if self.state_slots[index]:
                 self.supported.add(index)
             else:
