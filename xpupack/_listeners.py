@@ -22,6 +22,7 @@ def add_fallback_listener(listener: Callable[[Any], None]) -> Callable[[], None]
     fallback_listeners.append(listener)
     return lambda: fallback_listeners.remove(listener)
 
+
 #: called with a module's `DowngradeEvent` on each call of a loaded module that does not run its package's backend
 downgrade_listeners: list[Callable[[Any], None]] = []
 

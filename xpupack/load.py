@@ -329,10 +329,12 @@ def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
     pads calls, the loader sees for itself whether the module writes its inputs in place or its own
     buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
     (`xpupack.padding.check_loaded`). README: "Calls, fit and fallback"."""
+    claimed = bool(spec.batch_axes)
     observe_calls(target.forward, target.module, spec)
     padding.check_loaded(spec, target.forward, trusted=context.trusted)
-    if spec.padding_refused and not spec.batch_axes:
-        log.info("%s: calls are not padded: %s", target.path or "<model>", spec.padding_refused)
+    if claimed and not spec.batch_axes:
+        log.warning("%s: the package's batch axes are not used, calls of other batch sizes run the original "
+                    "module: %s", target.path or "<model>", spec.padding_refused)
 
 
 def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> TunedModule:
