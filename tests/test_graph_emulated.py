@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import xpupack
-from support.backends import CountingBackend
+from support.backends import CountingBackend, PaddingCountingBackend
 from support.models import make_stack, stack_samples
 from xpupack.manifest import read_manifest
 
@@ -282,3 +282,53 @@ def test_a_package_claiming_graph_for_such_a_module_falls_back_at_load(emulated_
     loaded = xpupack.load(nn.Sequential(AddsInPlace()), root)
     assert xpupack.stats(loaded)["0"]["backend"] == "eager"
     assert "in place" in caplog.text
+
+
+class WritesInto(nn.Module):
+    """Writes its result into a tensor the caller passes (``out``), as kernels with an output argument do
+    (``writes=False``: the same weights and result, ``out`` left alone)."""
+
+    def __init__(self, writes=True):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.writes = writes
+
+    def forward(self, x, out):
+        y = self.linear(x)
+        if self.writes:
+            out.copy_(y)
+        return y
+
+
+class WritesIntoModel(nn.Module):
+    def __init__(self, writes=True):
+        super().__init__()
+        self.inner = WritesInto(writes)
+
+    def forward(self, x, out):
+        return self.inner(x, out)
+
+
+@pytest.mark.parametrize("strategy", [GRAPH, xpupack.Only(PaddingCountingBackend())], ids=["graph", "padded-copy"])
+def test_a_package_saying_its_module_leaves_its_inputs_alone_is_checked_at_load(
+        emulated_graphs, tmp_path, fallback_calls, backend_downgrades, strategy):
+    """Regression: ``mutates_inputs: false`` was the package's word. For a module that writes into an input,
+    a replay (or a padded copy of the call) wrote into a copy, and the caller's tensor stayed as it was while
+    the outputs matched. The loader now sees the write on its own check run: no recording, no padding."""
+    torch.manual_seed(0)
+    samples = [(torch.randn(batch, 8), torch.zeros(batch, 8)) for batch in (1, 2, 4, 8)]
+    model = WritesIntoModel(writes=False)
+    xpupack.tune(model, samples, modules=["inner"], strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(WritesIntoModel(), root)
+    assert xpupack.tuned.session_of(loaded).modules["inner"].spec.mutates_inputs
+    graph = strategy is GRAPH  # no recording: the original module runs; a padding backend runs, but never pads
+    for batch in (4, 3):  # a recorded batch (a replay), and one that would be padded up to 4
+        x, out = torch.randn(batch, 8), torch.zeros(batch, 8)
+        with torch.no_grad():
+            y = loaded(x, out)
+            assert torch.allclose(out, loaded.inner.linear(x)) and torch.allclose(y, out)
+    assert xpupack.stats(loaded)["inner"]["padded"] == 0
+    assert [(event.running, "in place" in event.reason) for event in backend_downgrades] == \
+        ([("eager", True)] if graph else [])
+    assert len(fallback_calls) == 1  # the batch of 3, which no recording takes

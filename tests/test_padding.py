@@ -439,20 +439,25 @@ def _wrong_output_axes(spec):
 
 
 @pytest.mark.parametrize("strategy", [GRAPH, xpupack.Only(PaddingCountingBackend())], ids=["graph", "padded-copy"])
+@pytest.mark.parametrize("checked_at_load", [True, False], ids=["at-load", "first-call"])
 def test_output_batch_axes_that_name_the_wrong_rows_never_cut_an_answer(emulated_graphs, tmp_path, fallback_calls,
-                                                                        strategy):
+                                                                        monkeypatch, strategy, checked_at_load):
     """Regression (found by tests/test_fuzz.py): a spec rewritten with its digest to cut the outputs along
     the wrong axis gave padded calls outputs of the wrong shape, or, where the shapes happen to agree
-    (8 x 8), the wrong values. Axes that do not fit the outputs are refused, and the first padded call
-    into each recording of a loaded package is checked against the original module."""
+    (8 x 8), the wrong values. Axes that do not fit the outputs are refused; the load checks the axes on
+    inputs of its own, and the first padded call into each recording of a loaded package is checked
+    against the original module too (here alone, the load's check switched off)."""
     model, reference = tune_ladder(strategy)
     root = xpupack.save(model, tmp_path / "pkg")
     rewrite_json(root, "modules/layers.0.mlp/spec.json", _wrong_output_axes)
+    if not checked_at_load:
+        monkeypatch.setattr(xpupack.padding, "check_loaded", lambda *args, **kwargs: None)
     loaded = xpupack.load(make_stack(), root)
+    assert ("checked at load" in (spec_of(loaded).padding_refused or "")) == checked_at_load
     serve(loaded, reference, (3, 5, 7, 5))
     stats = xpupack.stats(loaded)
     assert stats["layers.0.mlp"]["padded"] == 0 and stats["layers.0.mlp"]["fallbacks"] == 4
-    assert "padding check" in stats["layers.0.mlp"]["fallback_reasons"]
+    assert ("padding check" in stats["layers.0.mlp"]["fallback_reasons"]) != checked_at_load
     assert (stats["layers.1.mlp"]["padded"], stats["layers.1.mlp"]["fallbacks"]) == (4, 0)  # untouched: checked once
 
 
@@ -488,3 +493,112 @@ def test_the_first_padded_call_check_allows_half_precision_rounding_as_tuning_do
     assert padded_rows_differ(backend, rounded.bfloat16(), expected.bfloat16()) is None  # about 28 dB
     assert padded_rows_differ(backend, rounded, expected) is not None  # float32: elementwise, as tuned
     assert padded_rows_differ(backend, expected.flip(0).bfloat16(), expected.bfloat16()) is not None  # other rows
+
+
+# -- what a loaded package says about its module is established from the module itself ---------------
+
+class MaxMixing(nn.Module):
+    """Adds each column's maximum over the batch: zero rows padded in change it only where every real row
+    is below zero, so a padded call can agree with the module on one input and not on the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.linear(x) + x.amax(dim=0, keepdim=True)
+
+
+def _claim_batch_axes(spec):
+    spec["batch_axes"] = [{"inputs": [0], "outputs": [0]}] * len(spec["signatures"])
+    spec.pop("padding_refused", None)
+
+
+def test_batch_axes_a_package_claims_for_a_module_whose_rows_mix_are_refused_at_load(
+        emulated_graphs, tmp_path, fallback_calls):
+    """Regression: the axes were checked on the first padded call only; a call of positive rows passed,
+    and a later one of negative rows came back wrong. The loader now checks the rows the way tuning does,
+    on inputs of its own, before any call is padded."""
+    torch.manual_seed(0)
+    model, reference = tune_ladder(model=nn.Sequential(MaxMixing()), modules=("0",))
+    assert "rows mix" in spec_of(model, "0").padding_refused  # honest tuning refuses
+    root = xpupack.save(model, tmp_path / "pkg")
+    rewrite_json(root, "modules/0/spec.json", _claim_batch_axes)
+    loaded = xpupack.load(nn.Sequential(MaxMixing()), root)
+    assert spec_of(loaded, "0").batch_axes == {} and "rows mix" in spec_of(loaded, "0").padding_refused
+    positive = torch.rand(3, 8) + 0.5
+    with torch.no_grad():
+        for x in (positive, -positive):
+            assert torch.allclose(loaded(x), reference(x), atol=1e-5)
+    assert xpupack.stats(loaded)["0"]["padded"] == 0 and len(fallback_calls) == 2
+
+
+class RowCounter(nn.Module):
+    """Counts the rows it has seen in a buffer, as running statistics do (``counting=False``: the same
+    weights and buffers, never written)."""
+
+    def __init__(self, counting=True):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("rows_seen", torch.zeros((), dtype=torch.int64))
+        self.counting = counting
+
+    def forward(self, x):
+        if self.counting:
+            self.rows_seen += x.shape[0]
+        return self.linear(x)
+
+
+def test_a_module_that_writes_its_own_buffers_is_never_padded_and_tuning_leaves_them_as_the_samples_did(
+        emulated_graphs, fallback_calls):
+    """Padding would feed its zero rows into the buffers (a row counter counts them)."""
+    model, reference = tune_ladder(model=nn.Sequential(RowCounter()), modules=("0",))
+    assert spec_of(model, "0").batch_axes == {} and "buffer" in spec_of(model, "0").padding_refused
+    assert model[0].rows_seen.item() == sum(LADDER)  # the samples' own run, not tuning's checks and timing
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        assert torch.allclose(model(x), reference[0].linear(x), atol=1e-6)
+    assert model[0].rows_seen.item() == sum(LADDER) + 3 and len(fallback_calls) == 1
+
+
+def test_a_loaded_module_that_writes_its_own_buffers_is_not_padded_and_loading_leaves_them_alone(
+        emulated_graphs, tmp_path, fallback_calls):
+    """Regression: a package made from a module that does not count (its axes honest there) loaded into
+    one that does: loading left the counter at what its recordings and checks counted, and the first
+    padded call counted its rows twice (7 for a call of 3)."""
+    model, _ = tune_ladder(model=nn.Sequential(RowCounter(counting=False)), modules=("0",))
+    assert spec_of(model, "0").batch_axes
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(nn.Sequential(RowCounter()), root)
+    assert loaded[0].rows_seen.item() == 0  # as the package holds it
+    assert spec_of(loaded, "0").batch_axes == {} and "buffer" in spec_of(loaded, "0").padding_refused
+    with torch.no_grad():
+        loaded(torch.randn(3, 8))
+    assert loaded[0].rows_seen.item() == 3 and len(fallback_calls) == 1
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        return self.embedding(ids)
+
+
+def test_batch_axes_over_integer_inputs_alone_are_kept_only_from_a_trusted_source(emulated_graphs):
+    """The loader's check fills integer inputs with zeros (the only index valid for any table): rows that
+    differ only in token ids give it nothing to vary, so such a package's word counts only where its
+    compiled code would (a local folder, a pinned Hub commit, trust_compiled=True)."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(Embed())
+    xpupack.tune(model, [torch.randint(0, 16, (batch, 4), generator=generator) for batch in LADDER], modules=["0"],
+                 strategy=GRAPH)
+    tuned = spec_of(model, "0")
+    assert tuned.batch_axes
+    xpupack.deactivate(model)  # the checks run the original forward
+    for trusted in (True, False):
+        spec = copy.deepcopy(tuned)
+        xpupack.padding.check_loaded(spec, model[0].forward, trusted=trusted)
+        assert bool(spec.batch_axes) == trusted
+        assert trusted or "not trusted" in spec.padding_refused

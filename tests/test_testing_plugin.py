@@ -1,6 +1,13 @@
 """The pytest plugin that users' deploy-after-load tests rely on."""
 
+import xpupack
+
 pytest_plugins = ["pytester"]
+
+# Resolved before any in-process pytester run: a run drops the modules first imported inside it, while
+# `xpupack` keeps the public names it resolved, which would then belong to dropped modules (a later run's
+# `save` would not see the sessions its `tune` made).
+xpupack.tune, xpupack.save, xpupack.load
 
 CONFTEST = """
 import sys
@@ -78,3 +85,99 @@ def test_the_ini_option_switches_failing_off_for_a_project(pytester, fallback_ca
     pytester.makepyfile(test_user=USER_TESTS)
     result = pytester.runpytest("--strict-markers")
     result.assert_outcomes(passed=2)
+
+
+LOADED_CONFTEST = """
+import sys
+sys.path.insert(0, {tests!r})
+import pytest, torch, xpupack
+from support.backends import CountingBackend
+from support.emulated_graph import EmulatedGraphs
+from support.models import make_stack, stack_samples
+from xpupack import _device
+
+@pytest.fixture(scope="session")
+def packages(tmp_path_factory):
+    _device.GRAPH_APIS["cpu"] = EmulatedGraphs()  # the graph package is built where device graphs exist
+    try:
+        graph = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.GraphBackend()))
+        graph_root = xpupack.save(graph, tmp_path_factory.mktemp("graph") / "pkg")
+    finally:
+        del _device.GRAPH_APIS["cpu"]
+    counting = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                            strategy=xpupack.Only(CountingBackend()))
+    return {{"graph": graph_root, "counting": xpupack.save(counting, tmp_path_factory.mktemp("c") / "pkg")}}
+
+@pytest.fixture(scope="session")
+def on_cpu(packages):  # loaded once, before any test listens
+    return xpupack.load(make_stack(), packages["graph"])
+
+@pytest.fixture
+def restore_failed(packages, monkeypatch):  # as an Inductor package whose compile fails at load
+    def fail(*args, **kwargs):
+        raise RuntimeError("the compile failed")
+    monkeypatch.setattr(CountingBackend, "restore", fail)
+    return xpupack.load(make_stack(), packages["counting"])
+"""
+
+DOWNGRADED_TESTS = """
+    import pytest, torch
+
+    def call(model):
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+
+    def test_graph_package_on_a_cpu(on_cpu):
+        call(on_cpu)
+
+    def test_restore_failed_at_load(restore_failed):
+        call(restore_failed)
+
+    def test_expected(on_cpu, backend_downgrades):
+        call(on_cpu)
+        call(on_cpu)
+        assert [(e.path, e.promised, e.running) for e in backend_downgrades] == [
+            ("layers.0.mlp", "graph", "eager"), ("layers.1.mlp", "graph", "eager")]
+        assert "no device graphs on cpu" in backend_downgrades[0].reason
+
+    @pytest.mark.xpupack_allow_downgrades
+    def test_marked(on_cpu):
+        call(on_cpu)
+
+    def test_loaded_but_not_called(on_cpu):
+        pass
+"""
+
+
+def test_a_module_running_another_backend_than_its_package_fails_the_test_that_calls_it(
+        pytester, fallback_calls, backend_downgrades):
+    """Regression: a graph package loaded on a CPU, or a package whose backend failed to restore, ran the
+    original module for every call and no fallback was ever reported: deploy tests passed. (This test takes
+    both fixtures itself because pytester runs the inner session in-process.)"""
+    import os
+
+    pytester.makeconftest(LOADED_CONFTEST.format(tests=os.path.dirname(__file__)))
+    pytester.makepyfile(test_user=DOWNGRADED_TESTS)
+    result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=5, errors=2)
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_graph_package_on_a_cpu*",
+        "*2 tuned module(s) ran another backend than their package's*",
+        "*layers.0.mlp: package graph, runs eager (graph -> original module (no device graphs on cpu))*",
+        "*ERROR at teardown of test_restore_failed_at_load*",
+        "*layers.0.mlp: package counting, runs eager*restore failed: the compile failed*"])
+    result.stdout.fnmatch_lines(["*take the `backend_downgrades` fixture*@pytest.mark.xpupack_allow_downgrades*"
+                                 "xpupack_fail_on_downgrade = false*"])
+    assert "xpupack_allow_downgrades" in pytester.runpytest("--markers").stdout.str()
+
+
+def test_the_ini_option_lets_a_project_run_other_backends_than_its_packages(pytester, fallback_calls,
+                                                                              backend_downgrades):
+    import os
+
+    pytester.makeconftest(LOADED_CONFTEST.format(tests=os.path.dirname(__file__)))
+    pytester.makeini("[pytest]\nxpupack_fail_on_downgrade = false\n")
+    pytester.makepyfile(test_user=DOWNGRADED_TESTS)
+    result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=5)

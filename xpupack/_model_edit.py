@@ -1,17 +1,49 @@
 """The undo log of a load: every change `xpupack.load` makes to a model, and how to take it back.
 
-A failed load calls `ModelEdit.rollback`, which leaves the model exactly as it was.
+A failed load calls `ModelEdit.rollback`, which leaves the model exactly as it was. Edits of one
+model run one at a time (`model_lock`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+import functools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from .backends.base import Runner
+
+
+_model_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The lock that `load`, `tune`, `activate` and `deactivate` hold (`edits_model`) while they change
+    which forwards ``model``'s modules run: two loads into one model interleaving could leave a module
+    running the replaced load's forward, out of `stats` and out of reach of `deactivate`. Reentrant, so
+    that a call that edits the model from inside another (a ``run`` callback of `tune`) does not wait on itself."""
+    with _model_locks_guard:
+        try:
+            lock = _model_locks.get(model)
+            if lock is None:
+                lock = _model_locks[model] = threading.RLock()
+        except TypeError:  # no module (no weak reference to it): the function's own checks will say so
+            lock = threading.RLock()
+        return lock
+
+
+def edits_model(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Runs ``function(model, ...)`` holding ``model``'s `model_lock`."""
+    @functools.wraps(function)
+    def locked(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with model_lock(model):
+            return function(model, *args, **kwargs)
+    return locked
 
 
 class ModelEdit:

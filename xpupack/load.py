@@ -17,19 +17,20 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device, _hooks, devices, distributed
-from ._model_edit import ModelEdit, named_tensors
+from . import _device, _hooks, devices, distributed, padding
+from ._model_edit import ModelEdit, edits_model, named_tensors
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
 from .manifest import check_files, listed_files, module_slot, read_manifest
 from .plan import ON_MISMATCH, Choice, Context, choose
+from .recorder import BufferWatch, observe_calls
 from .signature import dtype_name, flatten
 from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source
-from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
+from .tuned import DowngradeEvent, Session, TunedModule, attach, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
 
@@ -62,6 +63,7 @@ class _ModulePlan:
         return self.choice.locate(self.package_config, self.package_folder)[1]
 
 
+@edits_model
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
          device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
@@ -152,7 +154,8 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             for number, plan in enumerate(plans, 1):
                 if progress:
                     progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
-                with _device.on_device(plan.context.device):
+                # the load's own runs of the module (checks, recordings) leave its buffers as the package has them
+                with _device.on_device(plan.context.device), BufferWatch(plan.module).kept():
                     modules[plan.path] = _restore(plan, plan.context)
                 modules[plan.path].load_s = clock.lap("modules")
                 edit.keep_runner(modules[plan.path].runner)
@@ -326,6 +329,8 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
     target = Target(plan.path, plan.module, _hooks.original_forward(plan.module))
     report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.choice.note or "from package"}]
     try:
+        if plan.backend.pads_calls:
+            _check_claims(target, plan.spec, context)
         runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, context.device,
                                       use_artifacts=plan.choice.use_artifacts)
     except Exception as exc:  # a failed restore has undone its own changes to the module
@@ -338,7 +343,22 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
     except Exception as exc:
         runner.undo()
         return _restore_failed(plan, context, exc)
-    return TunedModule(target, plan.spec, plan.backend, runner, report)
+    promised, running = plan.choice.built.label, plan.backend.label
+    downgrade = DowngradeEvent(plan.path, promised, running, plan.choice.note) if running != promised else None
+    return TunedModule(target, plan.spec, plan.backend, runner, report, downgrade=downgrade)
+
+
+def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
+    """What a package says about its module's calls is its author's word; for a backend that records or
+    pads calls, the loader sees for itself whether the module writes its inputs in place or its own
+    buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
+    (`xpupack.padding.check_loaded`). README: "Calls, fit and fallback"."""
+    claimed = bool(spec.batch_axes)
+    observe_calls(target.forward, target.module, spec)
+    padding.check_loaded(spec, target.forward, trusted=context.trusted)
+    if claimed and not spec.batch_axes:
+        log.warning("%s: the package's batch axes are not used, calls of other batch sizes run the original "
+                    "module: %s", target.path or "<model>", spec.padding_refused)
 
 
 def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> TunedModule:
@@ -374,12 +394,15 @@ def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, run
     changed since: a damaged or hostile package that still passes its digests,
     artifacts that do not fit this machine.
     """
+    buffers = BufferWatch(target.module)  # both runs start from the same buffers (running statistics...)
     with torch.no_grad():
         for index in sorted(runner.supported):
             if spec.signatures[index].state_slots:
                 continue  # only a real call brings a KV cache; its recording was checked when tuning
             args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
+            buffers.restore()
             expected = target.forward(*args, **kwargs)
+            buffers.restore()
             leaves, _ = flatten(args, kwargs)
             problem = backend.compare(runner.run(index, args, kwargs, leaves), expected)
             if problem:

@@ -6,13 +6,15 @@ batch can run the smallest larger recorded batch instead: its rows go first,
 zeros fill the rest, and the outputs are cut back to its rows.
 
 That is right only for a module whose rows do not mix (no batch statistics,
-no attention across the batch). At tune time `plan` finds each input's and
-output's batch axis from the recorded signatures (the one axis whose size
-changes, together across leaves and outputs, from one batch size to the
-next) and checks on the samples that padded rows cannot change real rows: it
-runs each sample with some rows replaced by two different fillers and
-compares the real rows. A module that fails is never padded, and the spec
-says why.
+no attention across the batch) and whose calls change nothing but their
+outputs (no input written in place, no buffer of its own written). At tune
+time `plan` finds each input's and output's batch axis from the recorded
+signatures (the one axis whose size changes, together across leaves and
+outputs, from one batch size to the next) and checks on the samples that
+padded rows cannot change real rows: it runs each sample with some rows
+replaced by two different fillers and compares the real rows. A module that
+fails is never padded, and the spec says why. At load, `check_loaded` runs the
+same check on synthesised inputs before trusting a package's axes.
 """
 
 from __future__ import annotations
@@ -139,31 +141,105 @@ ROWS_SQNR_DB = 25.0
 
 def _why_not_paddable(spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes,
                       batches: list[int]) -> str | None:
-    """Runs eager on each recorded sample of a batch above 1 with its last rows replaced, once by zeros
-    (what padding fills in) and once by other values: the real rows must come out as eager gives them."""
-    if spec.mutates_inputs:
-        return "the module changes its input tensors in place (a padded call would change a copy)"
+    """Runs eager on each recorded sample of a batch above 1 with its last rows replaced (`_rows_mix`)."""
+    refused = _side_effects_refusal(spec)
+    if refused:
+        return refused
     generator = torch.Generator().manual_seed(0)
     for index, batch in zip(members, batches):
         if batch < 2:
             continue
-        rows = batch // 2
         for args, kwargs in spec.samples[index]:
-            leaves, tree = flatten(*snapshot((args, kwargs)))
-            real = [_cut(leaf, axis, rows) for leaf, axis in zip(leaves, axes.inputs)]
-            real_args, real_kwargs = unflatten(real, tree)
-            with torch.no_grad():
-                expected = _cut_outputs(forward(*real_args, **real_kwargs), axes, rows)
-                for filler in ("zeros", "other"):
-                    padded = [_pad(leaf, axis, batch, filler, generator, source)
-                              for leaf, axis, source in zip(real, axes.inputs, leaves)]
-                    args_, kwargs_ = unflatten(padded, tree)
-                    problem = mismatch(_cut_outputs(forward(*args_, **kwargs_), axes, rows), expected,
-                                       DEFAULT_TOLERANCES, low_precision_sqnr_db=ROWS_SQNR_DB)
-                    if problem:
-                        return (f"rows mix: {rows} real row(s) of {spec.signatures[index].describe()} padded with "
-                                f"{filler} to {batch} came out unlike eager on the real rows alone ({problem})")
+            problem = _rows_mix(forward, args, kwargs, axes, batch, batch // 2, generator,
+                                spec.signatures[index].describe())
+            if problem:
+                return f"rows mix: {problem}"
     return None
+
+
+def _side_effects_refusal(spec: ModuleSpec) -> str | None:
+    """Why a module whose calls change something besides their outputs is not padded, or None."""
+    if spec.mutates_inputs:
+        return "the module changes its input tensors in place (a padded call would change a copy)"
+    if spec.writes_buffers:
+        return "the module writes its own buffers (a padded call's filler rows would reach them)"
+    return None
+
+
+def _rows_mix(forward: Callable[..., Any], args: tuple, kwargs: dict, axes: BatchAxes, batch: int, rows: int,
+              generator: torch.Generator, described: str) -> str | None:
+    """Runs eager on a call of ``batch`` rows cut to its first ``rows``, then with the rest filled in again,
+    once by zeros (what padding fills in) and once by other values: the real rows must come out as eager
+    gives them alone. Returns what differed (the call ``described``), or None."""
+    leaves, tree = flatten(*snapshot((args, kwargs)))
+    real = [_cut(leaf, axis, rows) for leaf, axis in zip(leaves, axes.inputs)]
+    real_args, real_kwargs = unflatten(real, tree)
+    with torch.no_grad():
+        expected = _cut_outputs(forward(*real_args, **real_kwargs), axes, rows)
+        for filler in ("zeros", "other"):
+            padded = [_pad(leaf, axis, batch, filler, generator, source)
+                      for leaf, axis, source in zip(real, axes.inputs, leaves)]
+            args_, kwargs_ = unflatten(padded, tree)
+            problem = mismatch(_cut_outputs(forward(*args_, **kwargs_), axes, rows), expected,
+                               DEFAULT_TOLERANCES, low_precision_sqnr_db=ROWS_SQNR_DB)
+            if problem:
+                return (f"{rows} real row(s) of {described} padded with {filler} to {batch} came out unlike "
+                        f"eager on the real rows alone ({problem})")
+    return None
+
+
+# -- load time: a package's batch axes are its author's claim ------------------------------------------
+
+#: random batches a loader checks each signature a package pads into on, each with another number of
+#: real rows (half the batch, one, all but one)
+LOAD_CHECK_BATCHES = 3
+
+
+def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool) -> None:
+    """Checks the batch axes a loaded package names the way tuning checked them (`_rows_mix`), on inputs
+    synthesised from each signature it pads into; on a failure clears ``spec.batch_axes`` and says why in
+    ``spec.padding_refused``, as tuning would have.
+
+    Tuning checked its own samples; a package's axes are its author's word, and a module whose rows mix
+    can agree with a padded call on one input and not on the next. The loader therefore checks several
+    random batches with differently many real rows, both fillers, before any call is padded. Floating
+    leaves vary from batch to batch; integer and boolean ones are zeros (the only values valid for any
+    embedding), so a signature whose batched inputs are all integers gives the check nothing to vary:
+    its padding is kept only from a ``trusted`` source (README: "Calls, fit and fallback").
+    """
+    problem = _loaded_axes_problem(spec, forward, trusted) if spec.batch_axes else None
+    if problem:
+        spec.batch_axes, spec.padding_refused = {}, f"{problem} (checked at load)"
+
+
+def _loaded_axes_problem(spec: ModuleSpec, forward: Callable[..., Any], trusted: bool) -> str | None:
+    refused = _side_effects_refusal(spec)
+    if refused:
+        return refused
+    generator = torch.Generator().manual_seed(0)
+    for index, axes in sorted(spec.batch_axes.items()):
+        signature = spec.signatures[index]
+        _, batch = signature_batch(signature, axes)
+        if batch < 2:
+            continue  # nothing is padded up to one row
+        if not trusted and not any(axis is not None and leaf.dtype.is_floating_point
+                                   for axis, leaf in zip(axes.inputs, signature.leaves)):
+            return (f"the loader cannot check that the rows of {signature.describe()} do not mix (no floating "
+                    "input varies along the batch) and the source is not trusted")
+        for number in range(LOAD_CHECK_BATCHES):
+            rows = (batch // 2, 1, batch - 1)[number % 3]
+            args, kwargs = signature.synthesize(seed=_LOAD_SEED + LOAD_CHECK_BATCHES * index + number)
+            try:
+                problem = _rows_mix(forward, args, kwargs, axes, batch, rows, generator, signature.describe())
+            except Exception as exc:  # a module that cannot run the check's calls is not padded
+                return f"{signature.describe()} with {rows} real row(s) failed to run ({type(exc).__name__}: {exc})"
+            if problem:
+                return f"rows mix: {problem}"
+    return None
+
+
+#: seeds of the load-time check's batches: other values than tuning's and than the load's accuracy check
+_LOAD_SEED = 7919
 
 
 def _cut(leaf: Any, axis: int | None, rows: int) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -87,6 +88,88 @@ def same_values(a: Any, b: Any) -> bool:
                 and bool(((x == y) | (x.isnan() & y.isnan())).all()))):
             return False
     return True
+
+
+def run_on_copy(forward: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """``forward`` run on a copy of the call's tensors: its outputs, and whether it changed that copy in place.
+
+    A write is seen by the values it changes and by the tensors' version counters, so a write that leaves
+    these inputs' values as they were (a clamp they are already inside) still counts: on other inputs it
+    would change them.
+    """
+    call = snapshot((args, kwargs))
+    tensors = [leaf for leaf in flatten(*call)[0] if isinstance(leaf, torch.Tensor)]
+    versions = [_version(tensor) for tensor in tensors]
+    outputs = forward(*call[0], **call[1])
+    changed = not same_values(call, (args, kwargs)) or versions != [_version(tensor) for tensor in tensors]
+    return outputs, changed
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
+class BufferWatch:
+    """A module's buffers (its submodules' too) as they are now: which ones calls write, and putting them back.
+
+    A module that writes its buffers in ``forward`` (a row counter, running statistics, a running maximum)
+    must not be padded, whose filler rows would reach them; and xpupack's own runs of it (tuning's checks
+    and timing, a load's recordings and checks) must leave them as the caller's calls left them.
+    Copies the buffers: as much memory again as they hold, while the watch lives.
+    """
+
+    def __init__(self, module: nn.Module):
+        self._entries = [(owner, f"{prefix}.{name}" if prefix else name, name, tensor, tensor.detach().clone())
+                         for prefix, owner in module.named_modules()
+                         for name, tensor in owner._buffers.items()
+                         if tensor is not None and not tensor.is_meta]  # meta: its values live elsewhere
+        self._versions = [_version(tensor) for _, _, _, tensor, _ in self._entries]
+
+    def written(self) -> list[str]:
+        """The buffers replaced or written in place since the watch began (or was last `restore`d)."""
+        return [path for (owner, path, name, tensor, saved), version in zip(self._entries, self._versions)
+                if owner._buffers.get(name) is not tensor or _version(tensor) != version
+                or not same_values(tensor, saved)]
+
+    def restore(self) -> None:
+        """Puts every buffer back: the same tensor objects (a recording reads them where they are), the
+        values they held."""
+        with torch.no_grad():
+            for owner, _, name, tensor, saved in self._entries:
+                owner._buffers[name] = tensor
+                if not same_values(tensor, saved):
+                    tensor.copy_(saved)
+        self._versions = [_version(tensor) for _, _, _, tensor, _ in self._entries]
+
+    @contextlib.contextmanager
+    def kept(self):
+        """The block's writes to the buffers are undone when it ends."""
+        try:
+            yield self
+        finally:
+            self.restore()
+
+
+def observe_calls(forward: Callable[..., Any], module: nn.Module, spec: ModuleSpec) -> None:
+    """Sets ``spec.mutates_inputs`` and ``spec.writes_buffers`` where ``forward`` (``module``'s) is seen to
+    write an input in place or a buffer of its own, on inputs synthesised from each signature without state.
+
+    A loaded package's ``mutates_inputs`` is its author's word, and the buffers are never in it: the loader
+    sees for itself, before recording or padding anything, and puts the buffers back. What the module does
+    only on other inputs than these (a write behind a data-dependent branch) stays unseen.
+    """
+    buffers = BufferWatch(module)
+    with torch.no_grad(), buffers.kept():
+        for index, signature in enumerate(spec.signatures):
+            if signature.state_slots:
+                continue  # only a real call brings a KV cache
+            _, changed = run_on_copy(forward, *signature.synthesize(seed=index + 1))
+            spec.mutates_inputs |= changed
+            spec.writes_buffers |= bool(buffers.written())
+            buffers.restore()
 
 
 class _Recording:

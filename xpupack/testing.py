@@ -6,11 +6,20 @@ tuned module silently stopped running its backend. This plugin can:
 - the ``fallback_calls`` fixture records every fallback (`FallbackEvent`:
   module path and reason) during the test, for the test to assert on;
 - every test that does *not* take ``fallback_calls`` fails when any tuned
-  module falls back during it.
+  module falls back during it;
+- the ``backend_downgrades`` fixture records each loaded module called during
+  the test that runs another backend than its package's (`DowngradeEvent`:
+  path, the package's backend, the one that runs, why): a graph package on a
+  machine without device graphs, a backend whose restore failed at load. Its
+  calls are no fallbacks (the module runs what the load chose for it), so
+  this is the only place they show;
+- every test that does *not* take ``backend_downgrades`` fails when it calls
+  such a module, wherever the model was loaded (a session fixture too).
 
-Switch the second off for a whole project with the ini option
-``xpupack_fail_on_fallback = false`` (``[tool.pytest.ini_options]`` or
-``pytest.ini``), or for one test with ``@pytest.mark.xpupack_allow_fallbacks``.
+Switch the failures off for a whole project with the ini options
+``xpupack_fail_on_fallback = false`` and ``xpupack_fail_on_downgrade = false``
+(``[tool.pytest.ini_options]`` or ``pytest.ini``), or for one test with
+``@pytest.mark.xpupack_allow_fallbacks`` and ``@pytest.mark.xpupack_allow_downgrades``.
 
 pytest loads this plugin into every run of every environment where xpupack
 is installed, so it imports nothing heavy (no torch): it only listens, through
@@ -29,24 +38,27 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ._listeners import add_fallback_listener
+from ._listeners import add_downgrade_listener, add_fallback_listener
 
 if TYPE_CHECKING:
-    from .tuned import FallbackEvent
+    from .tuned import DowngradeEvent, FallbackEvent
 
-__all__ = ["FallbackEvent", "fallback_calls"]
+__all__ = ["DowngradeEvent", "FallbackEvent", "backend_downgrades", "fallback_calls"]
 
 #: the ini option that switches failing on unexpected fallbacks off for a project
 INI_OPTION = "xpupack_fail_on_fallback"
 #: the marker that switches it off for one test
 MARKER = "xpupack_allow_fallbacks"
+#: the ini option and the marker for modules that run another backend than their package's
+DOWNGRADE_INI_OPTION = "xpupack_fail_on_downgrade"
+DOWNGRADE_MARKER = "xpupack_allow_downgrades"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "FallbackEvent":  # defined with the tuned modules, which import torch
-        from .tuned import FallbackEvent
+    if name in ("FallbackEvent", "DowngradeEvent"):  # defined with the tuned modules, which import torch
+        from . import tuned
 
-        return FallbackEvent
+        return getattr(tuned, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -54,11 +66,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(INI_OPTION, type="bool", default=True,
                   help="xpupack: fail a test that does not take the fallback_calls fixture when a tuned "
                        "module falls back during it (default: true)")
+    parser.addini(DOWNGRADE_INI_OPTION, type="bool", default=True,
+                  help="xpupack: fail a test that does not take the backend_downgrades fixture when it calls a "
+                       "loaded module that runs another backend than its package's (default: true)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}: xpupack: let tuned modules fall back during this test "
                                        "without failing it")
+    config.addinivalue_line("markers", f"{DOWNGRADE_MARKER}: xpupack: let loaded modules run another backend "
+                                       "than their package's during this test without failing it")
 
 
 @pytest.fixture
@@ -68,6 +85,48 @@ def fallback_calls() -> Any:
     remove = add_fallback_listener(events.append)
     yield events
     remove()
+
+
+@pytest.fixture
+def backend_downgrades() -> Any:
+    """The `DowngradeEvent` of each loaded module called during the test that runs another backend than its
+    package's: one per module, in the order they were first called."""
+    events: list[DowngradeEvent] = []
+    remove = add_downgrade_listener(_once_each(events))
+    yield events
+    remove()
+
+
+def _once_each(events: list) -> Any:
+    """A listener that appends each event object once (a module reports the same one on every call)."""
+    seen: set[int] = set()
+
+    def listen(event: Any) -> None:
+        if id(event) not in seen:  # ``events`` holds each one, so no id is reused meanwhile
+            seen.add(id(event))
+            events.append(event)
+    return listen
+
+
+@pytest.fixture(autouse=True)
+def _xpupack_fail_on_downgrade(request: pytest.FixtureRequest) -> Any:
+    if ("backend_downgrades" in request.fixturenames or request.node.get_closest_marker(DOWNGRADE_MARKER)
+            is not None or not request.config.getini(DOWNGRADE_INI_OPTION)):
+        yield
+        return
+    events: list[DowngradeEvent] = []
+    remove = add_downgrade_listener(_once_each(events))
+    yield
+    remove()
+    if events:
+        listed = "\n".join(f"  {e.path or '<model>'}: package {e.promised}, runs {e.running} ({e.reason})"
+                           for e in events[:10])
+        more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
+        pytest.fail(f"{len(events)} tuned module(s) ran another backend than their package's:\n{listed}{more}\n"
+                    "xpupack's pytest plugin fails a test that calls such a module. If the test expects it, take "
+                    "the `backend_downgrades` fixture (and assert on it), mark it "
+                    f"@pytest.mark.{DOWNGRADE_MARKER}, or set `{DOWNGRADE_INI_OPTION} = false` in the project's "
+                    "pytest configuration", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

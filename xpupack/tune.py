@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from . import _device, _hooks, devices, distributed, padding
+from ._model_edit import edits_model
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
 from .errors import TuningError
-from .recorder import record, same_values, select_modules, snapshot
+from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
 from .tuned import (Session, TunedModule, attach, describe_architecture, detach, find_session,
@@ -23,6 +24,7 @@ from .tuned import (Session, TunedModule, attach, describe_architecture, detach,
 log = logging.getLogger("xpupack")
 
 
+@edits_model
 def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
          device: str | torch.device | None = None, strategy: Strategy | None = None,
          run: Callable[[nn.Module, Any], Any] | None = None, *, batch_sizes: Iterable[int] | None = None,
@@ -124,18 +126,22 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
         backend = EagerBackend()
         return TunedModule(target, spec, backend, backend.build(target, spec, device),
                            [{"backend": "eager", "status": "chosen", "reason": why}])
-    references = []
-    with torch.no_grad():
-        for index, samples in enumerate(spec.samples):
-            outputs = []
-            for number in range(len(samples)):
-                args, kwargs = spec.sample(index, number)
-                call = snapshot((args, kwargs))  # the recorded sample stays as recorded
-                outputs.append(spec.observe(index, *call, target.forward(*call[0], **call[1])))
-                spec.mutates_inputs |= not same_values(call, (args, kwargs))
-            references.append(outputs)
-    padding.plan(spec, target.forward, references)
-    backend, runner, report = strategy.choose(target, spec, references, device)
+    # tuning's own runs (references, checks, timing) leave the module's buffers as the samples' run left them
+    with BufferWatch(target.module).kept() as buffers:
+        references = []
+        with torch.no_grad():
+            for index, samples in enumerate(spec.samples):
+                outputs = []
+                for number in range(len(samples)):
+                    args, kwargs = spec.sample(index, number)
+                    output, changed = run_on_copy(target.forward, args, kwargs)  # the sample stays as recorded
+                    outputs.append(spec.observe(index, args, kwargs, output))
+                    spec.mutates_inputs |= changed
+                references.append(outputs)
+        spec.writes_buffers = bool(buffers.written())
+        buffers.restore()
+        padding.plan(spec, target.forward, references)
+        backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
     return TunedModule(target, spec, backend, runner, report, padding_checked=True)  # `padding.plan` checked it
 

@@ -20,10 +20,13 @@ import torch
 from torch import nn
 
 from . import _hooks
+from ._model_edit import edits_model
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
+from ._listeners import downgrade_listeners as _downgrade_listeners
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .errors import NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
+from .recorder import BufferWatch
 from .signature import Signature, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, state_type, unrecordable_hint
 
@@ -45,11 +48,23 @@ class FallbackEvent:
     reason: str
 
 
+@dataclass(frozen=True)
+class DowngradeEvent:
+    """A loaded module that runs another backend than its package's (``promised``): ``running`` instead
+    (``"eager"``: the original module), and why (no device graphs here, a restore that failed...)."""
+
+    path: str
+    promised: str
+    running: str
+    reason: str
+
+
 class TunedModule:
     """The ``forward`` of a tuned module: fit check, then backend or fallback."""
 
     def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
-                 report: list[dict] | None = None, *, padding_checked: bool = False):
+                 report: list[dict] | None = None, *, padding_checked: bool = False,
+                 downgrade: DowngradeEvent | None = None):
         self.target = target
         self.spec = spec
         self.backend = backend
@@ -86,9 +101,15 @@ class TunedModule:
         #: tuning checked the batch axes on its samples; none after a load, whose axes are the package's
         #: claim (the first padded call into each is checked, `_check_first_padded_call`)
         self._padding_checked: set[int] = set(self._table.values()) if padding_checked else set()
+        #: set by `xpupack.load` when the package's backend does not run here; each call reports it
+        #: to the downgrade listeners (the pytest plugin), as each fallback is reported
+        self.downgrade = downgrade
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        if self.downgrade is not None and _downgrade_listeners:
+            for listener in list(_downgrade_listeners):
+                listener(self.downgrade)
         module = self.target.module
         key, leaves = fit_key(args, kwargs)
         try:
@@ -106,6 +127,9 @@ class TunedModule:
             return self._fallback(args, kwargs, "autograd needed", leaves)
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
             return self._fallback(args, kwargs, "autocast enabled", leaves)
+        # the first padded call into a loaded package's recording is checked against the original module,
+        # which must see the buffers as the caller left them (the padded run may have written them)
+        buffers = BufferWatch(module) if padding is not None and index not in self._padding_checked else None
         try:
             if padding is None:
                 return self.runner.run(index, args, kwargs, leaves)
@@ -119,26 +143,39 @@ class TunedModule:
             log.warning("%s: %s backend failed (%s); this signature now runs the original module",
                         self.target.path or "<model>", self.backend_name, exc)
             return self._fallback(args, kwargs, "backend error", leaves)
-        if index not in self._padding_checked and not self._check_first_padded_call(index, outputs, args, kwargs):
-            return self._fallback(args, kwargs, "padding check", leaves)
+        if buffers is not None:
+            return self._check_first_padded_call(index, outputs, args, kwargs, leaves, buffers)
         self.padded += 1
         return outputs
 
-    def _check_first_padded_call(self, index: int, outputs: Any, args: tuple, kwargs: dict) -> bool:
-        """Whether a loaded package's first padded call into signature ``index`` agrees with the original
-        module on the caller's rows (run here once). A package's batch axes are its author's claim, and
-        axes that name the wrong rows (or a module whose rows mix) would hand back wrong answers; on a
-        mismatch that signature is no longer padded into."""
+    def _check_first_padded_call(self, index: int, outputs: Any, args: tuple, kwargs: dict, leaves: list,
+                                 buffers: BufferWatch) -> Any:
+        """A loaded package's first padded call into signature ``index``: the buffers go back to what they
+        were before it, the original module runs the call (once: its buffers see it once), and its outputs
+        are compared with the padded ones on the caller's rows. The load checked the batch axes on inputs of
+        its own (`xpupack.padding.check_loaded`); this sees the caller's. On a mismatch that signature is no
+        longer padded into; if the original module wrote its buffers, no call of the module is. Returns the
+        call's outputs."""
+        buffers.restore()
         with torch.no_grad():
-            problem = padded_rows_differ(self.backend, outputs, self.target.forward(*args, **kwargs))
+            expected = self.target.forward(*args, **kwargs)
+        written = buffers.written()
+        problem = (f"the module writes its own buffers ({', '.join(written[:3])})" if written
+                   else padded_rows_differ(self.backend, outputs, expected))
         if problem is None:
             self._padding_checked.add(index)
-            return True
-        self._padding.retire(index)
+            self.padded += 1
+            return outputs
+        if written:
+            self._padding = None
+        else:
+            self._padding.retire(index)
         self.backend_errors[index] = f"padding check: {problem}"
         log.warning("%s: a padded call into %s disagreed with the original module (%s); calls are no longer "
-                    "padded into it", self.target.path or "<model>", self.spec.signatures[index].describe(), problem)
-        return False
+                    "padded into %s", self.target.path or "<model>", self.spec.signatures[index].describe(), problem,
+                    "any recording" if written else "it")
+        self._count_fallback("padding check", leaves)
+        return expected
 
     def _run_padded(self, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
         """Runs a call padded up to the recorded batch ``padding`` names and cuts the outputs back.
@@ -195,6 +232,11 @@ class TunedModule:
                 or any(p.requires_grad for p in self._params))
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list) -> Any:
+        self._count_fallback(reason, leaves)
+        return self.target.forward(*args, **kwargs)
+
+    def _count_fallback(self, reason: str, leaves: list) -> None:
+        """Counts, logs (once per reason) and reports a call that runs the original module."""
         self.fallbacks += 1
         kind = reason
         if reason == "signature":
@@ -214,7 +256,6 @@ class TunedModule:
             event = FallbackEvent(self.target.path, reason)
             for listener in list(_fallback_listeners):
                 listener(event)
-        return self.target.forward(*args, **kwargs)
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
@@ -223,6 +264,8 @@ class TunedModule:
                 **({"new_sizes": self.new_sizes} if self._families else {}),
                 **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
                 **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
+                **({"downgraded": {"package": self.downgrade.promised, "why": self.downgrade.reason}}
+                   if self.downgrade else {}),
                 **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {})}
 
     def __deepcopy__(self, memo):
@@ -386,12 +429,14 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
     return {"modules": modules, "totals": summed}
 
 
+@edits_model  # after a load into the model running in another thread, never amid it
 def activate(model: nn.Module) -> nn.Module:
     """Routes calls of the tuned modules through their backends again (after `deactivate`)."""
     session_of(model).activate()
     return model
 
 
+@edits_model
 def deactivate(model: nn.Module) -> nn.Module:
     """Restores every tuned module's original forward; `activate` undoes it."""
     session_of(model).deactivate()

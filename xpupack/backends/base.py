@@ -51,8 +51,12 @@ class ModuleSpec:
     batch_axes: dict[int, BatchAxes] = field(default_factory=dict)
     #: why this module's calls are never padded (its rows mix), or None
     padding_refused: str | None = None
-    #: eager changed an input tensor in place on a recorded sample (a replay would change its copy)
+    #: eager changed an input tensor in place on a recorded sample (a replay would change its copy); at
+    #: load, also when the loader sees the module do it (a package's false is only its word)
     mutates_inputs: bool = False
+    #: the module wrote its own buffers while tuning's (or a load's) runs called it: never padded, whose
+    #: filler rows would reach them. Established from the module each time, never read from a package
+    writes_buffers: bool = False
     #: ``states[i][k]``: copies of the state tensors of ``samples[i][k]`` from before that call
     #: (empty lists for signatures without state)
     states: list[list[list[torch.Tensor]]] = field(default_factory=list)

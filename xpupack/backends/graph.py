@@ -224,8 +224,9 @@ class GraphRunner(Runner):
         self._lock = threading.Lock()
 
     def add_signature(self, index: int) -> None:
-        self.state_slots.append(self.spec.signatures[index].state_slots)
-        super().add_signature(index)
+        with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
+            self.state_slots.append(self.spec.signatures[index].state_slots)
+            super().add_signature(index)
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -239,7 +240,7 @@ class GraphRunner(Runner):
         their state.
         """
         stateless = []
-        for index in range(len(self.spec.signatures)):
+        for index in range(len(self.state_slots)):  # a signature being added has no slots yet: it comes next time
             if self.state_slots[index]:
                 self.supported.add(index)
             else:
@@ -321,17 +322,24 @@ class GraphRunner(Runner):
         return recording
 
     def release(self) -> None:
-        """Drops every recording and the storages they read; the next call records again."""
+        """Drops every recording and the storages they read; the next call records again.
+
+        Under the call lock: a call between its storage check and its replay would otherwise find its
+        recording gone (`deactivate` while other threads call)."""
+        with self._lock:
+            self._drop_recordings()
+
+    def _drop_recordings(self) -> None:
         self.recordings.clear()
         self.state_recordings.clear()
         self._warm.clear()
         self._watch = None
 
     def _rerecord(self) -> None:
-        """The module's storage moved (or was released): record again from the signatures."""
+        """The module's storage moved (or was released): record again from the signatures. Under the lock."""
         log.info("%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
                  self.target.path or "<model>")
-        self.release()
+        self._drop_recordings()
         self.supported.clear()
         self.failures.clear()
         self.rerecordings += 1
@@ -456,13 +464,17 @@ class GraphRunner(Runner):
             raise RuntimeError(f"over the cap of {self.max_recordings} recordings per module")
 
     def memory_bytes(self) -> int:
+        with self._lock:  # `stats` from another thread must not read the recordings while a call changes them
+            return self._memory_bytes()
+
+    def _memory_bytes(self) -> int:
         return sum(r.memory for r in (*self.recordings.values(), *self.state_recordings.values()))
 
     def recorded(self) -> dict:
         """The recordings' memory, each one's and the module's, and what the budget skipped (`describe`,
         and the package's config for `xpupack inspect`)."""
         signatures = self.spec.signatures
-        facts: dict = {"memory_bytes": self.memory_bytes(),
+        facts: dict = {"memory_bytes": self._memory_bytes(),
                        "recording_memory": {signatures[i].describe(): r.memory for i, r in self.recordings.items()}}
         if self.max_memory is not None:
             facts["max_memory"] = self.max_memory
@@ -471,15 +483,16 @@ class GraphRunner(Runner):
         return facts
 
     def describe(self) -> dict:
-        facts = {"recordings": len(self.recordings) + len(self.state_recordings), "rerecordings": self.rerecordings,
-                 **self.recorded()}
-        if any(self.state_slots):
-            facts["warm_runs"] = self.warm_runs
-        if self.unreplayable_runs:
-            facts["unreplayable_runs"] = self.unreplayable_runs
-        if self.failures:
-            facts["not_recorded"] = {self.spec.signatures[i].describe(): why for i, why in self.failures.items()}
-        return facts
+        with self._lock:
+            facts = {"recordings": len(self.recordings) + len(self.state_recordings),
+                     "rerecordings": self.rerecordings, **self.recorded()}
+            if any(self.state_slots):
+                facts["warm_runs"] = self.warm_runs
+            if self.unreplayable_runs:
+                facts["unreplayable_runs"] = self.unreplayable_runs
+            if self.failures:
+                facts["not_recorded"] = {self.spec.signatures[i].describe(): why for i, why in self.failures.items()}
+            return facts
 
 
 def _difference(after: tuple, before: tuple) -> tuple:
