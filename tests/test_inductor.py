@@ -8,6 +8,7 @@ import torch
 
 import xpupack
 from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, copy_package, rewrite_manifest, snapshot
 from xpupack.errors import IncompatiblePackageError, UnknownConfigError
 from xpupack.source import Source
 
@@ -105,6 +106,7 @@ def test_warm_cache_package_carries_its_own_kernels(inductor_package, run_python
     run_python(f"""
         import torch, xpupack
         from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, copy_package, rewrite_manifest, snapshot
         model = make_stack()  # the weights the load compares with
         compiled = torch.compile(model.layers[0]["mlp"].forward, dynamic=False)
         with torch.no_grad():
@@ -211,12 +213,14 @@ def test_compile_options_with_a_mode_keep_the_mode_settings():
 
 
 @pytest.mark.parametrize("options, problem", [({"no_such_setting": 1}, "not a setting"),
-                                              ({"epilogue_fusion": [1]}, "not a boolean or a number"),
+                                              ({"epilogue_fusion": [1]}, "not a boolean"),
+                                              ({"epilogue_fusion": 1}, "not a boolean"),
+                                              ({"coordinate_descent_search_radius": 10**6}, "from 1 to 4"),
                                               ("max_autotune", "give a dict"),
                                               # names a loader must not take from a package
-                                              ({"cpp.cxx": "/tmp/evil-cc"}, "not a boolean or a number"),
-                                              ({"cuda.cutlass_dir": "/tmp/pkg"}, "not a boolean or a number"),
-                                              ({"trace.debug_dir": "/home"}, "not a boolean or a number"),
+                                              ({"cpp.cxx": "/tmp/evil-cc"}, "only change speed"),
+                                              ({"cuda.cutlass_dir": "/tmp/pkg"}, "only change speed"),
+                                              ({"trace.debug_dir": "/home"}, "debugging or tracing"),
                                               ({"load_config": 1}, "not a setting"),
                                               ({"triton.cudagraphs": True}, "GraphBackend"),
                                               ({"_cache_config_ignore_prefix": 1}, "not a setting")])
@@ -225,12 +229,82 @@ def test_compile_options_are_checked(options, problem):
         xpupack.InductorBackend(compile_options=options)
 
 
+#: settings that remove safety from what a loader compiles, and why each is refused
+UNSAFE_OPTIONS = [({"assert_indirect_indexing": False}, "safety check"),  # out-of-range ids read past a table
+                  ({"size_asserts": False}, "safety check"),
+                  ({"trace.enabled": True}, "debugging or tracing"),  # writes torch_compile_debug/ into the cwd
+                  ({"sleep_sec_TESTING_ONLY": 5}, "testing hook"),
+                  ({"freezing": True}, "safety check")]  # bakes weights in: load_state_dict would be ignored
+
+
+@pytest.mark.parametrize("options, problem", UNSAFE_OPTIONS)
+def test_tuning_refuses_compile_options_that_remove_safety(options, problem):
+    with pytest.raises(ValueError, match=f"{next(iter(options))} .*{problem}.*only settings that change speed"):
+        xpupack.InductorBackend(compile_options=options)
+
+
 def test_a_manifest_cannot_hand_the_loader_a_compiler():
     """compile_options come back from an untrusted package through `backend_from_json`: the same check."""
     from xpupack.backends.base import backend_from_json
 
-    with pytest.raises(UnknownConfigError, match="not a boolean or a number"):
+    with pytest.raises(UnknownConfigError, match="only change speed"):
         backend_from_json("inductor", {"compile_options": {"cpp.cxx": "/tmp/evil-cc"}})
+
+
+@pytest.fixture(scope="module")
+def eager_package(tmp_path_factory):
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
+
+
+def _as_inductor_package(root, tmp_path, compile_options):
+    """``root`` with its modules handed to Inductor with ``compile_options``, as a package's author could write it."""
+    copy = copy_package(root, tmp_path / "pkg")
+    rewrite_manifest(copy, lambda manifest: [module.update(backend={
+        "name": "inductor", "options": {"compile_options": compile_options}, "config": {}})
+        for module in manifest["modules"]])
+    return copy
+
+
+@pytest.mark.parametrize("options, problem", UNSAFE_OPTIONS)
+def test_a_package_with_compile_options_that_remove_safety_is_refused_at_load(eager_package, tmp_path, options,
+                                                                              problem, monkeypatch):
+    root = _as_inductor_package(eager_package, tmp_path, options)
+    monkeypatch.chdir(tmp_path)
+    model = make_stack()
+    before = snapshot(model)
+    with pytest.raises(UnknownConfigError, match=f"{next(iter(options))} .*{problem}"):
+        xpupack.load(model, root)
+    assert_unchanged(model, before)
+    assert not (tmp_path / "torch_compile_debug").exists()
+    # the loader's own settings replace the package's, but the package is still refused: it is hostile
+    with pytest.raises(UnknownConfigError, match=next(iter(options))):
+        xpupack.load(model, root, compile_options={})
+
+
+def test_the_loader_overrides_the_package_compile_options(eager_package, tmp_path, monkeypatch):
+    seen = []
+    compile_ = torch.compile
+
+    def spy(function, **settings):  # compiles cheaply through Dynamo alone; what matters is what was asked
+        seen.append(settings)
+        return compile_(function, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", spy)
+    root = _as_inductor_package(eager_package, tmp_path, {"coordinate_descent_tuning": True})
+    model = xpupack.load(make_stack(), root)
+    assert seen[-1] == {"dynamic": False, "options": {"coordinate_descent_tuning": True}}
+    seen.clear()
+    model = xpupack.load(make_stack(), root, compile_options={})
+    assert seen and all(settings == {"dynamic": False, "mode": None} for settings in seen)
+    assert "the loader's compile_options {}" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0][
+        "reason"]
+    seen.clear()
+    xpupack.load(make_stack(), root, compile_options={"epilogue_fusion": False})
+    assert all(settings["options"] == {"epilogue_fusion": False} for settings in seen)
+    with pytest.raises(ValueError, match="trace.enabled .*debugging"):
+        xpupack.load(make_stack(), root, compile_options={"trace.enabled": True})
 
 
 def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():

@@ -309,14 +309,60 @@ class InductorBackend(ComposedBackend):
         log.info("loaded Inductor cache artifacts and %d compiled kernels from %s", len(kernels), folder)
 
 
-def _checked_compile_options(options: Any) -> dict[str, Any]:
-    """``compile_options`` checked the same at tune time and when a package's manifest names them.
+#: Inductor settings a package may carry, with the values each may take: every one of them changes
+#: only how fast the compiled code runs (which kernels, fusions, tilings and autotuning), never what
+#: it checks, where it writes or what it runs. A package is untrusted input, and its settings reach a
+#: compilation on the loader's machine even where its compiled artifacts may not run, so nothing else
+#: comes from one: not a setting that removes a safety check (``assert_indirect_indexing=False`` lets
+#: an out-of-range token id read past an embedding table, or crash the process, where eager raises),
+#: nor debugging or tracing (``trace.enabled`` writes tensors into the working directory), nor a
+#: testing hook (``sleep_sec_TESTING_ONLY``), nor a string (a compiler, an include directory, a file).
+SPEED_SETTINGS: dict[str, type | range] = {
+    **dict.fromkeys((
+        "max_autotune", "max_autotune_gemm", "max_autotune_pointwise",
+        "coordinate_descent_tuning", "coordinate_descent_check_all_directions",
+        "epilogue_fusion", "epilogue_fusion_first", "prologue_fusion", "aggressive_fusion", "benchmark_fusion",
+        "benchmark_epilogue_fusion", "loop_ordering_after_fusion", "combo_kernels", "benchmark_combo_kernel",
+        "pattern_matcher", "group_fusion", "batch_fusion", "split_cat_fx_passes", "permute_fusion",
+        "reorder_for_locality", "reorder_for_peak_memory", "shape_padding", "comprehensive_padding",
+        "layout_optimization", "conv_1x1_as_mm", "split_reductions", "use_mixed_mm",
+        "inplace_buffers", "allow_buffer_reuse",
+        "triton.autotune_pointwise", "triton.autotune_cublasLt", "triton.persistent_reductions",
+        "triton.prefer_nd_tiling", "triton.tile_reductions", "triton.cooperative_reductions",
+        "triton.use_block_ptr", "cpp.enable_tiling_heuristics", "cpp.enable_loop_tail_vec"), bool),
+    # numbers, bounded: a package must not make a loader's compile search without end
+    "coordinate_descent_search_radius": range(1, 5),
+    "max_fusion_size": range(1, 1025),
+    "unroll_reductions_threshold": range(1, 65),
+    "triton.max_tiles": range(1, 4),
+    "cpp.max_horizontal_fusion_size": range(0, 65),
+}
 
-    A package is untrusted input, and its settings reach a compilation on the loader's machine even
-    where its compiled artifacts may not run. So only public settings of ``torch._inductor.config``
-    (not its methods or private entries), with booleans or numbers: a string setting can name a
-    program, an include directory or a file to write (``cpp.cxx``, ``cuda.cutlass_dir``, ``trace.debug_dir``).
-    """
+
+def _refusal(key: str) -> str:
+    """Why a setting of ``torch._inductor.config`` that is not in `SPEED_SETTINGS` never comes from a package."""
+    if "cudagraph" in key:  # as the modes that record them are refused
+        return "is a CUDA graph setting; use GraphBackend for that"
+    if key.endswith("_TESTING_ONLY") or key.startswith("test_configs."):
+        return "is a testing hook"
+    if key.startswith(("trace.", "debug")) or "debug" in key or "profil" in key or key in _DEBUG_SETTINGS:
+        return "is a debugging or tracing setting (it writes files or changes what a compile does)"
+    if "assert" in key or key.startswith(("unsafe", "assume_")) or key in _SAFETY_SETTINGS:
+        return "turns off or weakens a safety check of the compiled code"
+    return "is not one of the settings that only change speed"
+
+
+#: settings `_refusal` names for what they are (the rest of what is refused gets the general reason)
+_DEBUG_SETTINGS = frozenset({"benchmark_harness", "benchmark_kernel", "comment_origin", "save_args",
+                             "log_tlparse", "developer_warnings", "generate_intermediate_hooks"})
+_SAFETY_SETTINGS = frozenset({"triton.divisible_by_16", "fallback_random", "freezing", "use_fast_math",
+                              "cpp.enable_unsafe_math_opt_flag"})
+
+
+def _checked_compile_options(options: Any) -> dict[str, Any]:
+    """``compile_options`` checked the same at tune time, when a package's manifest names them, and when
+    a loader passes its own: only `SPEED_SETTINGS`, with the values they allow, and only where this
+    torch has them (keys of ``torch._inductor.config``)."""
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -324,17 +370,20 @@ def _checked_compile_options(options: Any) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     settings = inductor_config.get_config_copy()
+    where = "InductorBackend(compile_options=...)"
     for key, value in options.items():
         if not isinstance(key, str) or key not in settings or key.startswith("_"):
-            raise ValueError(f"InductorBackend(compile_options=...): {key!r} is not a setting of "
-                             "torch._inductor.config")
-        if "cudagraph" in key:  # as the modes that record them are refused
-            raise ValueError(f"InductorBackend(compile_options=...): {key} is a CUDA graph setting; "
-                             "use GraphBackend for that")
-        if value is not None and not isinstance(value, (bool, int, float)):
-            raise ValueError(f"InductorBackend(compile_options=...): {key}={value!r} is not a boolean or a "
-                             "number; the package stores these settings, and a loader must not take a "
-                             "program, directory or file name from a package")
+            raise ValueError(f"{where}: {key!r} is not a setting of torch._inductor.config")
+        allowed = SPEED_SETTINGS.get(key)
+        if allowed is None:
+            raise ValueError(f"{where}: {key} {_refusal(key)}; a package carries only settings that change "
+                             f"speed ({', '.join(sorted(SPEED_SETTINGS))}), since a loader compiles with them")
+        if allowed is bool and not isinstance(value, bool):
+            raise ValueError(f"{where}: {key}={value!r} is not a boolean (True or False)")
+        if isinstance(allowed, range) and (isinstance(value, bool) or not isinstance(value, int)
+                                           or value not in allowed):
+            raise ValueError(f"{where}: {key}={value!r} is not an integer from {allowed.start} to "
+                             f"{allowed.stop - 1}")
     return dict(options)
 
 
