@@ -106,7 +106,6 @@ def test_warm_cache_package_carries_its_own_kernels(inductor_package, run_python
     run_python(f"""
         import torch, xpupack
         from support.models import make_stack, stack_samples
-from support.package_tools import assert_unchanged, copy_package, rewrite_manifest, snapshot
         model = make_stack()  # the weights the load compares with
         compiled = torch.compile(model.layers[0]["mlp"].forward, dynamic=False)
         with torch.no_grad():
@@ -201,7 +200,8 @@ def test_compile_options_reach_torch_compile_at_tune_and_at_load(tmp_path, monke
     x = torch.randn(4, 8)
     with torch.no_grad():
         assert torch.allclose(loaded(x), make_stack(seed=6)(x), atol=1e-5)
-    assert seen == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 2
+    # one compilation per signature (two), at tune time and again at load
+    assert seen == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 4
 
 
 def test_compile_options_with_a_mode_keep_the_mode_settings():
@@ -305,6 +305,57 @@ def test_the_loader_overrides_the_package_compile_options(eager_package, tmp_pat
     assert all(settings["options"] == {"epilogue_fusion": False} for settings in seen)
     with pytest.raises(ValueError, match="trace.enabled .*debugging"):
         xpupack.load(make_stack(), root, compile_options={"trace.enabled": True})
+
+
+#: the README's batch ladder: more sizes than Dynamo's recompile limit (8) lets one function compile
+LADDER = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
+
+
+def _dynamo_only(monkeypatch, skip: set[int] = frozenset()):
+    """``torch.compile`` through Dynamo with a backend that notes each graph's batch size (no Inductor: cheap,
+    and Dynamo's recompile limit is the same); the compiles numbered in ``skip`` return the function as it
+    is, as Dynamo does when it gives up on a frame. Returns the batch sizes compiled."""
+    compiled, calls = [], []
+    compile_ = torch.compile
+
+    def noting(graph, inputs):
+        compiled.append(next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2
+                             and not isinstance(x, torch.nn.Parameter)))
+        return graph.forward
+
+    def spy(function, **settings):
+        calls.append(settings)
+        return function if len(calls) in skip else compile_(function, backend=noting, dynamic=False)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    return compiled
+
+
+def test_every_signature_of_a_long_batch_ladder_is_compiled(monkeypatch):
+    """Dynamo stops compiling a function after 8 recompiles and runs it eagerly without a word: over the
+    11-size ladder 3 sizes ran eager while stats said inductor with 11 of 11 active."""
+    compiled = _dynamo_only(monkeypatch)
+    model = xpupack.tune(make_stack(), [torch.randn(n, 8) for n in LADDER], modules=["layers.0.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    assert sorted(set(compiled)) == LADDER
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["active_signatures"] == stats["signatures"] == len(LADDER) and "not_compiled" not in stats
+
+
+def test_stats_tell_when_a_signature_is_not_compiled(monkeypatch, fallback_calls):
+    """A signature Dynamo ran without compiling is no active signature of the module: its calls run the
+    original module and count as fallbacks, with the reason."""
+    compiled = _dynamo_only(monkeypatch, skip={3})  # signatures compile in the samples' order: 8 is skipped
+    model = xpupack.tune(make_stack(), [torch.randn(n, 8) for n in (2, 4, 8)], modules=["layers.0.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    [skipped] = {2, 4, 8} - set(compiled)  # the largest: no call of it can be padded up to another
+    with torch.no_grad():
+        model(torch.randn(skipped, 8))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["active_signatures"] == 2 and stats["signatures"] == 3
+    assert list(stats["not_compiled"]) == [f"(f32[{skipped},8], 1.0)"]
+    assert stats["fallbacks"] == 1 and stats["fallback_reasons"] == {"not built": 1}
+    assert "not compiled" in fallback_calls[0].reason
 
 
 def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -40,7 +41,7 @@ from .._compare import mismatch
 from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable
-from .base import Backend, CallableRunner, ComposedBackend, ModuleSpec, Runner, Target, register_backend
+from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,78 @@ class _Compiled:
     sources: dict[str, Path] = field(default_factory=dict)
 
 
-class InductorRunner(CallableRunner):
-    """Runs the compiled module; knows what its compilation recorded (`_Compiled`)."""
+#: why a signature counts as not compiled: Dynamo ran its function and left no compiled code for it
+NOT_COMPILED = ("Dynamo ran it without compiling (torch.compiler.set_stance('force_eager'), a frame Dynamo "
+                "skips, or a compile limit); its calls run the original module")
 
-    def __init__(self, function: Callable[..., Any], supported: set[int], compiled: _Compiled):
-        super().__init__(function, supported)
-        self.compiled = compiled
+
+class InductorRunner(Runner):
+    """Runs each signature through a compilation of its own and knows what compiling recorded (`_Compiled`).
+
+    One ``torch.compile`` per signature: Dynamo keeps compiled code per function and, past its
+    recompile limit (8), runs a function's further shapes eagerly without a word, so one function
+    for an 11-size batch ladder left 3 sizes uncompiled. A function per signature compiles each
+    shape once, without raising a limit of the user's process. Whether Dynamo really compiled a
+    signature is checked on its first call; one it did not is taken out of ``supported`` and
+    listed under ``not_compiled``, and its calls run the original module (`stats` counts them).
+    """
+
+    def __init__(self, path: str, spec: ModuleSpec,
+                 compile_one: Callable[[], tuple[Callable[..., Any], Callable[..., Any]]]):
+        super().__init__(set())
+        self.path = path
+        self.spec = spec
+        #: makes ``(entry, compiled)``: a function of its own and its ``torch.compile``
+        self._compile_one = compile_one
+        #: signature index -> the compiled function of the signatures checked to be compiled
+        self._ready: dict[int, Callable[..., Any]] = {}
+        self._pending: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        #: signature index -> why its calls are not compiled (they fall back)
+        self.not_compiled: dict[int, str] = {}
+        self.compiled = _Compiled()
+        self._lock = threading.Lock()
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        function = self._ready.get(index)
+        if function is not None:
+            return function(*args, **kwargs)
+        return self._first_call(index, args, kwargs)
+
+    def _first_call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """A signature's first call compiles it (at tune or load time, or for a call with state while
+        serving) and checks that Dynamo left compiled code for it."""
+        if index in self.not_compiled:
+            raise RuntimeError(f"not compiled: {self.not_compiled[index]}")
+        with self._lock:
+            if index not in self._pending:
+                self._pending[index] = self._compile_one()
+            entry, function = self._pending[index]
+        output = function(*args, **kwargs)
+        if _has_compiled_code(entry):
+            self._ready[index] = function
+        else:
+            self.not_compiled[index] = NOT_COMPILED
+            self.supported.discard(index)
+            log.warning("%s: %s was not compiled: %s", self.path or "<model>", self.spec.signatures[index].describe(),
+                        NOT_COMPILED)
+        return output
+
+    def unbuilt(self) -> dict[int, str]:
+        return {index: f"not compiled: {why}" for index, why in self.not_compiled.items()}
+
+    def describe(self) -> dict:
+        if not self.not_compiled:
+            return {}
+        return {"not_compiled": {self.spec.signatures[i].describe(): why for i, why in self.not_compiled.items()}}
+
+
+def _has_compiled_code(entry: Callable[..., Any]) -> bool:
+    """Whether Dynamo holds compiled code for ``entry`` (True where this torch cannot tell)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return True
+    return bool(_debug_get_cache_entry_list(entry.__code__))
 
 
 @contextlib.contextmanager
@@ -249,16 +316,25 @@ class InductorBackend(ComposedBackend):
 
     def _compile(self, target: Target, spec: ModuleSpec, device: torch.device,
                  base_runner: Runner | None) -> Runner:
-        # a base transforms the module in place, so its own forward is what gets compiled
-        compiled = torch.compile(_own_entry(target.forward), dynamic=False, **self._settings(device))
+        settings = self._settings(device)
+
+        def compile_one() -> tuple[Callable[..., Any], Callable[..., Any]]:
+            # a base transforms the module in place, so its own forward is what gets compiled
+            entry = _own_entry(target.forward)
+            return entry, torch.compile(entry, dynamic=False, **settings)
+
+        runner = InductorRunner(target.path, spec, compile_one)
         with _recording() as recorded, torch.no_grad():
             for index in range(len(spec.signatures)):
+                runner.supported.add(index)
                 try:
                     args, kwargs = spec.example(index)
                 except Unsynthesizable:
                     continue  # a call with a KV cache at load: it compiles on its first real call
-                compiled(*args, **kwargs)  # compile now, not on the user's first call
-        runner = InductorRunner(compiled, set(range(len(spec.signatures))), recorded)
+                runner.run(index, args, kwargs, [])  # compile now, not on the user's first call
+        runner.compiled = recorded
+        if not runner.supported:
+            raise RuntimeError(f"no signature was compiled: {NOT_COMPILED}")
         runner.base_runner = base_runner
         return runner
 
