@@ -177,6 +177,8 @@ def _host_sync_probe() -> type:
     reads_device = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
                     aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default}
     copies = {aten._to_copy.default, aten.copy_.default}
+    #: indexing with a boolean mask selects a data-dependent number of elements (a hidden ``nonzero``)
+    masked = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 
     class Probe(TorchDispatchMode):
         """Raises `HostSyncError` on the operations CUDA's sync debug mode reports: those that read a
@@ -184,13 +186,20 @@ def _host_sync_probe() -> type:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func in reads_device or (func in copies and _crosses_host(args, kwargs)):
+            if (func in reads_device or (func in copies and _crosses_host(args, kwargs))
+                    or (func in masked and _has_mask(args))):
                 raise HostSyncError(f"{func} waits for the device on the host, which a device graph cannot "
                                     "record (.item(), bool(tensor), data-dependent shapes, copies to or from "
                                     "host memory)")
             return func(*args, **kwargs)
 
     return Probe
+
+
+def _has_mask(args: tuple) -> bool:
+    """Whether an indexing operation's indices hold a boolean mask."""
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
 def _crosses_host(args: tuple, kwargs: dict) -> bool:

@@ -255,9 +255,10 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
             result["problems"].append(f"{path}: {exc}")
             continue
         status = plans[entry["path"]]["status"]
+        settings = describe_options(entry["backend"]["options"])
         result["compatibility"][path] = {"backend": entry["backend"]["name"], "status": status,
                                          "compatible": status == "compatible",
-                                         "settings": describe_options(entry["backend"]["options"])}
+                                         **({"settings": settings} if settings else {})}
     return result
 
 
