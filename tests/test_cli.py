@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,3 +190,44 @@ def test_a_package_with_importable_files_at_its_root_is_refused(built, tmp_path,
     result = CliRunner().invoke(main, ["verify", str(package)])
     assert result.exit_code == 1
     assert name in result.output and "importable" in result.output
+
+
+def test_inspect_and_verify_show_every_option_that_changes_what_runs(built, tmp_path):
+    """A package's record_collectives (whose capture hung two NCCL ranks) and its Inductor settings are
+    on view before anything loads, in the table and in --json."""
+    out = tmp_path / "pkg"
+    shutil.copytree(built[0], out)
+    manifest = json.loads((out / "xpupack.json").read_text())
+    first, second = manifest["modules"]
+    first["backend"] = {"name": "graph", "options": {"record_collectives": True, "max_recordings": 4}, "config": {}}
+    second["backend"] = {"name": "graph", "options": {"base": {"name": "inductor", "options": {
+        "compile_options": {"coordinate_descent_tuning": True}}}}, "config": {}}
+    (out / "xpupack.json").write_text(json.dumps(manifest))
+    report = json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).output)
+    assert report["modules"][0]["settings"] == ["max_recordings=4", "record_collectives=True"]
+    assert report["modules"][1]["settings"] == ["inductor: compile_options.coordinate_descent_tuning=True"]
+    rows = [line.split("│") for line in CliRunner().invoke(main, ["inspect", str(out)]).output.splitlines()]
+    table = "".join(row[2].strip() for row in rows if len(row) == 8)  # the backend column: folded, never cut
+    assert "record_collectives=True" in table and "compile_options.coordinate_descent_tuning=True" in table
+    result = re.sub(r"\s", "", CliRunner().invoke(main, ["verify", str(out)]).output)
+    assert "record_collectives=True" in result and "compile_options.coordinate_descent_tuning=True" in result
+    verified = json.loads(CliRunner().invoke(main, ["verify", str(out), "--json"]).output)
+    assert verified["compatibility"]["layers.0.mlp"]["settings"] == ["max_recordings=4", "record_collectives=True"]
+
+
+def test_verify_says_an_untrusted_package_does_not_get_its_record_collectives(built, tmp_path):
+    from xpupack.report import verify_package
+    from xpupack.source import Source
+
+    out = tmp_path / "pkg"
+    shutil.copytree(built[0], out)
+    manifest = json.loads((out / "xpupack.json").read_text())
+    manifest["modules"][0]["backend"] = {"name": "graph", "options": {"record_collectives": True}, "config": {}}
+    (out / "xpupack.json").write_text(json.dumps(manifest))
+    trusted = verify_package(out)["compatibility"]["layers.0.mlp"]["status"]
+    assert "record_collectives" not in trusted
+    untrusted = verify_package(Source(out, trusted=False, description="org/name@main", trust_reason="revision "
+                                      "'main' of org/name is not pinned by commit hash"))
+    status = untrusted["compatibility"]["layers.0.mlp"]["status"]
+    assert "record_collectives=False: not taken from an untrusted source" in status
+    assert not untrusted["compatibility"]["layers.0.mlp"]["compatible"]

@@ -8,6 +8,7 @@ import torch
 
 import xpupack
 from support.models import make_stack, stack_samples
+from support.package_tools import assert_unchanged, copy_package, rewrite_manifest, snapshot
 from xpupack.errors import IncompatiblePackageError, UnknownConfigError
 from xpupack.source import Source
 
@@ -199,7 +200,8 @@ def test_compile_options_reach_torch_compile_at_tune_and_at_load(tmp_path, monke
     x = torch.randn(4, 8)
     with torch.no_grad():
         assert torch.allclose(loaded(x), make_stack(seed=6)(x), atol=1e-5)
-    assert seen == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 2
+    # one compilation per signature (two), at tune time and again at load
+    assert seen == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 4
 
 
 def test_compile_options_with_a_mode_keep_the_mode_settings():
@@ -211,12 +213,14 @@ def test_compile_options_with_a_mode_keep_the_mode_settings():
 
 
 @pytest.mark.parametrize("options, problem", [({"no_such_setting": 1}, "not a setting"),
-                                              ({"epilogue_fusion": [1]}, "not a boolean or a number"),
+                                              ({"epilogue_fusion": [1]}, "not a boolean"),
+                                              ({"epilogue_fusion": 1}, "not a boolean"),
+                                              ({"coordinate_descent_search_radius": 10**6}, "from 1 to 4"),
                                               ("max_autotune", "give a dict"),
                                               # names a loader must not take from a package
-                                              ({"cpp.cxx": "/tmp/evil-cc"}, "not a boolean or a number"),
-                                              ({"cuda.cutlass_dir": "/tmp/pkg"}, "not a boolean or a number"),
-                                              ({"trace.debug_dir": "/home"}, "not a boolean or a number"),
+                                              ({"cpp.cxx": "/tmp/evil-cc"}, "only change speed"),
+                                              ({"cuda.cutlass_dir": "/tmp/pkg"}, "only change speed"),
+                                              ({"trace.debug_dir": "/home"}, "debugging or tracing"),
                                               ({"load_config": 1}, "not a setting"),
                                               ({"triton.cudagraphs": True}, "GraphBackend"),
                                               ({"_cache_config_ignore_prefix": 1}, "not a setting")])
@@ -225,12 +229,133 @@ def test_compile_options_are_checked(options, problem):
         xpupack.InductorBackend(compile_options=options)
 
 
+#: settings that remove safety from what a loader compiles, and why each is refused
+UNSAFE_OPTIONS = [({"assert_indirect_indexing": False}, "safety check"),  # out-of-range ids read past a table
+                  ({"size_asserts": False}, "safety check"),
+                  ({"trace.enabled": True}, "debugging or tracing"),  # writes torch_compile_debug/ into the cwd
+                  ({"sleep_sec_TESTING_ONLY": 5}, "testing hook"),
+                  ({"freezing": True}, "safety check")]  # bakes weights in: load_state_dict would be ignored
+
+
+@pytest.mark.parametrize("options, problem", UNSAFE_OPTIONS)
+def test_tuning_refuses_compile_options_that_remove_safety(options, problem):
+    with pytest.raises(ValueError, match=f"{next(iter(options))} .*{problem}.*only settings that change speed"):
+        xpupack.InductorBackend(compile_options=options)
+
+
 def test_a_manifest_cannot_hand_the_loader_a_compiler():
     """compile_options come back from an untrusted package through `backend_from_json`: the same check."""
     from xpupack.backends.base import backend_from_json
 
-    with pytest.raises(UnknownConfigError, match="not a boolean or a number"):
+    with pytest.raises(UnknownConfigError, match="only change speed"):
         backend_from_json("inductor", {"compile_options": {"cpp.cxx": "/tmp/evil-cc"}})
+
+
+@pytest.fixture(scope="module")
+def eager_package(tmp_path_factory):
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
+
+
+def _as_inductor_package(root, tmp_path, compile_options):
+    """``root`` with its modules handed to Inductor with ``compile_options``, as a package's author could write it."""
+    copy = copy_package(root, tmp_path / "pkg")
+    rewrite_manifest(copy, lambda manifest: [module.update(backend={
+        "name": "inductor", "options": {"compile_options": compile_options}, "config": {}})
+        for module in manifest["modules"]])
+    return copy
+
+
+@pytest.mark.parametrize("options, problem", UNSAFE_OPTIONS)
+def test_a_package_with_compile_options_that_remove_safety_is_refused_at_load(eager_package, tmp_path, options,
+                                                                              problem, monkeypatch):
+    root = _as_inductor_package(eager_package, tmp_path, options)
+    monkeypatch.chdir(tmp_path)
+    model = make_stack()
+    before = snapshot(model)
+    with pytest.raises(UnknownConfigError, match=f"{next(iter(options))} .*{problem}"):
+        xpupack.load(model, root)
+    assert_unchanged(model, before)
+    assert not (tmp_path / "torch_compile_debug").exists()
+    # the loader's own settings replace the package's, but the package is still refused: it is hostile
+    with pytest.raises(UnknownConfigError, match=next(iter(options))):
+        xpupack.load(model, root, compile_options={})
+
+
+def test_the_loader_overrides_the_package_compile_options(eager_package, tmp_path, monkeypatch):
+    seen = []
+    compile_ = torch.compile
+
+    def spy(function, **settings):  # compiles cheaply through Dynamo alone; what matters is what was asked
+        seen.append(settings)
+        return compile_(function, backend="eager")
+
+    monkeypatch.setattr(torch, "compile", spy)
+    root = _as_inductor_package(eager_package, tmp_path, {"coordinate_descent_tuning": True})
+    model = xpupack.load(make_stack(), root)
+    assert seen[-1] == {"dynamic": False, "options": {"coordinate_descent_tuning": True}}
+    seen.clear()
+    model = xpupack.load(make_stack(), root, compile_options={})
+    assert seen and all(settings == {"dynamic": False, "mode": None} for settings in seen)
+    assert "the loader's compile_options {}" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0][
+        "reason"]
+    seen.clear()
+    xpupack.load(make_stack(), root, compile_options={"epilogue_fusion": False})
+    assert all(settings["options"] == {"epilogue_fusion": False} for settings in seen)
+    with pytest.raises(ValueError, match="trace.enabled .*debugging"):
+        xpupack.load(make_stack(), root, compile_options={"trace.enabled": True})
+
+
+#: the README's batch ladder: more sizes than Dynamo's recompile limit (8) lets one function compile
+LADDER = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64]
+
+
+def _dynamo_only(monkeypatch, skip: set[int] = frozenset()):
+    """``torch.compile`` through Dynamo with a backend that notes each graph's batch size (no Inductor: cheap,
+    and Dynamo's recompile limit is the same); the compiles numbered in ``skip`` return the function as it
+    is, as Dynamo does when it gives up on a frame. Returns the batch sizes compiled."""
+    compiled, calls = [], []
+    compile_ = torch.compile
+
+    def noting(graph, inputs):
+        compiled.append(next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2
+                             and not isinstance(x, torch.nn.Parameter)))
+        return graph.forward
+
+    def spy(function, **settings):
+        calls.append(settings)
+        return function if len(calls) in skip else compile_(function, backend=noting, dynamic=False)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    return compiled
+
+
+def test_every_signature_of_a_long_batch_ladder_is_compiled(monkeypatch):
+    """Dynamo stops compiling a function after 8 recompiles and runs it eagerly without a word: over the
+    11-size ladder 3 sizes ran eager while stats said inductor with 11 of 11 active."""
+    compiled = _dynamo_only(monkeypatch)
+    model = xpupack.tune(make_stack(), [torch.randn(n, 8) for n in LADDER], modules=["layers.0.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    assert sorted(set(compiled)) == LADDER
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["active_signatures"] == stats["signatures"] == len(LADDER) and "not_compiled" not in stats
+
+
+def test_stats_tell_when_a_signature_is_not_compiled(monkeypatch, fallback_calls):
+    """A signature Dynamo ran without compiling is no active signature of the module: its calls run the
+    original module and count as fallbacks, with the reason."""
+    compiled = _dynamo_only(monkeypatch, skip={3})  # signatures compile in the samples' order: 8 is skipped
+    model = xpupack.tune(make_stack(), [torch.randn(n, 8) for n in (2, 4, 8)], modules=["layers.0.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    [skipped] = {2, 4, 8} - set(compiled)  # the largest: no call of it can be padded up to another
+    with torch.no_grad():
+        model(torch.randn(skipped, 8))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["active_signatures"] == 2 and stats["signatures"] == 3
+    assert list(stats["not_compiled"]) == [f"(f32[{skipped},8], 1.0)"]
+    assert stats["fallbacks"] == 1 and stats["fallback_reasons"] == {"not built": 1}
+    assert "not compiled" in fallback_calls[0].reason
 
 
 def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():

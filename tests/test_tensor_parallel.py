@@ -131,6 +131,34 @@ def test_record_collectives_opts_in_and_is_stored_in_the_package(graphs_without_
         torch.testing.assert_close(torch.as_tensor(loaded(samples[0])), make_blocks(seed=0, depth=1)(samples[0]))
 
 
+@pytest.mark.usefixtures("one_rank_group")
+def test_the_loader_decides_whether_a_package_records_collectives(graphs_without_collectives, tmp_path,
+                                                                  monkeypatch):
+    """A package's record_collectives is honoured from a trusted source only (an unpinned Hub revision is
+    not one), and the loader can refuse it or take it (README: "Safety and reliability")."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xpupack.source import Source
+
+    mesh = init_device_mesh("cpu", (1,))
+    samples = [torch.randn(2, 8)]
+    strategy = xpupack.Only(xpupack.GraphBackend(record_collectives=True))
+    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"], strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    backend = {}
+    for name, load in {"local": {}, "local, refused": {"record_collectives": False}}.items():
+        backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), root, **load))[
+            "layers.0"]["backend"]
+    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+                        lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
+    for name, load in {"hub": {}, "hub, taken": {"record_collectives": True}}.items():
+        backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), "org/name", **load))[
+            "layers.0"]["backend"]
+    assert backend == {"local": "graph", "local, refused": "eager", "hub": "eager", "hub, taken": "graph"}
+
+
 def test_record_collectives_takes_only_a_bool():
     with pytest.raises(ValueError, match="record_collectives"):
         xpupack.GraphBackend(record_collectives="yes")

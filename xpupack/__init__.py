@@ -24,7 +24,7 @@ from ._version import __version__
 from .errors import (BackendError, BackendUnavailableError, DestinationExistsError, DeviceMapError,
                      DeviceUnavailableError, HubError,
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
-                     OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
+                     OfflineNotCachedError, OutputMismatchError, PackageFormatError, PackageLimitError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
     from .backends.torchao import TorchAOBackend
+    from .limits import LoadLimits
     from .load import load
     from .package import save
     from .state import register_state
@@ -45,6 +46,7 @@ _LAZY = {
     "GraphBackend": ".backends.graph",
     "InductorBackend": ".backends.inductor",
     "TorchAOBackend": ".backends.torchao",
+    "LoadLimits": ".limits",
     "load": ".load",
     "save": ".package",
     "register_state": ".state",
@@ -94,10 +96,10 @@ def push(path, repo_id, revision=None, private=None, token=None):
 
 
 __all__ = [
-    "tune", "save", "load", "stats", "activate", "deactivate", "push", "register_state",
+    "tune", "save", "load", "LoadLimits", "stats", "activate", "deactivate", "push", "register_state",
     "FirstWins", "Fastest", "Only", "Strategy",
     "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
-    "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
+    "XpupackError", "PackageFormatError", "PackageLimitError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
     "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "DestinationExistsError",
     "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",

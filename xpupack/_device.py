@@ -7,6 +7,7 @@ these few functions and share everything else across device types.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -143,9 +144,15 @@ class DeviceGraphs:
 
 @contextlib.contextmanager
 def _host_syncs_raise(module: Any, *, enabled: bool):
-    """Makes synchronising operations raise (CUDA's sync debug mode) inside the block."""
-    if not enabled or not hasattr(module, "set_sync_debug_mode"):
+    """Makes synchronising operations raise inside the block: CUDA's sync debug mode, or, on a device
+    without one (XPU: ``torch.xpu`` has no ``set_sync_debug_mode``), a dispatch mode that raises on the
+    same operations (`_host_sync_probe`)."""
+    if not enabled:
         yield
+        return
+    if not hasattr(module, "set_sync_debug_mode"):
+        with _host_sync_probe()():
+            yield
         return
     previous = module.get_sync_debug_mode()
     module.set_sync_debug_mode("error")
@@ -155,14 +162,70 @@ def _host_syncs_raise(module: Any, *, enabled: bool):
         module.set_sync_debug_mode(previous)
 
 
+class HostSyncError(RuntimeError):
+    """A warm-up run read a device value on the host, which a device graph cannot record."""
+
+
+@functools.cache
+def _host_sync_probe() -> type:
+    """The dispatch mode `_host_syncs_raise` uses where a device has no sync debug mode (made once)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    #: operations whose result the host must wait for: a value (``.item()``, ``bool(t)``) or a shape
+    #: that depends on the data
+    reads_device = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+                    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default}
+    copies = {aten._to_copy.default, aten.copy_.default}
+    #: indexing with a boolean mask selects a data-dependent number of elements (a hidden ``nonzero``)
+    masked = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+    class Probe(TorchDispatchMode):
+        """Raises `HostSyncError` on the operations CUDA's sync debug mode reports: those that read a
+        device value on the host, and copies between host and device memory."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if (func in reads_device or (func in copies and _crosses_host(args, kwargs))
+                    or (func in masked and _has_mask(args))):
+                raise HostSyncError(f"{func} waits for the device on the host, which a device graph cannot "
+                                    "record (.item(), bool(tensor), data-dependent shapes, copies to or from "
+                                    "host memory)")
+            return func(*args, **kwargs)
+
+    return Probe
+
+
+def _has_mask(args: tuple) -> bool:
+    """Whether an indexing operation's indices hold a boolean mask."""
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _crosses_host(args: tuple, kwargs: dict) -> bool:
+    """Whether a copy moves data between host (CPU) and device memory."""
+    devices = {x.device.type == "cpu" for x in args if isinstance(x, torch.Tensor)}
+    if kwargs.get("device") is not None:
+        devices.add(torch.device(kwargs["device"]).type == "cpu")
+    return len(devices) > 1
+
+
 def _generator_states(module: Any, device: torch.device) -> list:
-    """Copies of the device's default random generator state, taken before a capture."""
+    """Copies of the device's default random generator state, taken before a capture.
+
+    Empty where the generator keeps no graph-safe state (an XPU generator of a torch whose
+    ``XPUGeneratorImpl`` lacks ``graphsafe_get_state`` raises): nothing is then put back after a
+    failed capture but the stream.
+    """
     generators = getattr(module, "default_generators", ())
     index = device.index or 0
     if index >= len(generators) or not hasattr(generators[index], "graphsafe_get_state"):
         return []
     generator = generators[index]
-    return [(generator, generator.graphsafe_get_state().clone_state())]
+    try:
+        return [(generator, generator.graphsafe_get_state().clone_state())]
+    except RuntimeError:
+        return []
 
 
 def _restore_after_failed_capture(module: Any, stream: Any, generator_states: list) -> None:

@@ -109,6 +109,17 @@ class DestinationExistsError(SaveError):
         self.unexpected = unexpected or []
 
 
+class PackageLimitError(XpupackError, ValueError):
+    """A package asks the loader for more than its limits allow (`xpupack.LoadLimits`): ``field`` names
+    the limit, ``limit`` its value, ``actual`` what the package asks for."""
+
+    def __init__(self, message: str, *, field: str, limit: int, actual: int):
+        super().__init__(message)
+        self.field = field
+        self.limit = limit
+        self.actual = actual
+
+
 class UnknownConfigError(XpupackError, ValueError):
     """A backend config names a type xpupack does not know (the message lists the known ones)."""
 

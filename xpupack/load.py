@@ -23,8 +23,9 @@ from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_jso
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
+from .limits import LoadLimits, check_package as check_limits
 from .manifest import check_files, listed_files, module_slot, read_manifest
-from .plan import ON_MISMATCH, Choice, Context, choose
+from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
 from .signature import dtype_name, flatten
 from .spec import read_module_spec
@@ -67,7 +68,9 @@ class _ModulePlan:
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
          device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
-         token: str | bool | None = None, progress: Callable[[str], None] | None = None) -> nn.Module:
+         token: str | bool | None = None, progress: Callable[[str], None] | None = None,
+         compile_options: dict | None = None, record_collectives: bool | None = None,
+         limits: LoadLimits | None = None) -> nn.Module:
     """Loads the package at ``path`` (a directory or a Hub repo id) into ``model`` and activates it.
 
     The manifest is validated against its schema, every file's sha256 is
@@ -96,6 +99,15 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             pinned by commit hash (local packages are always trusted).
         token: Hugging Face token for private repos.
         progress: called with short status messages.
+        compile_options: Inductor settings for every module this load compiles, instead of the
+            package's (``{}``: Inductor's defaults); the same settings `InductorBackend` takes, those
+            that only change speed. None: the package's, checked the same way.
+        record_collectives: whether graph backends record tensor-parallel modules, collectives
+            included (``GraphBackend(record_collectives=...)``). None: as the package says where its
+            source is trusted (local, pinned by commit hash, or ``trust_compiled=True``), never from
+            another source. A refused capture runs the module with the next backend.
+        limits: the most the package may make this load allocate or do (`LoadLimits`). None:
+            the defaults, or the ``XPUPACK_MAX_*`` environment variables where set.
 
     Returns:
         The same model object, tuned modules active.
@@ -107,7 +119,9 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         DeviceUnavailableError: ``device`` (or a device of ``device_map``) is not a device of this machine.
         DeviceMapError: ``device_map`` names a slot the package lacks or lacks one it uses, or
             ``device`` is given too.
-        UnknownConfigError: a backend or backend option this xpupack does not know.
+        PackageLimitError: the package asks for more than ``limits`` allow (the field and the limit named).
+        UnknownConfigError: a backend or backend option this xpupack does not know, or one a package
+            may not set (an Inductor setting that does more than change speed).
         IncompatiblePackageError: with ``on_mismatch="error"``, what differs.
         BackendError: with ``on_mismatch="error"``, a backend that failed to restore
             (`OutputMismatchError`: one that answers differently from the original module).
@@ -117,11 +131,14 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     """
     if on_mismatch not in ON_MISMATCH:
         raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
+    _check_options(compile_options, record_collectives)
+    limits = limits if limits is not None else LoadLimits.from_environment()
     clock = _Phases()
     source = resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token)
     manifest = read_manifest(source.root)
     check_files(source.root, manifest, links_within=source.links_within,
                 ignore_unlisted=source.ignore_unlisted)
+    check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
     check_architecture(model, manifest, source.root)
     placement = devices.resolve_placement(model, manifest, device=device, device_map=device_map,
                                           default=_device.model_device(model))
@@ -129,7 +146,9 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     here = environment(device)
     build_devices = devices.manifest_devices(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
-    plans = [_plan(model, module, source, build_devices, placement, context) for module in manifest["modules"]]
+    overrides = {"compile_options": compile_options, "record_collectives": record_collectives}
+    plans = [_plan(model, module, source, build_devices, placement, context, overrides)
+             for module in manifest["modules"]]
     weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
@@ -225,14 +244,28 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
             expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
 
 
+def _check_options(compile_options: dict | None, record_collectives: bool | None) -> None:
+    """The loader's own options, checked before anything is read."""
+    if record_collectives is not None and not isinstance(record_collectives, bool):
+        raise ValueError(f"record_collectives={record_collectives!r}; give True, False or None")
+    if compile_options is not None:
+        from .backends.inductor import InductorBackend
+
+        InductorBackend(compile_options=compile_options)  # raises ValueError naming a setting it refuses
+
+
 def _plan(model: nn.Module, entry: dict, source: Source, build_devices: list[torch.device],
-          placement: devices.Placement, context: Context) -> _ModulePlan:
+          placement: devices.Placement, context: Context, overrides: dict) -> _ModulePlan:
     spec = read_module_spec(source.root, entry)
     mapping = placement.spec_map(build_devices, entry["path"], module_slot(entry))
     spec.signatures = [signature.on_device(mapping) for signature in spec.signatures]
     context = replace(context, device=placement.modules[entry["path"]])
-    backend = backend_from_json(entry["backend"]["name"], entry["backend"]["options"])
-    choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())))
+    name = entry["backend"]["name"]
+    backend = backend_from_json(name, entry["backend"]["options"])  # the package's own, checked even if overridden
+    options, steps = options_here(name, entry["backend"]["options"], context, **overrides)
+    if steps:
+        backend = backend_from_json(name, options)
+    choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())), steps=steps)
     if choice.note:
         log.warning("%s: %s", choice.path or "<model>", choice.note)
     return _ModulePlan(model.get_submodule(entry["path"]), spec, choice, entry["backend"]["config"],

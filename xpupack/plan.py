@@ -166,6 +166,49 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
     return Choice(path, backend, _original_module(backend), None, False, owned, steps)
 
 
+def options_here(name: str, options: dict, context: Context, *, compile_options: dict | None = None,
+                 record_collectives: bool | None = None) -> tuple[dict, tuple[_Step, ...]]:
+    """The options a load builds the package's backend ``name`` with (JSON, as the manifest holds them),
+    and how they differ from the package's, as steps for `choose` (README: "Safety and reliability").
+
+    Two of a package's options are the loader's to decide: ``compile_options`` (Inductor settings;
+    None keeps the package's, a dict replaces them, ``{}`` compiles with Inductor's defaults) and
+    ``record_collectives`` (a graph backend recording tensor-parallel modules' collectives, whose
+    failed capture can hang every rank; None takes the package's from a trusted source only).
+    A base backend's options (``{"base": {"name", "options"}}``) are decided the same way.
+    """
+    if not isinstance(options, dict):
+        return options, ()  # the backend refuses it with its own message
+    adjusted, steps = dict(options), ()
+    base = options.get("base")
+    if isinstance(base, dict) and isinstance(base.get("options"), dict):
+        inner, steps = options_here(base.get("name"), base["options"], context, compile_options=compile_options,
+                                    record_collectives=record_collectives)
+        if inner != base["options"]:
+            adjusted["base"] = {**base, "options": inner}
+    if name == "inductor" and compile_options is not None and options.get("compile_options", {}) != compile_options:
+        adjusted.pop("compile_options", None)
+        if compile_options:
+            adjusted["compile_options"] = dict(compile_options)
+        steps += (_Step(f"inductor compiled with the loader's compile_options {compile_options} instead of the "
+                        f"package's {options.get('compile_options', {})}",
+                        f"compile_options {compile_options} given to the loader"),)
+    if name == "graph":
+        package = options.get("record_collectives") is True
+        honoured = record_collectives if record_collectives is not None else package and context.trusted
+        if honoured != package:
+            adjusted.pop("record_collectives", None)
+            if honoured:
+                adjusted["record_collectives"] = True
+            why = ("the loader passed record_collectives=False" if record_collectives is False
+                   else "the loader passed record_collectives=True" if record_collectives
+                   else f"not taken from an untrusted source: {context.untrusted_why}; pass "
+                        "record_collectives=True to xpupack.load to take it")
+            steps += (_Step(f"graph record_collectives={honoured} ({why})",
+                            f"record_collectives={honoured}: {why}"),)
+    return adjusted, steps
+
+
 def _original_module(backend: Backend | BackendFacts) -> Backend | BackendFacts:
     """What runs the original module, of the same kind as ``backend`` (a real backend for `load`)."""
     if isinstance(backend, BackendFacts):

@@ -21,6 +21,7 @@ from typing import Any
 
 from .backends._facts import describe
 from .errors import PackageFormatError, XpupackError
+from .limits import LoadLimits, check_package as check_limits
 from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
 from .source import Source
 
@@ -77,7 +78,7 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
     A module whose backend this xpupack does not know, or that cannot load here, gets only a status.
     """
     from .environment import device_here, environment
-    from .plan import Context, choose
+    from .plan import Context, choose, options_here
 
     device = device_here(device) if device is None or isinstance(device, str) else device
     context = Context(device, environment(device), manifest["environment"], source.trusted, source.untrusted_why,
@@ -85,8 +86,13 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
     plans = {}
     for entry in manifest["modules"]:
         try:
-            backend = _backend(entry["backend"]["name"], entry["backend"]["options"], device)
-            choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())))
+            name, options = entry["backend"]["name"], entry["backend"]["options"]
+            backend = _backend(name, options, device)
+            options, steps = options_here(name, options, context)
+            if steps:
+                backend = _backend(name, options, device)
+            choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())),
+                            steps=steps)
         except XpupackError as exc:
             plans[entry["path"]] = {"runs": None, "use_artifacts": False, "compiled": False,
                                     "status": f"cannot load here: {exc}"}
@@ -94,6 +100,28 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
         plans[entry["path"]] = {"runs": choice.backend.label, "use_artifacts": choice.use_artifacts,
                                 "compiled": choice.backend.compiled_artifacts, "status": choice.status}
     return plans
+
+
+def describe_options(options: Any, prefix: str = "") -> list[str]:
+    """Every option of a manifest's backend entry that changes what runs, as ``key=value`` lines
+    (``compile_options.coordinate_descent_tuning=True``, ``record_collectives=True``); a base backend's
+    options follow, prefixed with its name (``inductor: ...``)."""
+    if not isinstance(options, dict):
+        return [f"{prefix}{options!r}"]
+    lines = []
+    for key, value in sorted(options.items()):
+        if key == "base":
+            continue
+        if isinstance(value, dict) and value:
+            lines += [f"{prefix}{key}.{name}={inner!r}" for name, inner in sorted(value.items())]
+        else:
+            lines.append(f"{prefix}{key}={value!r}")
+    base = options.get("base")
+    if isinstance(base, dict):
+        lines += describe_options(base.get("options", {}), f"{prefix}{base.get('name')}: ")
+    elif base is not None:
+        lines.append(f"{prefix}base={base!r}")
+    return lines
 
 
 def _padding(spec: dict) -> str | None:
@@ -149,6 +177,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "path": entry["path"],
             "backend": entry["backend"]["name"],
             "options": entry["backend"]["options"],
+            "settings": describe_options(entry["backend"]["options"]),
             "candidates": entry["candidates"],
             "signatures": [describe_signature(s) for s in spec["signatures"]],
             "calls_recorded": spec["calls"],
@@ -210,6 +239,11 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
+    try:  # what `xpupack.load` refuses before it reads a signature (with this environment's limits)
+        check_limits(source.root, manifest, LoadLimits.from_environment())
+    except XpupackError as exc:
+        result["ok"] = False
+        result["problems"].append(str(exc))
     plans = plans_here(manifest, source, here_device, on_mismatch)
     for entry in manifest["modules"]:
         path = entry["path"] or "<model>"
@@ -221,8 +255,10 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
             result["problems"].append(f"{path}: {exc}")
             continue
         status = plans[entry["path"]]["status"]
+        settings = describe_options(entry["backend"]["options"])
         result["compatibility"][path] = {"backend": entry["backend"]["name"], "status": status,
-                                         "compatible": status == "compatible"}
+                                         "compatible": status == "compatible",
+                                         **({"settings": settings} if settings else {})}
     return result
 
 

@@ -84,6 +84,8 @@ class TunedModule:
         self._check_autocast = not backend.supports_autocast
         self._table = {signature.key: index for index, signature in enumerate(spec.signatures)
                        if index in runner.supported}
+        #: fit key -> why the backend did not build that signature (its calls fall back as "not built")
+        self._unbuilt = {spec.signatures[index].key: why for index, why in runner.unbuilt().items()}
         #: family of each tuned signature with state -> the state layouts tuned in it (`_take_new_size`)
         self._families: dict[tuple, set] = {}
         for index, signature in enumerate(spec.signatures):
@@ -119,7 +121,7 @@ class TunedModule:
         padding = None
         if index is None and (not self._families or (index := self._take_new_size(key, args, kwargs)) is None):
             if not self._padding or (padding := self._padding.fit(key, leaves)) is None:
-                return self._fallback(args, kwargs, "signature", leaves)
+                return self._fallback(args, kwargs, "signature", leaves, key)
             index = padding[0]
         if module.training:
             return self._fallback(args, kwargs, "training mode", leaves)
@@ -231,15 +233,20 @@ class TunedModule:
         return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
                 or any(p.requires_grad for p in self._params))
 
-    def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list) -> Any:
-        self._count_fallback(reason, leaves)
+    def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list, key: Any = None) -> Any:
+        self._count_fallback(reason, leaves, key)
         return self.target.forward(*args, **kwargs)
 
-    def _count_fallback(self, reason: str, leaves: list) -> None:
-        """Counts, logs (once per reason) and reports a call that runs the original module."""
+    def _count_fallback(self, reason: str, leaves: list, key: Any = None) -> None:
+        """Counts, logs (once per reason) and reports a call that runs the original module; ``key``: the
+        call's fit key, for a signature the backend did not build."""
         self.fallbacks += 1
         kind = reason
-        if reason == "signature":
+        unbuilt = _lookup(self._unbuilt, key) if reason == "signature" and self._unbuilt else None
+        if unbuilt is not None:
+            kind = "not built"
+            reason = f"the {self.backend_name} backend did not build {_describe_call(leaves)}: {unbuilt}"
+        elif reason == "signature":
             elsewhere = sorted({str(x.device) for x in leaves
                                 if isinstance(x, torch.Tensor) and x.device not in self._devices})
             if elsewhere and self._devices:  # never copied over: the original module gets the input as it is
@@ -271,6 +278,13 @@ class TunedModule:
     def __deepcopy__(self, memo):
         raise TypeError("cannot deepcopy a model with active xpupack modules; "
                         "call xpupack.deactivate(model) first, or copy it before tuning")
+
+
+def _lookup(table: dict, key: Any) -> Any:
+    try:
+        return table.get(key)
+    except TypeError:  # an unhashable constant
+        return None
 
 
 def _describe_call(leaves: list) -> str:

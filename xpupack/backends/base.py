@@ -144,6 +144,11 @@ class Runner:
     def release(self) -> None:
         """Frees what the runner holds on the device (called on deactivate); `run` must still work after."""
 
+    def unbuilt(self) -> dict[int, str]:
+        """Signature index -> why the backend does not take that signature's calls, for the signatures it
+        could not build (they run the original module, counted as ``"not built"`` fallbacks)."""
+        return {}
+
     def owned_tensors(self) -> set[str]:
         """State-dict names (relative to the module) whose values the backend saves itself.
 

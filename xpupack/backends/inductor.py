@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -40,7 +41,7 @@ from .._compare import mismatch
 from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable
-from .base import Backend, CallableRunner, ComposedBackend, ModuleSpec, Runner, Target, register_backend
+from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,78 @@ class _Compiled:
     sources: dict[str, Path] = field(default_factory=dict)
 
 
-class InductorRunner(CallableRunner):
-    """Runs the compiled module; knows what its compilation recorded (`_Compiled`)."""
+#: why a signature counts as not compiled: Dynamo ran its function and left no compiled code for it
+NOT_COMPILED = ("Dynamo ran it without compiling (torch.compiler.set_stance('force_eager'), a frame Dynamo "
+                "skips, or a compile limit); its calls run the original module")
 
-    def __init__(self, function: Callable[..., Any], supported: set[int], compiled: _Compiled):
-        super().__init__(function, supported)
-        self.compiled = compiled
+
+class InductorRunner(Runner):
+    """Runs each signature through a compilation of its own and knows what compiling recorded (`_Compiled`).
+
+    One ``torch.compile`` per signature: Dynamo keeps compiled code per function and, past its
+    recompile limit (8), runs a function's further shapes eagerly without a word, so one function
+    for an 11-size batch ladder left 3 sizes uncompiled. A function per signature compiles each
+    shape once, without raising a limit of the user's process. Whether Dynamo really compiled a
+    signature is checked on its first call; one it did not is taken out of ``supported`` and
+    listed under ``not_compiled``, and its calls run the original module (`stats` counts them).
+    """
+
+    def __init__(self, path: str, spec: ModuleSpec,
+                 compile_one: Callable[[], tuple[Callable[..., Any], Callable[..., Any]]]):
+        super().__init__(set())
+        self.path = path
+        self.spec = spec
+        #: makes ``(entry, compiled)``: a function of its own and its ``torch.compile``
+        self._compile_one = compile_one
+        #: signature index -> the compiled function of the signatures checked to be compiled
+        self._ready: dict[int, Callable[..., Any]] = {}
+        self._pending: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        #: signature index -> why its calls are not compiled (they fall back)
+        self.not_compiled: dict[int, str] = {}
+        self.compiled = _Compiled()
+        self._lock = threading.Lock()
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        function = self._ready.get(index)
+        if function is not None:
+            return function(*args, **kwargs)
+        return self._first_call(index, args, kwargs)
+
+    def _first_call(self, index: int, args: tuple, kwargs: dict) -> Any:
+        """A signature's first call compiles it (at tune or load time, or for a call with state while
+        serving) and checks that Dynamo left compiled code for it."""
+        if index in self.not_compiled:
+            raise RuntimeError(f"not compiled: {self.not_compiled[index]}")
+        with self._lock:
+            if index not in self._pending:
+                self._pending[index] = self._compile_one()
+            entry, function = self._pending[index]
+        output = function(*args, **kwargs)
+        if _has_compiled_code(entry):
+            self._ready[index] = function
+        else:
+            self.not_compiled[index] = NOT_COMPILED
+            self.supported.discard(index)
+            log.warning("%s: %s was not compiled: %s", self.path or "<model>", self.spec.signatures[index].describe(),
+                        NOT_COMPILED)
+        return output
+
+    def unbuilt(self) -> dict[int, str]:
+        return {index: f"not compiled: {why}" for index, why in self.not_compiled.items()}
+
+    def describe(self) -> dict:
+        if not self.not_compiled:
+            return {}
+        return {"not_compiled": {self.spec.signatures[i].describe(): why for i, why in self.not_compiled.items()}}
+
+
+def _has_compiled_code(entry: Callable[..., Any]) -> bool:
+    """Whether Dynamo holds compiled code for ``entry`` (True where this torch cannot tell)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return True
+    return bool(_debug_get_cache_entry_list(entry.__code__))
 
 
 @contextlib.contextmanager
@@ -249,20 +316,31 @@ class InductorBackend(ComposedBackend):
 
     def _compile(self, target: Target, spec: ModuleSpec, device: torch.device,
                  base_runner: Runner | None) -> Runner:
-        # a base transforms the module in place, so its own forward is what gets compiled
-        compiled = torch.compile(_own_entry(target.forward), dynamic=False, **self._settings(device))
+        settings = self._settings(device)
+
+        def compile_one() -> tuple[Callable[..., Any], Callable[..., Any]]:
+            # a base transforms the module in place, so its own forward is what gets compiled
+            entry = _own_entry(target.forward)
+            return entry, torch.compile(entry, dynamic=False, **settings)
+
         # a sliding-window KV cache counts its tokens in a Python int, which Dynamo guards on: it would
         # compile again for every position (up to its recompile limit), so those calls are left to others
-        supported = {index for index in range(len(spec.signatures))
-                     if not (index < len(spec.counts) and any(any(sample) for sample in spec.counts[index]))}
+        sliding = {index for index in range(len(spec.signatures))
+                   if index < len(spec.counts) and any(any(sample) for sample in spec.counts[index])}
+        runner = InductorRunner(target.path, spec, compile_one)
         with _recording() as recorded, torch.no_grad():
-            for index in sorted(supported):
+            for index in range(len(spec.signatures)):
+                if index in sliding:
+                    continue
+                runner.supported.add(index)
                 try:
                     args, kwargs = spec.example(index)
                 except Unsynthesizable:
                     continue  # a call with a KV cache at load: it compiles on its first real call
-                compiled(*args, **kwargs)  # compile now, not on the user's first call
-        runner = InductorRunner(compiled, supported, recorded)
+                runner.run(index, args, kwargs, [])  # compile now, not on the user's first call
+        runner.compiled = recorded
+        if not runner.supported:
+            raise RuntimeError(f"no signature was compiled: {NOT_COMPILED}")
         runner.base_runner = base_runner
         return runner
 
@@ -313,14 +391,60 @@ class InductorBackend(ComposedBackend):
         log.info("loaded Inductor cache artifacts and %d compiled kernels from %s", len(kernels), folder)
 
 
-def _checked_compile_options(options: Any) -> dict[str, Any]:
-    """``compile_options`` checked the same at tune time and when a package's manifest names them.
+#: Inductor settings a package may carry, with the values each may take: every one of them changes
+#: only how fast the compiled code runs (which kernels, fusions, tilings and autotuning), never what
+#: it checks, where it writes or what it runs. A package is untrusted input, and its settings reach a
+#: compilation on the loader's machine even where its compiled artifacts may not run, so nothing else
+#: comes from one: not a setting that removes a safety check (``assert_indirect_indexing=False`` lets
+#: an out-of-range token id read past an embedding table, or crash the process, where eager raises),
+#: nor debugging or tracing (``trace.enabled`` writes tensors into the working directory), nor a
+#: testing hook (``sleep_sec_TESTING_ONLY``), nor a string (a compiler, an include directory, a file).
+SPEED_SETTINGS: dict[str, type | range] = {
+    **dict.fromkeys((
+        "max_autotune", "max_autotune_gemm", "max_autotune_pointwise",
+        "coordinate_descent_tuning", "coordinate_descent_check_all_directions",
+        "epilogue_fusion", "epilogue_fusion_first", "prologue_fusion", "aggressive_fusion", "benchmark_fusion",
+        "benchmark_epilogue_fusion", "loop_ordering_after_fusion", "combo_kernels", "benchmark_combo_kernel",
+        "pattern_matcher", "group_fusion", "batch_fusion", "split_cat_fx_passes", "permute_fusion",
+        "reorder_for_locality", "reorder_for_peak_memory", "shape_padding", "comprehensive_padding",
+        "layout_optimization", "conv_1x1_as_mm", "split_reductions", "use_mixed_mm",
+        "inplace_buffers", "allow_buffer_reuse",
+        "triton.autotune_pointwise", "triton.autotune_cublasLt", "triton.persistent_reductions",
+        "triton.prefer_nd_tiling", "triton.tile_reductions", "triton.cooperative_reductions",
+        "triton.use_block_ptr", "cpp.enable_tiling_heuristics", "cpp.enable_loop_tail_vec"), bool),
+    # numbers, bounded: a package must not make a loader's compile search without end
+    "coordinate_descent_search_radius": range(1, 5),
+    "max_fusion_size": range(1, 1025),
+    "unroll_reductions_threshold": range(1, 65),
+    "triton.max_tiles": range(1, 4),
+    "cpp.max_horizontal_fusion_size": range(0, 65),
+}
 
-    A package is untrusted input, and its settings reach a compilation on the loader's machine even
-    where its compiled artifacts may not run. So only public settings of ``torch._inductor.config``
-    (not its methods or private entries), with booleans or numbers: a string setting can name a
-    program, an include directory or a file to write (``cpp.cxx``, ``cuda.cutlass_dir``, ``trace.debug_dir``).
-    """
+
+def _refusal(key: str) -> str:
+    """Why a setting of ``torch._inductor.config`` that is not in `SPEED_SETTINGS` never comes from a package."""
+    if "cudagraph" in key:  # as the modes that record them are refused
+        return "is a CUDA graph setting; use GraphBackend for that"
+    if key.endswith("_TESTING_ONLY") or key.startswith("test_configs."):
+        return "is a testing hook"
+    if key.startswith(("trace.", "debug")) or "debug" in key or "profil" in key or key in _DEBUG_SETTINGS:
+        return "is a debugging or tracing setting (it writes files or changes what a compile does)"
+    if "assert" in key or key.startswith(("unsafe", "assume_")) or key in _SAFETY_SETTINGS:
+        return "turns off or weakens a safety check of the compiled code"
+    return "is not one of the settings that only change speed"
+
+
+#: settings `_refusal` names for what they are (the rest of what is refused gets the general reason)
+_DEBUG_SETTINGS = frozenset({"benchmark_harness", "benchmark_kernel", "comment_origin", "save_args",
+                             "log_tlparse", "developer_warnings", "generate_intermediate_hooks"})
+_SAFETY_SETTINGS = frozenset({"triton.divisible_by_16", "fallback_random", "freezing", "use_fast_math",
+                              "cpp.enable_unsafe_math_opt_flag"})
+
+
+def _checked_compile_options(options: Any) -> dict[str, Any]:
+    """``compile_options`` checked the same at tune time, when a package's manifest names them, and when
+    a loader passes its own: only `SPEED_SETTINGS`, with the values they allow, and only where this
+    torch has them (keys of ``torch._inductor.config``)."""
     if options is None:
         return {}
     if not isinstance(options, dict):
@@ -328,17 +452,20 @@ def _checked_compile_options(options: Any) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     settings = inductor_config.get_config_copy()
+    where = "InductorBackend(compile_options=...)"
     for key, value in options.items():
         if not isinstance(key, str) or key not in settings or key.startswith("_"):
-            raise ValueError(f"InductorBackend(compile_options=...): {key!r} is not a setting of "
-                             "torch._inductor.config")
-        if "cudagraph" in key:  # as the modes that record them are refused
-            raise ValueError(f"InductorBackend(compile_options=...): {key} is a CUDA graph setting; "
-                             "use GraphBackend for that")
-        if value is not None and not isinstance(value, (bool, int, float)):
-            raise ValueError(f"InductorBackend(compile_options=...): {key}={value!r} is not a boolean or a "
-                             "number; the package stores these settings, and a loader must not take a "
-                             "program, directory or file name from a package")
+            raise ValueError(f"{where}: {key!r} is not a setting of torch._inductor.config")
+        allowed = SPEED_SETTINGS.get(key)
+        if allowed is None:
+            raise ValueError(f"{where}: {key} {_refusal(key)}; a package carries only settings that change "
+                             f"speed ({', '.join(sorted(SPEED_SETTINGS))}), since a loader compiles with them")
+        if allowed is bool and not isinstance(value, bool):
+            raise ValueError(f"{where}: {key}={value!r} is not a boolean (True or False)")
+        if isinstance(allowed, range) and (isinstance(value, bool) or not isinstance(value, int)
+                                           or value not in allowed):
+            raise ValueError(f"{where}: {key}={value!r} is not an integer from {allowed.start} to "
+                             f"{allowed.stop - 1}")
     return dict(options)
 
 

@@ -22,7 +22,8 @@ def _source(package: str, revision: str | None):
 
 def print_report(report: dict, out) -> None:
     """Renders `package_report` as tables."""
-    from rich.table import Table
+    from rich.markup import escape
+    from rich.table import Column, Table
 
     env = report["environment"]
     out.print(f"[bold]{report['package']}[/bold]  format {report['format_version']}, "
@@ -39,7 +40,8 @@ def print_report(report: dict, out) -> None:
         out.print("device slots (xpupack.load(..., device_map={slot: device})): "
                   + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"])))
     out.print(_trust_line(report))
-    table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
+    # the backend's settings are never cut short: each one changes what runs
+    table = Table("module", Column("backend", overflow="fold"), "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
@@ -60,7 +62,8 @@ def print_report(report: dict, out) -> None:
         name = module["path"] or "<model>"
         if len(report["devices"]) > 1:
             name += f"\nslot {module['device_slot']}"
-        table.add_row(name, module["backend"], signatures, candidates,
+        backend = "\n".join([module["backend"], *map(escape, module.get("settings", []))])
+        table.add_row(name, backend, signatures, candidates,
                       module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
 
@@ -137,12 +140,15 @@ def verify(package, revision, device, on_mismatch, as_json):
     if as_json:
         echo_json(result)
     else:
+        from rich.markup import escape
+
         out = console()
         for problem in result["problems"]:
             out.print(f"[red]problem:[/red] {problem}")
         for path, entry in result["compatibility"].items():
             colour = "green" if entry["compatible"] else "yellow"
-            out.print(f"[{colour}]{path}[/{colour}] ({entry['backend']}): {entry['status']}")
+            settings = f", {escape(', '.join(entry['settings']))}" if entry.get("settings") else ""
+            out.print(f"[{colour}]{path}[/{colour}] ({entry['backend']}{settings}): {entry['status']}")
         if result["ok"]:
             out.print("[green]intact[/green]: schema and every file's sha256 check out"
                       + ("" if not degraded else "; some modules will not run as built here"))

@@ -1,0 +1,151 @@
+"""What a package can make a loader allocate or do, bounded before anything is allocated (README: "Safety and reliability").
+
+A package says how its modules were called, and a loader acts on it: it
+synthesises inputs for every signature without state (a tensor leaf of 1 GiB
+made a load take 77 s and 7.4 GiB), records or compiles each signature, and a
+graph backend keeps up to ``max_recordings`` recordings per module. `LoadLimits`
+bounds each of these; `check_package` compares a package with them reading
+JSON only, so `xpupack.load` refuses an oversized package before it parses a
+signature or allocates a tensor, and `xpupack verify` says the same.
+
+State leaves (a KV cache) are never synthesised: only a real call brings one,
+so however large a model's cache is, it counts towards no byte limit here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import PackageLimitError
+from .manifest import read_spec
+
+#: bytes per element of the dtypes a signature can name (``spec.json`` stores ``torch.<name>`` without the
+#: prefix); a name missing here counts 16 bytes (never less than it is) and is refused later by the parser
+_ITEMSIZE = {"float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+             "complex128": 16, "cdouble": 16, "complex64": 8, "cfloat": 8, "complex32": 4, "chalf": 4,
+             "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1,
+             "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+             "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1}
+_UNKNOWN_ITEMSIZE = 16
+
+#: environment variable of each limit, read when a load is not given ``limits=``
+ENVIRONMENT = {"max_input_bytes": "XPUPACK_MAX_INPUT_BYTES", "max_signatures": "XPUPACK_MAX_SIGNATURES",
+               "max_leaves": "XPUPACK_MAX_LEAVES", "max_recordings": "XPUPACK_MAX_RECORDINGS"}
+
+
+@dataclass(frozen=True)
+class LoadLimits:
+    """The most a package may make `xpupack.load` allocate or do; a package over any of them is refused
+    (`PackageLimitError`) before anything is allocated.
+
+    The defaults fit packages of large models (a 70B language model's decoder layers over a batch
+    ladder, its KV cache, which is never synthesised, aside); lower them to load packages you do not
+    trust on a machine that also serves other work, raise them for a package that needs more.
+
+    Args:
+        max_input_bytes: the tensor inputs a load synthesises to check, record and compile each
+            signature without state, summed over every module of the package (a graph backend also
+            keeps them as its static input buffers). Default 32 GiB.
+        max_signatures: signatures per module (each one is recorded or compiled at load). Default 1024.
+        max_leaves: leaves (tensors, constants, state objects) per signature. Default 4096.
+        max_recordings: the largest ``GraphBackend(max_recordings=...)`` a package may ask for (each
+            recording holds device memory; the default of the graph backend is 16). Default 256.
+
+    Example:
+        >>> xpupack.load(model, "org/name", limits=xpupack.LoadLimits(max_input_bytes=2 * 2**30))
+    """
+
+    max_input_bytes: int = 32 * 2**30
+    max_signatures: int = 1024
+    max_leaves: int = 4096
+    max_recordings: int = 256
+
+    def __post_init__(self):
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LoadLimits({item.name}={value!r}): give a positive integer")
+
+    @classmethod
+    def from_environment(cls) -> LoadLimits:
+        """The defaults, each replaced by its environment variable where set (`ENVIRONMENT`)."""
+        values = {}
+        for name, variable in ENVIRONMENT.items():
+            text = os.environ.get(variable)
+            if text is None or not text.strip():
+                continue
+            try:
+                values[name] = int(text.replace("_", ""))
+            except ValueError:
+                raise ValueError(f"{variable}={text!r} is not a whole number (of "
+                                 f"{'bytes' if 'bytes' in name else name.removeprefix('max_')})") from None
+        return cls(**values)
+
+
+def check_package(root: Path, manifest: dict, limits: LoadLimits) -> None:
+    """Raises `PackageLimitError` naming the first field of the package at ``root`` over ``limits``.
+
+    Reads the manifest's backend options and each module's ``spec.json`` (validated against its
+    schema, nothing parsed by torch).
+    """
+    for entry in manifest["modules"]:
+        recordings = _max_recordings(entry["backend"])
+        if recordings is not None and recordings > limits.max_recordings:
+            _refuse(f"{root / 'xpupack.json'}: the graph backend of {entry['path'] or '<model>'} asks for "
+                    f"max_recordings={recordings}", "max_recordings", limits.max_recordings, recordings)
+    total = 0
+    for entry in manifest["modules"]:
+        where = root / entry["spec"]
+        signatures = read_spec(root, entry)["signatures"]
+        if len(signatures) > limits.max_signatures:
+            _refuse(f"{where} describes {len(signatures)} signatures", "max_signatures",
+                    limits.max_signatures, len(signatures))
+        for index, signature in enumerate(signatures):
+            leaves = signature["leaves"]
+            if len(leaves) > limits.max_leaves:
+                _refuse(f"{where}: signature {index} has {len(leaves)} leaves", "max_leaves",
+                        limits.max_leaves, len(leaves))
+            total += synthesized_bytes(signature)
+            if total > limits.max_input_bytes:
+                _refuse(f"{where}: the inputs a load synthesises for the package's signatures add up to more "
+                        f"than {_size(limits.max_input_bytes)} by signature {index} of this module",
+                        "max_input_bytes", limits.max_input_bytes, total)
+
+
+def synthesized_bytes(signature: dict) -> int:
+    """The bytes of the inputs a load synthesises for one signature's JSON: its tensor leaves, or nothing
+    for a signature with a state leaf (only a real call brings one)."""
+    leaves = signature["leaves"]
+    if any(leaf.get("kind") == "state" for leaf in leaves):
+        return 0
+    return sum(math.prod(leaf["shape"]) * _ITEMSIZE.get(leaf["dtype"], _UNKNOWN_ITEMSIZE)
+               for leaf in leaves if leaf.get("kind") == "tensor")
+
+
+def _max_recordings(backend: Any) -> int | None:
+    """The ``max_recordings`` a manifest's backend entry (or its base) asks for, if it is a number."""
+    while isinstance(backend, dict):
+        options = backend.get("options")
+        if not isinstance(options, dict):
+            return None
+        value = options.get("max_recordings")
+        if backend.get("name") == "graph" and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        backend = options.get("base")
+    return None
+
+
+def _refuse(what: str, field: str, limit: int, actual: int) -> None:
+    shown = _size(limit) if field == "max_input_bytes" else str(limit)
+    raise PackageLimitError(
+        f"{what}, over the loader's limit {field}={shown}; refusing to load it before allocating anything — "
+        f"if you trust the package, load it with limits=xpupack.LoadLimits({field}=...) or set "
+        f"{ENVIRONMENT[field]}", field=field, limit=limit, actual=actual)
+
+
+def _size(size: int) -> str:
+    return f"{size / 2**30:g} GiB" if size >= 2**30 else f"{size} bytes"
