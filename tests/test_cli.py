@@ -89,7 +89,7 @@ def test_bench_json(built):
     (["build", "xpupack.examples", "--samples", "x:y", "--out", "o"], "is not MODULE:NAME"),
     (["build", *DEMO, "--out", "o", "--backends", "warp"], "unknown backend 'warp'"),
     (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
-    (["inspect", "no/such/dir"], "not a directory"),
+    (["inspect", "no/such/dir"], "there is no folder"),
     (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
     (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
 ])

@@ -65,7 +65,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
          device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
          token: str | bool | None = None, progress: Callable[[str], None] | None = None) -> nn.Module:
-    """Loads the package at ``path`` (a directory or a Hub repo id) into ``model`` and activates it.
+    """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
     The manifest is validated against its schema, every file's sha256 is
     checked, and the model's architecture (state-dict names, shapes, dtypes) is
@@ -79,7 +79,9 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
 
     Args:
         model: a freshly built model of the architecture the package was built from.
-        path: a package directory, or ``"org/name"`` on the Hugging Face Hub.
+        path: a folder (a ``pathlib.Path``, an absolute path, ``"./org/name"``, ``"tiny-pkg"``), or a repo on
+            the Hugging Face Hub (``"org/name"``, ``"hf://org/name"``); README: "Naming a package". A plain
+            ``"org/name"`` that is also a folder here is refused (`AmbiguousSourceError`).
         device: run everything on this one device (the model moves there). Default: each tuned
             module runs where its parameters are (a model split over devices stays split).
         device_map: the device of each device slot of the package (``{0: "cuda:0", 1: "cuda:1"}``,
@@ -98,6 +100,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         The same model object, tuned modules active.
 
     Raises:
+        SourceError: no such folder, or ``revision`` for a folder (`AmbiguousSourceError`: see ``path``).
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
         ModelMismatchError: the model's architecture or weight tying differs from the package's.

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .card import package_card
-from .errors import HubError
+from .errors import HubError, SourceError
 from .hub import COMMIT_HASH, first_line, hub_api, hub_settings
 from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package
+from .source import HUB_PREFIX, is_repo_id, local_folder
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -29,8 +30,9 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     repo's other files (a ``LICENSE``, docs) stay: loading ignores them.
 
     Args:
-        path: a package directory written by `xpupack.save` or `xpupack build`.
-        repo_id: ``"org/name"``.
+        path: a package directory written by `xpupack.save` or `xpupack build`, named as a folder
+            (README: "Naming a package": ``"./org/name"``, not ``"org/name"``, which names a Hub repo).
+        repo_id: ``"org/name"`` (or ``"hf://org/name"``).
         revision: the branch to commit to (created from ``main`` if missing);
             default ``main``.
         private: visibility of a repo this call creates (an existing repo keeps its own).
@@ -42,6 +44,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         (``xpupack.load(model, repo_id, revision=info.oid)``).
 
     Raises:
+        SourceError: ``path`` names a Hub repo rather than a folder, or ``repo_id`` is not ``"org/name"``.
         PackageFormatError, IntegrityError: the package is damaged; nothing is uploaded.
         HubError: the Hub refused (no write access, offline, ...).
 
@@ -51,11 +54,12 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    root = Path(path)
+    root = local_folder(path)
+    repo_id = _repo_id(repo_id)
     manifest = check_package(root)  # a damaged package never reaches the Hub
     if revision is not None and COMMIT_HASH.fullmatch(revision):
-        raise ValueError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
-                         "name or leave revision=None for main")
+        raise SourceError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
+                          "name or leave revision=None for main", source=revision)
     hub = hub_settings()
     if hub.offline:
         raise HubError("HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id,
@@ -87,6 +91,16 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
                        revision=revision) from None
     log.info("pushed %s to %s (%d files): %s", root, repo_id, len(listed) + 1, info.commit_url)
     return info
+
+
+def _repo_id(repo_id: str) -> str:
+    """``org/name`` from ``org/name`` or ``hf://org/name``: a repo the model card's ``xpupack.load(model,
+    "org/name")`` names (a bare ``name`` would be created under the token's user, and load as a folder)."""
+    text = repo_id[len(HUB_PREFIX):] if isinstance(repo_id, str) and repo_id.startswith(HUB_PREFIX) else repo_id
+    if not isinstance(text, str) or text.count("/") != 1 or not is_repo_id(text):
+        raise SourceError(f"push needs a Hub repo named 'org/name' (letters, digits, '-', '_', '.'), not {repo_id!r}",
+                          source=str(repo_id))
+    return text
 
 
 def _package_owned(name: str) -> bool:

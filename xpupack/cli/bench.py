@@ -8,7 +8,7 @@ from ._common import byte_size, console, echo_json, handle_errors, import_object
 
 
 @click.command()
-@click.argument("package", metavar="DIR|ORG/NAME")
+@click.argument("package", metavar="PACKAGE")
 @click.option("--model", "model_factory", required=True, metavar="MODULE:FACTORY",
               help="Function building the model the package was made from.")
 @click.option("--device", default=None, help="Device to load onto. Default: the best device here.")
@@ -18,7 +18,11 @@ from ._common import byte_size, console, echo_json, handle_errors, import_object
 @handle_errors
 def bench(package, model_factory, device, iterations, revision, as_json):
     """Load PACKAGE into MODULE:FACTORY's model and report, per recorded signature, the tuned
-    module's latency against eager (device-synchronized; median and p90, in microseconds)."""
+    module's latency against eager (device-synchronized; median and p90, in microseconds).
+
+    PACKAGE is a folder (./out/pkg, /abs/pkg, tiny-pkg) or a Hub repo (org/name, hf://org/name);
+    a plain org/name that is also a folder here is refused: write ./org/name or hf://org/name.
+    """
     import xpupack
     from xpupack.bench import benchmark
     from xpupack.environment import resolve_device

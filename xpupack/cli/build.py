@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
+
+from ..source import read_name
 
 from ._common import console, handle_errors, import_object
 
@@ -132,5 +135,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     from .inspect import print_report
     from ..report import package_report
 
-    print_report(package_report(out, device), out_console)
-    out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s")
+    print_report(package_report(Path(out), device), out_console)
+    out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"
+                      + ("" if read_name(out).folder is not None else
+                         f"; name it './{out}' to load, inspect or push it ('{out}' alone names a Hub repo)"))
