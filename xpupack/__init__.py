@@ -21,8 +21,8 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import (AmbiguousSourceError, BackendError, BackendUnavailableError, DestinationExistsError,
-                     DeviceMapError, DeviceUnavailableError, HubError,
+from .errors import (AmbiguousSourceError, BackendError, BackendUnavailableError, BenchmarkError,
+                     DestinationExistsError, DeviceMapError, DeviceUnavailableError, HubError,
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, SourceError, TuningError, UnknownConfigError, XpupackError)
@@ -99,7 +99,7 @@ __all__ = [
     "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
     "XpupackError", "PackageFormatError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
-    "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "DestinationExistsError",
+    "NoCandidateError", "TuningError", "NotTunedError", "BenchmarkError", "SaveError", "DestinationExistsError",
     "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",
     "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError", "SourceError", "AmbiguousSourceError",
     "__version__",

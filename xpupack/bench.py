@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import _timing
+from .errors import BenchmarkError
 from .tuned import session_of
 
 log = logging.getLogger("xpupack")
@@ -24,6 +25,9 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     same way (``module(*args)``): first with the tuned modules active (fit check
     and dispatch included), then deactivated, which is plain eager PyTorch.
     """
+    if type(iterations) is not int or iterations < 1 or type(warmup) is not int or warmup < 0:
+        raise BenchmarkError(f"iterations={iterations!r}, warmup={warmup!r}: time at least one call "
+                             "(iterations >= 1, warmup >= 0)")
     session = session_of(model)
     cases = [(path, tuned, signature, *signature.synthesize())
              for path, tuned in session.modules.items() for signature in tuned.spec.signatures

@@ -88,6 +88,10 @@ class TuningError(XpupackError, ValueError):
     """`tune` was called with arguments it cannot use (no samples, no matching module...)."""
 
 
+class BenchmarkError(XpupackError, ValueError):
+    """`xpupack.bench.benchmark` (``xpupack bench``) was called with arguments it cannot use."""
+
+
 class NotTunedError(XpupackError, ValueError):
     """The model has no tuned modules (call `xpupack.tune` or `xpupack.load` first)."""
 

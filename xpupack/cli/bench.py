@@ -12,7 +12,8 @@ from ._common import byte_size, console, echo_json, handle_errors, import_object
 @click.option("--model", "model_factory", required=True, metavar="MODULE:FACTORY",
               help="Function building the model the package was made from.")
 @click.option("--device", default=None, help="Device to load onto. Default: the best device here.")
-@click.option("--iterations", default=50, show_default=True, help="Timed calls per signature.")
+@click.option("--iterations", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Timed calls per signature.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
 @json_option
 @handle_errors
