@@ -93,11 +93,22 @@ def test_bench_json(built):
     (["build", "xpupack.examples", "--samples", "x:y", "--out", "o"], "is not MODULE:NAME"),
     (["build", *DEMO, "--out", "o", "--backends", "warp"], "unknown backend 'warp'"),
     (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
-    (["inspect", "no/such/dir"], "not a directory"),
+    (["inspect", "no/such/dir"], "there is no folder"),
     (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
     (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
     (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "startup_margin=0.5"),
     (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.0, or none"),
+    (["bench", "pkg", "--model", "xpupack.examples:tiny_transformer", "--iterations", "0"],
+     "0 is not in the range x>=1"),
+    (["build", *DEMO, "--out", "o", "--batch-sizes", "1,100000000000000000000000000000"],
+     "give batch sizes separated by commas, each from 1 to 2147483647"),
+    (["build", *DEMO, "--out", "o", "--batch-sizes", "0"], "each from 1 to"),
+    (["build", *DEMO, "--out", "o", "--backends", "graph:5"], "'graph:5': graph takes no argument; graph+NAME"),
+    (["build", *DEMO, "--out", "o", "--backends", "eager:5"], "'eager:5': "),
+    (["build", *DEMO, "--out", "o", "--backends", "graph+graph"], "'graph+graph': GraphBackend(base=GraphBackend"),
+    (["build", *DEMO, "--out", "o", "--modules", "layers.*.mlp", "--modules", "layers.*.mpl"],
+     "error: the module pattern 'layers.*.mpl' matches no submodule (the others match 2); close object paths: "
+     "layers.1.mlp, layers.0.mlp"),
 ])
 def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -123,7 +134,7 @@ def _lacking(device):
         pytest.skip(f"this machine has {device}")
 
 
-@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp"])
+@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp", "mps", "cpu:1"])
 def test_verify_on_a_device_this_machine_lacks_could_not_check(built, device):
     """Exit 1 means damaged and 2 degraded: a device that is not here is neither (exit 3)."""
     _lacking(device)

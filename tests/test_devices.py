@@ -79,6 +79,9 @@ def test_a_loaded_split_package_saves_its_slots_again(two_slot_package, tmp_path
     ("cpu", DeviceMapError, "give {slot: device} or a list"),
     ({0: "cpu", 1: "cuda:7"}, DeviceUnavailableError, "device_map slot 1: device 'cuda:7' is not available"),
     ({0: "cpu", 1: "nonsense"}, DeviceUnavailableError, "device_map slot 1"),
+    ({0: None, 1: "cpu"}, DeviceMapError, "device_map slot 0 is None; map it to a device"),
+    ({0: "cpu", 1: "meta"}, DeviceUnavailableError, "device_map slot 1: .*xpupack runs on cpu, cuda, xpu, not on meta"),
+    ({0: "cpu", 1: "cpu:1"}, DeviceUnavailableError, "device_map slot 1: .*CPUs are one device"),
 ])
 def test_bad_device_maps_are_refused_before_the_model_changes(two_slot_package, device_map, error, match):
     model = make_stack(seed=9)

@@ -156,13 +156,32 @@ def test_corrupted_file_on_the_hub_is_refused(hub, eager_package, tmp_path):
     torch.testing.assert_close(logits(model), reference(99))
 
 
+def test_a_repo_named_hf_colon_loads_from_the_hub_untrusted_beside_a_folder_of_its_name(hub, eager_package,
+                                                                                       eager_package_v2, tmp_path,
+                                                                                       monkeypatch):
+    """`hf download org/name --local-dir org/name` puts a folder of the repo's name in the working directory:
+    a plain "org/name" is then refused (tests/test_source.py), "hf://org/name" is the repo (README: "Naming a
+    package")."""
+    hub.publish(eager_package, "xpupack-tests/shadowed")
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(eager_package_v2, tmp_path / "xpupack-tests" / "shadowed")
+    with pytest.raises(xpupack.AmbiguousSourceError):
+        xpupack.load(tiny_transformer(99), "xpupack-tests/shadowed")
+    model = xpupack.load(tiny_transformer(99), "hf://xpupack-tests/shadowed")
+    torch.testing.assert_close(logits(model), reference(0))  # the repo's weights, not the folder's (seed 7)
+    inspected = json.loads(CliRunner().invoke(main, ["inspect", "hf://xpupack-tests/shadowed", "--json"]).stdout)
+    assert not inspected["trusted"] and inspected["package"].startswith("xpupack-tests/shadowed@main")
+    model = xpupack.load(tiny_transformer(99), "./xpupack-tests/shadowed")
+    torch.testing.assert_close(logits(model), reference(7))
+
+
 # ---------------------------------------------------------------- errors a user can act on
 
 
 def test_repo_not_found(hub):
     with pytest.raises(xpupack.RepoNotFoundError, match="no repo xpupack-tests/absent") as caught:
         xpupack.load(tiny_transformer(), "xpupack-tests/absent")
-    assert "not a local directory" in str(caught.value) and "token" in str(caught.value)
+    assert "no folder" in str(caught.value) and "token" in str(caught.value)
 
 
 def test_revision_not_found_lists_the_revisions(hub, eager_package):
@@ -189,7 +208,7 @@ def test_repo_lacking_a_listed_file_is_incomplete(hub, eager_package, tmp_path):
 def test_cli_reports_hub_errors_in_one_line(hub):
     result = CliRunner().invoke(main, ["inspect", "xpupack-tests/absent"])
     assert result.exit_code == 1
-    assert result.stderr.startswith("error: xpupack-tests/absent is not a local directory")
+    assert result.stderr.startswith("error: 'xpupack-tests/absent' names a Hub repo (no folder ")
     assert "Traceback" not in result.output
 
 

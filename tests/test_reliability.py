@@ -20,8 +20,8 @@ from torch import nn
 import xpupack
 from support.backends import ArtifactBackend, CountingBackend
 from support.models import Stack, make_stack, stack_samples
-from support.package_tools import (assert_unchanged, copy_package, listed_files, rewrite_json, rewrite_manifest,
-                           snapshot)
+from support.package_tools import (assert_unchanged, copy_package, listed_files, redigest, rewrite_json,
+                                   rewrite_manifest, snapshot)
 from xpupack.errors import (BackendError, IntegrityError, ModelMismatchError, OutputMismatchError,
                             PackageFormatError, UnknownConfigError, XpupackError)
 from xpupack.manifest import MANIFEST
@@ -276,9 +276,9 @@ def test_paths_that_leave_the_package_are_refused_in_every_field(package, field,
     (lambda m: m["modules"][0]["backend"].update(name="counting", options={"offset": 1.0}),
      UnknownConfigError, "does not write the options"),
     (lambda m: m["modules"][0]["backend"].update(name="graph", options={"base": "inductor"}),
-     UnknownConfigError, "graph backend"),
+     PackageFormatError, "backend/options/base"),
     (lambda m: m["modules"][0]["backend"].update(name="graph", options={"base": {"options": {}}}),
-     UnknownConfigError, "graph backend"),
+     PackageFormatError, "backend/options/base"),
 ])
 def test_inconsistent_manifests_are_refused_before_anything_changes(package, change, error, words):
     rewrite_manifest(package, change)
@@ -298,6 +298,41 @@ def test_specs_that_parse_wrong_are_refused_even_with_right_digests(package, cha
     rewrite_json(package, "modules/layers.0.mlp/spec.json", change)
     caught = refused(package, PackageFormatError)
     assert words in str(caught) and "modules/layers.0.mlp/spec.json" in str(caught) and "rebuild" in str(caught)
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s["batch_axes"][0].update(inputs=[0, None, 0]),  # more axes than leaves
+    lambda s: s["batch_axes"][0].update(inputs=[0, 0]),  # an axis of a constant
+    lambda s: s["batch_axes"][0].update(inputs=[5, None]),  # beyond the tensor's rank
+    lambda s: s["batch_axes"].append(s["batch_axes"][0]),  # more entries than signatures
+    lambda s: s["batch_axes"].pop(),
+], ids=["more-axes-than-leaves", "axis-of-a-constant", "axis-beyond-rank", "extra-entry", "missing-entry"])
+def test_batch_axes_that_do_not_fit_are_refused_by_load_inspect_and_verify(package, change):
+    """`inspect` read them with bare indexing (KeyError, IndexError); now `read_spec` checks them for all three."""
+    from xpupack.report import package_report, verify_package
+
+    rewrite_json(package, "modules/layers.0.mlp/spec.json", change)
+    words = "modules/layers.0.mlp/spec.json: "
+    with pytest.raises(PackageFormatError, match="batch"):
+        package_report(package)
+    result = verify_package(package)
+    assert not result["ok"] and words in result["problems"][0] and "batch" in result["problems"][0]
+    assert "batch" in str(refused(package, PackageFormatError))
+
+
+@pytest.mark.parametrize("base", [[1], "x", 3])
+def test_a_composed_backend_config_whose_base_is_not_an_object_is_a_format_error(base, tmp_path):
+    """A graph+torchao module's config holds torchao's under ``base``; the schema says it is an object."""
+    from xpupack.report import package_report, verify_package
+
+    root = build(tmp_path)
+    rewrite_manifest(root, lambda m: m["modules"][0]["backend"]["config"].update(base=base))
+    rewrite_manifest(root, lambda m: m["modules"][1]["backend"]["options"].update(base=base))
+    caught = refused(root, PackageFormatError)
+    assert "/backend/config/base" in str(caught) or "/backend/options/base" in str(caught)
+    with pytest.raises(PackageFormatError, match="schema"):
+        package_report(root)
+    assert not verify_package(root)["ok"]
 
 
 def test_inductor_cache_path_cannot_leave_the_package(inductor_package, tmp_path, monkeypatch):
@@ -332,8 +367,8 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_packag
 
 
 def test_a_missing_kernel_midway_gives_back_the_earlier_tuning(inductor_package, tmp_path):
-    """The kernel list is checked while the shared artifacts are restored, after the earlier tuning was taken
-    off: it comes back active and counting (issue 10, item 4)."""
+    """A kernel the manifest does not list is refused (before anything changes, by `check_package`; the
+    shared artifacts' restore checks again): the earlier tuning stays active and counting (issue 10, item 4)."""
     model = xpupack.load(make_stack(seed=5), inductor_package[1])
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -482,7 +517,7 @@ def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(induct
         torch.testing.assert_close(model(x), make_stack()(x))
 
 
-@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp"])
+@pytest.mark.parametrize("device", ["cuda", "xpu", "cuda:99", "warp", "mps", "hpu", "meta", "cpu:1"])
 def test_a_device_this_machine_lacks_is_refused_before_anything_changes(package, device):
     from xpupack.environment import devices_here
 
@@ -492,13 +527,27 @@ def test_a_device_this_machine_lacks_is_refused_before_anything_changes(package,
     assert f"device {device!r} is not available here" in str(error) and "devices here: cpu" in str(error)
 
 
-@pytest.mark.parametrize("device", ["cuda:99", "warp"])
+@pytest.mark.parametrize("device", ["cuda:99", "warp", "mps", "cpu:1"])
 def test_tuning_on_a_device_this_machine_lacks_is_refused_before_anything_changes(device):
     model = make_stack()
     before = snapshot(model)
     with pytest.raises(xpupack.DeviceUnavailableError, match=f"device {device!r} is not available here"):
         xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"], device=device)
     assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: xpupack.tune(make_stack(), stack_samples(), batch_sizes=[1, 10**30]), xpupack.TuningError,
+     "give a list of integers from 1 to 2147483647"),
+    (lambda: xpupack.GraphBackend("5"), ValueError, "GraphBackend(base='5'): give a backend"),
+    (lambda: __import__("xpupack.bench").bench.benchmark(
+        xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER), iterations=0),
+     xpupack.XpupackError, "iterations=0, warmup=5: time at least one call"),
+])
+def test_arguments_out_of_range_are_refused_by_name(call, error, words):
+    with pytest.raises(error) as caught:
+        call()
+    assert words in str(caught.value)
 
 
 # -- the wrong model ---------------------------------------------------------------------------------
@@ -621,3 +670,61 @@ def test_a_failed_load_undoes_what_a_backend_replaced(tmp_path, monkeypatch):
         xpupack.load(model, root)
     assert_unchanged(model, before)
     assert "quantized" not in model.layers[0]["mlp"]._buffers
+
+
+# -- verify and load agree: what load refuses, verify reports as damaged (README: "Safety and reliability") --
+
+def _bad_weights_header(root):
+    (root / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{\"a\": \"b\"}      ")
+    redigest(root)
+
+
+def _defaultdict_tree(root):
+    defaultdict = {"type": "collections.defaultdict", "context": "null", "children_spec": []}
+    node = json.dumps([1, {"type": "builtins.tuple", "context": "null", "children_spec": [
+        {"type": "builtins.tuple", "context": "null", "children_spec": [defaultdict]},
+        {"type": "builtins.dict", "context": "[]", "children_spec": []}]}])
+    rewrite_json(root, "modules/layers.0.mlp/spec.json", lambda s: s["signatures"][0].update(tree=node))
+
+
+def _unlisted_kernel(root):
+    rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"]["kernels"].append("zz/absent.so"))
+
+
+@pytest.mark.parametrize("damage, kind, error, words", [
+    (_bad_weights_header, "eager", PackageFormatError, "not a readable safetensors file"),
+    (_defaultdict_tree, "eager", PackageFormatError, "tree node type 'collections.defaultdict' is not allowed"),
+    (_unlisted_kernel, "inductor", IntegrityError, "names backends/inductor/kernels/zz/absent.so, which"),
+])
+def test_verify_reports_as_damaged_what_load_refuses(damage, kind, error, words, tmp_path, request):
+    """`xpupack.load` makes the checks `xpupack verify` makes (`manifest.check_package`, then `read_spec` per
+    module), so the two agree on every damaged package; the load refuses it before anything changes, trusted
+    or not."""
+    from xpupack.report import verify_package
+
+    root = (copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg") if kind == "inductor"
+            else build(tmp_path))
+    damage(root)
+    result = verify_package(root)
+    assert not result["ok"] and words in result["problems"][0]
+    for trusted in (True, False):
+        source = Source(root, trusted=trusted, description="pkg", trust_reason="test")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+            assert words in str(refused(root, error))
+
+
+def test_verify_without_torch_refuses_a_tree_node_load_refuses(tmp_path, run_python):
+    """In a fresh process `xpupack verify` imports no torch: the tree check it makes is torch-free."""
+    root = build(tmp_path)
+    _defaultdict_tree(root)
+    result = run_python(f"""
+        import sys
+        from click.testing import CliRunner
+        from xpupack.cli import main
+        result = CliRunner().invoke(main, ["verify", {str(root)!r}, "--device", "cpu"])
+        print(result.exit_code, "torch" in sys.modules)
+        print(result.output)
+    """)
+    assert result.stdout.startswith("1 False"), result.stdout
+    assert "collections.defaultdict" in result.stdout

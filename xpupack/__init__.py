@@ -21,11 +21,11 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import (BackendError, BackendUnavailableError, DestinationExistsError, DeviceMapError,
-                     DeviceUnavailableError, HubError,
+from .errors import (AmbiguousSourceError, BackendError, BackendUnavailableError, BenchmarkError,
+                     DestinationExistsError, DeviceMapError, DeviceUnavailableError, HubError,
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, PackageLimitError, RepoNotFoundError,
-                     RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
+                     RevisionNotFoundError, SaveError, SourceError, TuningError, UnknownConfigError, XpupackError)
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from .backends.eager import EagerBackend
@@ -101,8 +101,8 @@ __all__ = [
     "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
     "XpupackError", "PackageFormatError", "PackageLimitError", "IntegrityError", "IncompatiblePackageError",
     "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
-    "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "DestinationExistsError",
+    "NoCandidateError", "TuningError", "NotTunedError", "BenchmarkError", "SaveError", "DestinationExistsError",
     "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",
-    "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError",
+    "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError", "SourceError", "AmbiguousSourceError",
     "__version__",
 ]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import _hooks, _timing
+from .errors import BenchmarkError
 from .tuned import Session, session_of
 
 log = logging.getLogger("xpupack")
@@ -29,6 +30,9 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     interval holds 1.0, up to 4x as many rounds are timed, and ``noisy`` marks
     timings that scattered widely.
     """
+    if type(iterations) is not int or iterations < 1 or type(warmup) is not int or warmup < 0:
+        raise BenchmarkError(f"iterations={iterations!r}, warmup={warmup!r}: time at least one call "
+                             "(iterations >= 1, warmup >= 0)")
     session = session_of(model)
     cases = [(path, tuned, signature, *signature.synthesize())
              for path, tuned in session.modules.items() for signature in tuned.spec.signatures

@@ -125,6 +125,9 @@ def _read_map(device_map: Mapping | Sequence, count: int, used: list[int]) -> di
                              f"{ {slot: 'cuda:' + str(slot) for slot in used} }", slots=used, missing=missing)
     resolved = {}
     for slot, value in items:
+        if value is None:  # resolve_device(None) would pick the best device here: a map says where
+            raise DeviceMapError(f"device_map slot {slot} is None; map it to a device such as 'cuda:{slot}' or "
+                                 "'cpu'", slots=used)
         try:
             resolved[slot] = resolve_device(value)
         except DeviceUnavailableError as exc:

@@ -175,11 +175,16 @@ def devices_here() -> list[str]:
     return devices
 
 
+#: the device types xpupack runs on (README: "Hardware: what was tested where")
+DEVICE_TYPES = ("cpu", "cuda", "xpu")
+
+
 def resolve_device(device: str | torch.device | None, *, default: torch.device | None = None) -> torch.device:
     """The concrete device ``device`` names (None: ``default``, else the best here).
 
     Raises:
-        DeviceUnavailableError: not a device name, or a GPU this machine or PyTorch build lacks.
+        DeviceUnavailableError: not a device name, a device type xpupack does not run on (``mps``,
+            ``meta``...), a CPU index other than 0, or a GPU this machine or PyTorch build lacks.
     """
     from . import _device
 
@@ -194,7 +199,13 @@ def resolve_device(device: str | torch.device | None, *, default: torch.device |
         resolved = _device.resolve(device, default=default)
     except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # how torch says "no such device"
         raise refuse(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
-    if resolved.type in ("cuda", "xpu") and str(resolved) not in here:
+    if resolved.type not in DEVICE_TYPES:  # mps, hpu, meta...: torch names them, xpupack does not run there
+        raise refuse(f"xpupack runs on {', '.join(DEVICE_TYPES)}, not on {resolved.type}")
+    if resolved.type == "cpu":
+        if resolved.index not in (None, 0):
+            raise refuse("a machine's CPUs are one device, 'cpu'")
+        return _device.resolve("cpu")  # 'cpu:0' is 'cpu', the device CPU tensors report
+    if str(resolved) not in here:
         raise refuse(f"this machine has {sum(d.startswith(resolved.type) for d in here)} {resolved.type} device(s)")
     return resolved
 

@@ -88,6 +88,10 @@ class TuningError(XpupackError, ValueError):
     """`tune` was called with arguments it cannot use (no samples, no matching module...)."""
 
 
+class BenchmarkError(XpupackError, ValueError):
+    """`xpupack.bench.benchmark` (``xpupack bench``) was called with arguments it cannot use."""
+
+
 class NotTunedError(XpupackError, ValueError):
     """The model has no tuned modules (call `xpupack.tune` or `xpupack.load` first)."""
 
@@ -122,6 +126,27 @@ class PackageLimitError(XpupackError, ValueError):
 
 class UnknownConfigError(XpupackError, ValueError):
     """A backend config names a type xpupack does not know (the message lists the known ones)."""
+
+
+class SourceError(XpupackError, ValueError):
+    """A package was named in a way xpupack will not read: a folder that does not exist, ``revision=`` for a
+    folder, a name that is neither a folder nor a Hub repo id (README: "Hugging Face Hub", naming rule).
+
+    ``source`` is the name as given; ``folder`` and ``repo_id`` what it could name (None where it cannot).
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, folder: str | None = None,
+                 repo_id: str | None = None):
+        super().__init__(message)
+        self.source = source
+        self.folder = folder
+        self.repo_id = repo_id
+
+
+class AmbiguousSourceError(SourceError):
+    """A plain ``"org/name"`` names a Hub repo, and a folder of that name exists here too: xpupack does not
+    guess (a folder is trusted to run its compiled code, a Hub repo only when pinned). Name the folder
+    ``"./org/name"`` or ``pathlib.Path("org/name")``, or the repo ``"hf://org/name"``."""
 
 
 class HubError(XpupackError):

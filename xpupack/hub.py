@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._fsutil import moved_aside
 from ._version import __version__
-from .errors import (HubError, IntegrityError, OfflineNotCachedError, PackageFormatError, RepoNotFoundError,
-                     RevisionNotFoundError)
+from .errors import (AmbiguousSourceError, HubError, IntegrityError, OfflineNotCachedError, PackageFormatError,
+                     RepoNotFoundError, RevisionNotFoundError, SourceError)
 from .manifest import MANIFEST, read_manifest
-from .source import Source
+from .source import Source, is_repo_id, read_name
 
 log = logging.getLogger("xpupack")
 
@@ -47,24 +48,52 @@ class HubSettings:
         return self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
-def resolve_source(path: str | Path, *, revision: str | None = None, trust_compiled: bool = False,
+def resolve_source(path: str | os.PathLike, *, revision: str | None = None, trust_compiled: bool = False,
                    token: str | bool | None = None) -> Source:
-    """A local package directory as is (trusted); anything else is looked up on the Hub."""
-    local = Path(path).expanduser()
-    if local.exists() or revision is None and _looks_local(str(path)):
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hub repos; {path} is a local directory")
-        return Source(local, trusted=True, description=str(local), trust_reason="local directory")
-    return download(str(path), revision=revision, trust_compiled=trust_compiled, token=token)
+    """The package that ``path`` names, by the naming rule (`xpupack.source`; README: "Naming a package").
+
+    A folder is trusted (its compiled artifacts may run); a Hub repo is downloaded
+    (`download`) and trusted only when pinned or with ``trust_compiled=True``.
+
+    Raises:
+        AmbiguousSourceError: a plain ``"org/name"`` that is also a folder (or file) here.
+        SourceError: a folder that does not exist, or ``revision`` given for a folder.
+        HubError: the repo's download failed (see `download`).
+    """
+    name = read_name(path)
+    if name.folder is None:
+        if name.plain and os.path.lexists(name.repo_id):
+            raise AmbiguousSourceError(
+                f"{name.given!r} names the Hub repo {name.repo_id}, and a folder {Path(name.repo_id).absolute()} "
+                "exists here too; xpupack does not guess between them (a folder's compiled artifacts run, a "
+                f"Hub repo's only when pinned): name the folder './{name.given}' (or pathlib.Path("
+                f"{name.given!r})), or the Hub repo 'hf://{name.repo_id}'",
+                source=name.given, folder=name.given, repo_id=name.repo_id)
+        return download(name.repo_id, revision=revision, trust_compiled=trust_compiled, token=token,
+                        plain=name.plain)
+    folder = name.folder
+    if revision is not None:
+        raise SourceError(f"revision={revision!r} selects a version of a Hub repo, but {name.given!r} names the "
+                          f"folder {folder}; drop revision=, or name the Hub repo as 'org/name' or "
+                          "'hf://org/name'", source=name.given, folder=str(folder))
+    if not folder.exists() and not moved_aside(folder):  # `read_manifest` explains an interrupted save
+        raise SourceError(f"there is no folder {folder.absolute()}{_hub_hint(name.given)}", source=name.given,
+                          folder=str(folder))
+    return Source(folder, trusted=True, description=str(folder), trust_reason="local directory")
 
 
-def _looks_local(text: str) -> bool:
-    """Paths that cannot be ``org/name`` repo ids."""
-    return text.startswith((".", "/", "~")) or text.count("/") != 1
+def _hub_hint(given: str) -> str:
+    """For a folder that does not exist: how the name would read as a Hub repo, where it could be one."""
+    bare = given[2:] if given.startswith("./") else given
+    if "/" in bare and is_repo_id(bare):
+        return f"; to load the Hub repo {bare}, name it '{bare}' or 'hf://{bare}'"
+    if is_repo_id(bare):
+        return f"; a Hub repo is named 'org/name' ('hf://{bare}' for one without an organisation)"
+    return ""
 
 
 def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool = False,
-             token: str | bool | None = None) -> Source:
+             token: str | bool | None = None, plain: bool = False) -> Source:
     """Fetches the package in Hub repo ``repo_id`` at ``revision`` into the Hugging Face cache.
 
     Only ``xpupack.json`` and the files it lists are downloaded (not the model
@@ -79,6 +108,9 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         trust_compiled: let the package's compiled artifacts run although the
             revision is not pinned by a full commit hash.
         token: Hugging Face token (default: ``HF_TOKEN`` or the stored login).
+        plain: the repo was named by a plain ``"org/name"``, which could have been a mistyped folder:
+            an error that it cannot be found or reached says that no such folder exists either, and
+            an unreachable Hub is reported at once instead of after huggingface_hub's retries.
 
     Returns:
         A `Source` on the cached snapshot; ``trusted`` only for a full commit
@@ -95,7 +127,9 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         >>> source = download("org/tiny", revision="3f1c...e9")  # a commit hash: trusted
     """
     hub = hub_settings()
-    root = Path(_fetch(hub, repo_id, MANIFEST, revision, token)).parent
+    if plain:
+        _check_reachable(hub, repo_id, revision, token)
+    root = Path(_fetch(hub, repo_id, MANIFEST, revision, token, plain=plain)).parent
     commit = root.name  # the cache keeps each commit's files in snapshots/<commit hash>/: what the Hub resolved
     # pinned means the Hub resolved the revision to that very commit: a branch or tag can be named
     # with 40 hex digits too, and then points wherever its owner moves it
@@ -146,10 +180,11 @@ def _truthy(value: str) -> bool:
 
 
 def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, token: str | bool | None,
-           *, asked: str | None = None) -> str:
+           *, asked: str | None = None, plain: bool = False) -> str:
     """One file of the repo into the cache; Hub errors become xpupack's, each with its fix.
 
-    ``asked`` is the revision the caller named when ``revision`` is the commit it resolved to.
+    ``asked`` is the revision the caller named when ``revision`` is the commit it resolved to;
+    ``plain``: see `download`.
     """
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hf
@@ -165,23 +200,23 @@ def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, 
                                 "log in (`hf auth login`) or pass token=...", repo_id=repo_id,
                                 revision=shown) from None
     except hf.RepositoryNotFoundError:
-        raise _diagnose(hub, repo_id, revision, filename, token, shown) from None
+        raise _diagnose(hub, repo_id, revision, filename, token, shown, plain) from None
     except hf.RevisionNotFoundError:
         raise _revision_not_found(hub, repo_id, shown, token) from None
     except (hf.LocalEntryNotFoundError, hf.OfflineModeIsEnabled):
-        raise _not_cached(hub, repo_id, shown, filename) from None
+        raise _not_cached(hub, repo_id, shown, filename, plain) from None
     except hf.EntryNotFoundError:
         raise _missing(hub, repo_id, shown, filename) from None
     except hf.HFValidationError as exc:
-        raise RepoNotFoundError(f"{repo_id!r} is neither a local directory nor a valid Hub repo id ({exc}); "
-                                "pass a package directory or 'org/name'", repo_id=repo_id) from None
+        raise RepoNotFoundError(f"{repo_id!r} is not a valid Hub repo id ({exc}); name a Hub repo 'org/name', "
+                                "a folder './name'", repo_id=repo_id) from None
     except hf.HfHubHTTPError as exc:
         raise HubError(f"the Hub at {hub.endpoint} failed on {filename} of {where}: {first_line(exc)}",
                        repo_id=repo_id, revision=shown) from None
 
 
 def _diagnose(hub: HubSettings, repo_id: str, revision: str | None, filename: str, token: str | bool | None,
-              shown: str | None) -> HubError | PackageFormatError | IntegrityError:
+              shown: str | None, plain: bool = False) -> HubError | PackageFormatError | IntegrityError:
     """What "repository not found" on one file means: no repo, no revision, or no such file.
 
     Some Hub-compatible servers (mirrors such as olah) answer all three that way;
@@ -194,7 +229,7 @@ def _diagnose(hub: HubSettings, repo_id: str, revision: str | None, filename: st
         api.list_repo_refs(repo_id)
     except HfHubHTTPError:
         return RepoNotFoundError(
-            f"{repo_id} is not a local directory, and the Hub at {hub.endpoint} has no repo {repo_id} that this "
+            f"{_no_folder(repo_id) if plain else ''}the Hub at {hub.endpoint} has no repo {repo_id} that this "
             "token can read; check the name, or for a private repo log in (`hf auth login`) or pass token=...",
             repo_id=repo_id, revision=shown)
     try:
@@ -227,15 +262,49 @@ def _missing(hub: HubSettings, repo_id: str, revision: str | None,
                           f"push the package again with `xpupack push DIR {repo_id}`", path=filename)
 
 
-def _not_cached(hub: HubSettings, repo_id: str, revision: str | None, filename: str) -> OfflineNotCachedError:
+def _not_cached(hub: HubSettings, repo_id: str, revision: str | None, filename: str, plain: bool = False,
+                why: str = "") -> OfflineNotCachedError:
     where = f"{repo_id}@{revision or 'main'}"
     if hub.offline:
         message = (f"HF_HUB_OFFLINE is set and {filename} of {where} is not in the Hugging Face cache at "
                    f"{hub.cache_dir}; load it once online with the same HF_HOME, or unset HF_HUB_OFFLINE")
     else:
-        message = (f"cannot reach the Hub at {hub.endpoint} and {filename} of {where} is not in the Hugging Face "
-                   f"cache at {hub.cache_dir}; check the network and HF_ENDPOINT, or load it once online")
-    return OfflineNotCachedError(message, repo_id=repo_id, revision=revision)
+        message = (f"cannot reach the Hub at {hub.endpoint}{f' ({why})' if why else ''} and {filename} of {where} "
+                   f"is not in the Hugging Face cache at {hub.cache_dir}; check the network and HF_ENDPOINT, or "
+                   "load it once online")
+    return OfflineNotCachedError((_no_folder(repo_id) if plain else "") + message, repo_id=repo_id,
+                                 revision=revision)
+
+
+def _no_folder(repo_id: str) -> str:
+    """The start of a message about a plain ``"org/name"``: it named no folder either."""
+    return (f"{repo_id!r} names a Hub repo (no folder {Path(repo_id).absolute()} exists here either; a folder "
+            f"is named './{repo_id}'): ")
+
+
+def _check_reachable(hub: HubSettings, repo_id: str, revision: str | None, token: str | bool | None) -> None:
+    """Raises `OfflineNotCachedError` at once when the Hub cannot be reached and the manifest is not cached.
+
+    huggingface_hub retries an unreachable Hub for about 20 s before it gives up, which is right for a
+    server that starts before its network, and wrong for a mistyped folder: a plain ``"org/name"`` asks
+    once (``hf://org/name`` keeps the retries). Any answer from the Hub, or a cached manifest that
+    huggingface_hub falls back to, leaves the download to `_fetch`.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if hub.offline or isinstance(try_to_load_from_cache(repo_id, MANIFEST, cache_dir=hub.cache_dir,
+                                                        revision=revision), str):
+        return
+    url = hf_hub_url(repo_id, MANIFEST, revision=revision, endpoint=hub.endpoint)
+    try:
+        get_hf_file_metadata(url, token=token, endpoint=hub.endpoint, retry_on_errors=False,
+                             library_name="xpupack", library_version=__version__)
+    except HfHubHTTPError:
+        return  # the Hub answered: `_fetch` says what the answer means
+    except Exception as exc:  # no answer at all: refused, unresolvable, timed out
+        raise _not_cached(hub, repo_id, revision, MANIFEST, plain=True,
+                          why=f"{type(exc).__name__}: {first_line(exc)}") from None
 
 
 def first_line(exc: Exception) -> str:

@@ -189,9 +189,104 @@ def check_package(root: Path, *, links_within: Path | None = None, ignore_unlist
     """
     manifest = read_manifest(root)
     check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
+    check_named_files(root, manifest)
+    check_weights(root, manifest)
     for entry in manifest["modules"]:
         read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
     return manifest
+
+
+#: the file names backend configs of format 1 use: Inductor's shared cache and kernels, TorchAO's weights
+_CACHE, _KERNELS, _TORCHAO_WEIGHTS = "cache", "kernels", "weights.safetensors"
+
+
+def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
+    """``(where, name, folder)`` for every file a backend config of the manifest names: the shared
+    configs' ``cache`` and ``kernels`` (Inductor), each module's TorchAO ``weights`` (at any depth of a
+    ``base`` chain such as ``graph+torchao``). ``folder`` is where the name is relative to."""
+    where = f"{MANIFEST}: the backend config of"
+    named = []
+    for name, shared in manifest["backends"].items():
+        config, folder = shared["config"], shared["folder"]
+        if _CACHE in config:
+            named.append((f"{where} {name}", config[_CACHE], folder))
+        kernels = config.get(_KERNELS, [])
+        if not isinstance(kernels, list):
+            raise PackageFormatError(f"{where} {name} lists the kernels as {str(kernels)[:80]}, not as a list of "
+                                     "files; the package is damaged — rebuild it", path=MANIFEST)
+        named += [(f"{where} {name}", kernel, f"{folder}/{_KERNELS}") for kernel in kernels]
+    for entry in manifest["modules"]:
+        backend, config, folder = entry["backend"], entry["backend"]["config"], entry["folder"]
+        for _ in range(MAX_DEPTH):
+            if not isinstance(backend, dict) or not isinstance(config, dict):
+                break
+            folder = f"{folder}/{backend.get('name')}"
+            if backend.get("name") == "torchao":
+                named.append((f"{where} {entry['path'] or '<model>'}", config.get("weights", _TORCHAO_WEIGHTS),
+                              folder))
+            backend = backend.get("options", {}).get("base") if isinstance(backend.get("options"), dict) else None
+            config = config.get("base", {})
+    return named
+
+
+def check_named_files(root: Path, manifest: dict) -> None:
+    """Every file a backend config names stays in the package and is one the manifest lists (and
+    `check_files` digested), whether or not a load here would read it (`artifact_file` checks again
+    when a backend opens it)."""
+    for where, name, folder in named_files(manifest):
+        if not isinstance(name, str):
+            raise PackageFormatError(f"{where} names the file {str(name)[:80]}, which is not a path; the package "
+                                     "is damaged — rebuild it", path=MANIFEST)
+        check_relative(name, where)
+        relative = f"{folder}/{name}"
+        if relative not in manifest["files"]:
+            raise IntegrityError(f"{where} names {relative}, which {MANIFEST} does not list (so no digest covers "
+                                 "it); the package is damaged or incomplete — rebuild or re-download it",
+                                 path=relative)
+
+
+#: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is not compared
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                       "U16": "uint16", "U32": "uint32", "U64": "uint64", "C64": "complex64",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def check_weights(root: Path, manifest: dict) -> None:
+    """The weights file as safetensors parses its header (torch-free): valid, and holding exactly the
+    tensors the manifest lists (less those a backend owns, and the aliases), with their shapes and dtypes."""
+    relative = manifest["model"]["weights"]
+    if relative is None:
+        return
+    from safetensors import SafetensorError, safe_open
+
+    path = root / relative
+    try:
+        with safe_open(str(path), framework="numpy") as stored:
+            header = {name: (stored.get_slice(name).get_shape(), stored.get_slice(name).get_dtype())
+                      for name in stored.keys()}  # noqa: SIM118 (a safe_open has no __iter__)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise PackageFormatError(f"{path} is not a readable safetensors file ({str(exc)[:200]}); the package is "
+                                 "damaged — rebuild it", path=relative) from None
+    aliases = manifest["model"]["aliases"]
+    for alias, name in aliases.items():
+        if name not in header:
+            raise PackageFormatError(f"alias {alias!r} in {root / MANIFEST} names {name!r}, which {relative} does "
+                                     "not hold; the package is damaged — rebuild it", path=relative)
+        header[alias] = header[name]
+    expected = manifest["model"]["tensors"]
+    for name, (shape, dtype) in header.items():
+        spec = expected.get(name)
+        if (spec is None or list(shape) != spec["shape"]
+                or _SAFETENSORS_DTYPES.get(dtype, spec["dtype"]) != spec["dtype"]):
+            raise PackageFormatError(f"{path}: tensor {name!r} does not match the manifest; rebuild the package",
+                                     path=relative)
+    owned = {f"{m['path']}.{name}" if m["path"] else name
+             for m in manifest["modules"] for name in m.get("owned_tensors", [])}
+    missing = sorted(set(expected) - owned - set(header))
+    if missing or set(header) - (set(expected) - owned):
+        raise IntegrityError(f"{path} lacks {missing[:5]} or holds tensors a backend owns; rebuild the package",
+                             path=relative)
 
 
 def read_spec(root: Path, entry: dict) -> dict:
@@ -202,7 +297,98 @@ def read_spec(root: Path, entry: dict) -> dict:
         raise PackageFormatError(f"{root / entry['spec']} describes the module {data['path']!r}, but "
                                  f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
                                  "rebuild it", path=entry["spec"])
+    try:
+        for index, signature in enumerate(data["signatures"]):
+            check_tree(signature["tree"])
+        _check_batch_axes(data)
+    except ValueError as exc:
+        raise PackageFormatError(f"{root / entry['spec']}: {exc}; the package is damaged — rebuild it",
+                                 path=entry["spec"]) from None
     return data
+
+
+def _check_batch_axes(spec: dict) -> None:
+    """Raises ``ValueError`` unless the spec's ``batch_axes`` (which the schema checked for types) has one
+    entry per signature, each naming an axis only of a tensor leaf that has it, in a signature without state.
+
+    Torch-free, so that `inspect` and `verify` refuse what `xpupack.load` refuses (`xpupack.spec` then
+    checks that the axes give each signature one batch)."""
+    entries = spec.get("batch_axes") or []
+    signatures = spec["signatures"]
+    if entries and len(entries) != len(signatures):
+        raise ValueError(f"batch_axes has {len(entries)} entries for {len(signatures)} signatures")
+    for index, (axes, signature) in enumerate(zip(entries, signatures)):
+        if axes is None:
+            continue
+        leaves = signature["leaves"]
+        fits = len(axes["inputs"]) == len(leaves) and all(
+            leaf["kind"] != "state" and (axis is None or (leaf["kind"] == "tensor" and axis < len(leaf["shape"])))
+            for axis, leaf in zip(axes["inputs"], leaves))
+        if not fits:
+            raise ValueError(f"the batch axes of signature {index} do not fit its leaves")
+
+
+#: pytree node types a stored tree may name. torch's parser also knows node types
+#: whose context names a module to import (``collections.defaultdict``, enum keys):
+#: a package must never make the loader import anything, so those are refused.
+_TREE_NODES = frozenset({"builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
+                         "collections.deque", "collections.namedtuple", "torch.Size"})
+_MAX_TREE_NODES = 10_000
+_MAX_TREE_DEPTH = 100
+
+
+def check_tree(text: str) -> None:
+    """Raises ``ValueError`` unless ``text`` is a serialized tree of ``(args, kwargs)`` made of
+    allowed node types (`_TREE_NODES`) whose contexts are plain JSON scalars or lists of them.
+
+    Torch-free, so that `read_spec` (and with it `xpupack verify`) refuses what `xpupack.load` would,
+    before PyTorch's own parser (`xpupack.signature`) ever sees the text."""
+    try:
+        protocol, root = json.loads(text)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise ValueError(f"unreadable tree structure: {exc}") from None
+    if protocol != 1:
+        raise ValueError(f"unknown tree protocol {protocol!r}")
+    if not (_node_type(root) == "builtins.tuple" and len(root["children_spec"]) == 2
+            and _node_type(root["children_spec"][0]) == "builtins.tuple"
+            and _node_type(root["children_spec"][1]) == "builtins.dict"):
+        raise ValueError("the tree does not describe (args, kwargs)")
+    pending, seen = [(root, 0)], 0
+    while pending:
+        node, depth = pending.pop()
+        seen += 1
+        if seen > _MAX_TREE_NODES or depth > _MAX_TREE_DEPTH:
+            raise ValueError(f"the tree is larger than {_MAX_TREE_NODES} nodes or deeper than {_MAX_TREE_DEPTH}")
+        kind, context, children = _node_type(node), node["context"], node["children_spec"]
+        if kind is None:
+            if context is not None or children:
+                raise ValueError("a tree leaf has a context or children")
+            continue
+        if kind not in _TREE_NODES:
+            raise ValueError(f"tree node type {kind!r} is not allowed; a spec may hold "
+                             f"{', '.join(sorted(_TREE_NODES))}")
+        if not isinstance(context, str) or (kind != "collections.namedtuple" and not _plain(context)):
+            raise ValueError(f"the context of a {kind} tree node must be plain JSON, not {context!r}")
+        pending.extend((child, depth + 1) for child in children)
+
+
+def _node_type(node: Any) -> Any:
+    """A tree node's ``type``, after checking the node's shape."""
+    if not (isinstance(node, dict) and set(node) == {"type", "context", "children_spec"}
+            and isinstance(node["children_spec"], list) and isinstance(node["type"], (str, type(None)))):
+        raise ValueError(f"malformed tree node {str(node)[:80]}")
+    return node["type"]
+
+
+def _plain(context: str) -> bool:
+    """True when ``context`` is JSON null, a scalar or a list of scalars (no objects: torch turns
+    objects carrying ``__enum__`` into imports)."""
+    try:
+        value = json.loads(context)
+    except (ValueError, RecursionError):
+        return False
+    items = value if isinstance(value, list) else [value]
+    return all(isinstance(item, (type(None), bool, int, float, str)) for item in items)
 
 
 def check_relative(relative: str, where: str) -> None:

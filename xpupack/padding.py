@@ -314,14 +314,19 @@ def check_batch_axis(axis: Any) -> int:
     return axis
 
 
+#: the largest batch size a recording can have (PyTorch's kernels index rows with 32-bit integers)
+MAX_BATCH_SIZE = 2**31 - 1
+
+
 def check_batch_sizes(sizes: Any) -> list[int]:
     """``sizes`` as a sorted list of distinct positive integers; raises `TuningError` otherwise."""
     try:
         values = list(sizes)
     except TypeError:
         values = None
-    if not values or not all(type(v) is int and v > 0 for v in values):
-        raise TuningError(f"batch_sizes={sizes!r}: give a list of positive integers, e.g. [1, 2, 4, 8]")
+    if not values or not all(type(v) is int and 0 < v <= MAX_BATCH_SIZE for v in values):
+        raise TuningError(f"batch_sizes={sizes!r}: give a list of integers from 1 to {MAX_BATCH_SIZE}, "
+                          "e.g. [1, 2, 4, 8]")
     return sorted(set(values))
 
 

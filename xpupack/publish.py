@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .card import package_card
-from .errors import HubError
+from .errors import HubError, SourceError
 from .hub import COMMIT_HASH, first_line, hub_api, hub_settings
 from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package
+from .source import HUB_PREFIX, is_repo_id, local_folder
 
 if TYPE_CHECKING:
     from huggingface_hub import CommitInfo
@@ -42,14 +43,16 @@ def plan_push(path: str | Path, repo_id: str, *, revision: str | None = None) ->
     """Verifies the package at ``path`` and works out the commit `push` would make; contacts nothing.
 
     Raises:
+        SourceError: ``path`` names a Hub repo rather than a folder, ``repo_id`` is not ``"org/name"``,
+            or ``revision`` is a commit hash (push commits to a branch).
         PackageFormatError, IntegrityError: the package is damaged.
-        ValueError: ``revision`` is a commit hash (push commits to a branch).
     """
-    root = Path(path)
+    root = local_folder(path)
+    repo_id = _repo_id(repo_id)
     manifest = check_package(root)  # a damaged package never reaches the Hub
     if revision is not None and COMMIT_HASH.fullmatch(revision):
-        raise ValueError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
-                         "name or leave revision=None for main")
+        raise SourceError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
+                          "name or leave revision=None for main", source=revision)
     card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
     files = tuple((name, (root / name).stat().st_size) for name in [MANIFEST, *manifest["files"]])
     return PushPlan(root, repo_id, revision, hub_settings().endpoint, files + ((MODEL_CARD, len(card)),), card,
@@ -68,8 +71,9 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     `plan_push` shows the same commit without uploading it.
 
     Args:
-        path: a package directory written by `xpupack.save` or `xpupack build`.
-        repo_id: ``"org/name"``.
+        path: a package directory written by `xpupack.save` or `xpupack build`, named as a folder
+            (README: "Naming a package": ``"./org/name"``, not ``"org/name"``, which names a Hub repo).
+        repo_id: ``"org/name"`` (or ``"hf://org/name"``).
         revision: the branch to commit to (created from ``main`` if missing);
             default ``main``.
         private: visibility of a repo this call creates (an existing repo keeps its own).
@@ -81,6 +85,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         (``xpupack.load(model, repo_id, revision=info.oid)``).
 
     Raises:
+        SourceError: ``path`` names a Hub repo rather than a folder, or ``repo_id`` is not ``"org/name"``.
         PackageFormatError, IntegrityError: the package is damaged; nothing is uploaded.
         HubError: the Hub refused (no write access, offline, ...) or could not be reached (the
             message names the endpoint tried).
@@ -92,7 +97,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     plan = plan_push(path, repo_id, revision=revision)
-    root = plan.root
+    root, repo_id = plan.root, plan.repo_id  # the repo as "org/name", also when named "hf://org/name"
     hub = hub_settings()
     if hub.offline:
         raise HubError("HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id,
@@ -139,6 +144,16 @@ _NO_ANSWER = {("httpx", "TransportError"), ("httpx2", "TransportError"), ("reque
 def _unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` says the server gave no answer at all (not an HTTP error status, not a local file's)."""
     return any((cls.__module__.split("._")[0], cls.__name__) in _NO_ANSWER for cls in type(exc).__mro__)
+
+
+def _repo_id(repo_id: str) -> str:
+    """``org/name`` from ``org/name`` or ``hf://org/name``: a repo the model card's ``xpupack.load(model,
+    "org/name")`` names (a bare ``name`` would be created under the token's user, and load as a folder)."""
+    text = repo_id[len(HUB_PREFIX):] if isinstance(repo_id, str) and repo_id.startswith(HUB_PREFIX) else repo_id
+    if not isinstance(text, str) or text.count("/") != 1 or not is_repo_id(text):
+        raise SourceError(f"push needs a Hub repo named 'org/name' (letters, digits, '-', '_', '.'), not {repo_id!r}",
+                          source=str(repo_id))
+    return text
 
 
 def _package_owned(name: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -63,6 +64,13 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
         examples = ", ".join(list(p for p in named if p)[:8])
         raise TuningError(f"no submodule matches {patterns} (`*` matches one dot-separated segment, `**` any "
                           f"number of them); object paths look like: {examples}")
+    for pattern in patterns:  # a pattern that selects nothing is a typo the others would hide
+        if not any(path_matches(path, pattern) for path in named if path):
+            close = difflib.get_close_matches(pattern, [p for p in named if p], n=5, cutoff=0.5)
+            raise TuningError(f"the module pattern {pattern!r} matches no submodule (the others match "
+                              f"{len(selected)}); " + (f"close object paths: {', '.join(close)}" if close else
+                                                       f"object paths look like: {', '.join(list(selected)[:5])}")
+                              + " — fix or drop the pattern")
     for path in selected:
         for other in selected:
             if other != path and path.startswith(other + "."):

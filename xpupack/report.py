@@ -295,4 +295,7 @@ def _check_on_mismatch(on_mismatch: str) -> None:
 
 
 def _local(path: str | Path) -> Source:
-    return Source(Path(path), trusted=True, description=str(path), trust_reason="local directory")
+    """The package ``path`` names, by the rule `xpupack.load` applies (README: "Naming a package")."""
+    from .hub import resolve_source
+
+    return resolve_source(path)

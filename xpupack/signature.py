@@ -22,17 +22,11 @@ import torch
 import torch.utils._cxx_pytree as pytree
 
 from .distributed import is_dtensor
+from .manifest import check_tree
 from .state import StateNotReady, StateType, state_type, unrecordable_hint
 
 _Tensor = torch.Tensor
 _SIMPLE_CONSTANTS = (type(None), bool, int, float, str)
-#: pytree node types a stored tree may name. torch's parser also knows node types
-#: whose context names a module to import (``collections.defaultdict``, enum keys):
-#: a package must never make the loader import anything, so those are refused.
-_TREE_NODES = frozenset({"builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
-                         "collections.deque", "collections.namedtuple", "torch.Size"})
-_MAX_TREE_NODES = 10_000
-_MAX_TREE_DEPTH = 100
 
 
 class Unrecordable(Exception):
@@ -305,7 +299,7 @@ class Signature:
         if not isinstance(data, dict) or not isinstance(data.get("tree"), str) \
                 or not isinstance(data.get("leaves"), list):
             raise ValueError("a signature must be an object with a 'tree' string and a 'leaves' list")
-        _check_tree(data["tree"])
+        check_tree(data["tree"])
         try:
             spec = pytree.treespec_loads(data["tree"])
         except Exception as exc:  # treespec_loads raises many kinds on bad input
@@ -351,57 +345,6 @@ def _constant_to_json(value: Any) -> Any:
     if isinstance(value, torch.device):
         return {"device": str(value)}
     raise Unrecordable(type(value).__qualname__)
-
-
-def _check_tree(text: str) -> None:
-    """Raises ``ValueError`` unless ``text`` is a serialized tree of ``(args, kwargs)`` made of
-    allowed node types (`_TREE_NODES`) whose contexts are plain JSON scalars or lists of them."""
-    try:
-        protocol, root = json.loads(text)
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise ValueError(f"unreadable tree structure: {exc}") from None
-    if protocol != 1:
-        raise ValueError(f"unknown tree protocol {protocol!r}")
-    if not (_node_type(root) == "builtins.tuple" and len(root["children_spec"]) == 2
-            and _node_type(root["children_spec"][0]) == "builtins.tuple"
-            and _node_type(root["children_spec"][1]) == "builtins.dict"):
-        raise ValueError("the tree does not describe (args, kwargs)")
-    pending, seen = [(root, 0)], 0
-    while pending:
-        node, depth = pending.pop()
-        seen += 1
-        if seen > _MAX_TREE_NODES or depth > _MAX_TREE_DEPTH:
-            raise ValueError(f"the tree is larger than {_MAX_TREE_NODES} nodes or deeper than {_MAX_TREE_DEPTH}")
-        kind, context, children = _node_type(node), node["context"], node["children_spec"]
-        if kind is None:
-            if context is not None or children:
-                raise ValueError("a tree leaf has a context or children")
-            continue
-        if kind not in _TREE_NODES:
-            raise ValueError(f"tree node type {kind!r} is not allowed; a spec may hold "
-                             f"{', '.join(sorted(_TREE_NODES))}")
-        if not isinstance(context, str) or (kind != "collections.namedtuple" and not _plain(context)):
-            raise ValueError(f"the context of a {kind} tree node must be plain JSON, not {context!r}")
-        pending.extend((child, depth + 1) for child in children)
-
-
-def _node_type(node: Any) -> Any:
-    """A tree node's ``type``, after checking the node's shape."""
-    if not (isinstance(node, dict) and set(node) == {"type", "context", "children_spec"}
-            and isinstance(node["children_spec"], list) and isinstance(node["type"], (str, type(None)))):
-        raise ValueError(f"malformed tree node {str(node)[:80]}")
-    return node["type"]
-
-
-def _plain(context: str) -> bool:
-    """True when ``context`` is JSON null, a scalar or a list of scalars (no objects: torch turns
-    objects carrying ``__enum__`` into imports)."""
-    try:
-        value = json.loads(context)
-    except (ValueError, RecursionError):
-        return False
-    items = value if isinstance(value, list) else [value]
-    return all(isinstance(item, (type(None), bool, int, float, str)) for item in items)
 
 
 #: the largest tensor a stored signature may describe: loading synthesises its inputs, and a hostile

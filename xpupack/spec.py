@@ -12,7 +12,7 @@ from .backends.base import ModuleSpec
 from .errors import PackageFormatError
 from .manifest import FORMAT_VERSION, read_spec
 from .padding import BatchAxes, signature_batch
-from .signature import Signature, TensorLeaf
+from .signature import Signature
 
 
 def spec_to_json(path: str, spec: ModuleSpec) -> dict:
@@ -50,19 +50,13 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
 
 
 def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:
-    """The spec's ``batch_axes`` (one entry or null per signature), each checked against its signature."""
-    if data and len(data) != len(signatures):
-        raise ValueError(f"batch_axes has {len(data)} entries for {len(signatures)} signatures")
+    """The spec's ``batch_axes`` (one entry or null per signature; `read_spec` checked that each fits its
+    signature's leaves), each checked to give its signature one batch."""
     found = {}
     for index, entry in enumerate(data):
         if entry is None:
             continue
         axes = BatchAxes.from_json(entry)
-        leaves = signatures[index].leaves
-        if signatures[index].state_slots or len(axes.inputs) != len(leaves) or any(
-                axis is not None and not (isinstance(leaf, TensorLeaf) and axis < len(leaf.shape))
-                for axis, leaf in zip(axes.inputs, leaves)):
-            raise ValueError(f"the batch axes of signature {index} do not fit {signatures[index].describe()}")
         signature_batch(signatures[index], axes)
         found[index] = axes
     return found

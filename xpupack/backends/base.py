@@ -292,6 +292,9 @@ class ComposedBackend(Backend):
     base: Backend | None = None
 
     def _set_base(self, base: Backend | dict | None) -> None:
+        if not isinstance(base, (Backend, dict, type(None))):
+            raise ValueError(f"{type(self).__name__}(base={base!r}): give a backend such as "
+                             "xpupack.InductorBackend(), or None")
         self.base = backend_from_json(base["name"], base.get("options", {})) if isinstance(base, dict) else base
 
     @property

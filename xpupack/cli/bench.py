@@ -8,11 +8,11 @@ from ._common import byte_size, console, echo_json, handle_errors, import_object
 
 
 @click.command()
-@click.argument("package", metavar="DIR|ORG/NAME")
+@click.argument("package", metavar="PACKAGE")
 @click.option("--model", "model_factory", required=True, metavar="MODULE:FACTORY",
               help="Function building the model the package was made from.")
 @click.option("--device", default=None, help="Device to load onto. Default: the best device here.")
-@click.option("--iterations", default=50, show_default=True,
+@click.option("--iterations", type=click.IntRange(min=1), default=50, show_default=True,
               help="Timed rounds (a tuned and an eager call) per signature; up to 4x as many while the "
                    "timings cannot tell whether tuned is faster.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
@@ -24,6 +24,9 @@ def bench(package, model_factory, device, iterations, revision, as_json):
 
     Tuned and eager calls take turns, so that other work on the machine slows both alike; the speedup
     is the median over rounds with its 95% interval, and "noisy" marks timings that scattered widely.
+
+    PACKAGE is a folder (./out/pkg, /abs/pkg, tiny-pkg) or a Hub repo (org/name, hf://org/name);
+    a plain org/name that is also a folder here is refused: write ./org/name or hf://org/name.
     """
     import xpupack
     from xpupack.bench import benchmark

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
+
+from ..source import read_name
 
 from ._common import console, handle_errors, import_object
 
@@ -27,13 +30,22 @@ def parse_backends(text: str):
         if name not in known:
             raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(known))}",
                                      param_hint="--backends")
-        return known[name](argument) if argument else known[name]()
+        if argument and name == "graph":
+            raise click.BadParameter(f"{item!r}: graph takes no argument; graph+NAME records another backend "
+                                     "(graph+inductor, graph+torchao:int8-weight-only)", param_hint="--backends")
+        try:
+            return known[name](argument) if argument else known[name]()
+        except (ValueError, TypeError) as exc:  # the backend's own refusal of the argument
+            raise click.BadParameter(f"{item!r}: {exc}", param_hint="--backends") from None
 
     backends = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         outer, plus, inner = item.partition("+")
         if plus and outer in _COMPOSERS:
-            backends.append(known[outer](base=one(inner)))
+            try:
+                backends.append(known[outer](base=one(inner)))
+            except ValueError as exc:
+                raise click.BadParameter(f"{item!r}: {exc}", param_hint="--backends") from None
         else:
             backends.append(one(item))
     if not backends:
@@ -51,11 +63,16 @@ def _ratio(text: str, option: str = "--min-speedup") -> float | None:
 
 
 def _sizes(text: str) -> list[int]:
+    from ..padding import MAX_BATCH_SIZE  # build imports torch anyway
+
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r}: give batch sizes separated by commas, e.g. 1,2,4,8",
-                                 param_hint="--batch-sizes") from None
+        sizes = []
+    if not sizes or not all(1 <= size <= MAX_BATCH_SIZE for size in sizes):
+        raise click.BadParameter(f"{text!r}: give batch sizes separated by commas, each from 1 to "
+                                 f"{MAX_BATCH_SIZE}, e.g. 1,2,4,8", param_hint="--batch-sizes")
+    return sizes
 
 
 @click.command()
@@ -139,5 +156,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     from .inspect import print_report
     from ..report import package_report
 
-    print_report(package_report(out, device), out_console)
-    out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s")
+    print_report(package_report(Path(out), device), out_console)
+    out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"
+                      + ("" if read_name(out).folder is not None else
+                         f"; name it './{out}' to load, inspect or push it ('{out}' alone names a Hub repo)"))

@@ -85,14 +85,18 @@ def _trust_line(report: dict) -> str:
 
 
 @click.command()
-@click.argument("package", metavar="DIR|ORG/NAME")
+@click.argument("package", metavar="PACKAGE")
 @_revision
 @_on_mismatch
 @json_option
 @handle_errors
 def inspect(package, revision, on_mismatch, as_json):
     """Show a package's modules, chosen backends, rejected candidates and why, recorded signatures,
-    build environment, file sizes, and whether its compiled artifacts are trusted."""
+    build environment, file sizes, and whether its compiled artifacts are trusted.
+
+    PACKAGE is a folder (./out/pkg, /abs/pkg, tiny-pkg) or a Hub repo (org/name, hf://org/name);
+    a plain org/name that is also a folder here is refused: write ./org/name or hf://org/name.
+    """
     from ..report import package_report
 
     report = package_report(_source(package, revision), on_mismatch=on_mismatch)
@@ -118,7 +122,7 @@ class _VerifyCommand(click.Command):
 
 
 @click.command(cls=_VerifyCommand)
-@click.argument("package", metavar="DIR|ORG/NAME")
+@click.argument("package", metavar="PACKAGE")
 @_revision
 @click.option("--device", default=None, help="Device to check compatibility against. Default: the best here.")
 @_on_mismatch
@@ -126,6 +130,9 @@ class _VerifyCommand(click.Command):
 @handle_errors(exit_code=CANNOT_CHECK)
 def verify(package, revision, device, on_mismatch, as_json):
     """Check a package: schema, every file's sha256, and compatibility with this machine.
+
+    PACKAGE is a folder (./out/pkg, /abs/pkg, tiny-pkg) or a Hub repo (org/name, hf://org/name);
+    a plain org/name that is also a folder here is refused: write ./org/name or hf://org/name.
 
     \b
     Exit status: 0 when the package is intact and everything in it runs here as built;

@@ -21,6 +21,8 @@ from ._common import byte_size, handle_errors
 def push(package, repo_id, revision, private, token, dry_run):
     """Verify the package in DIR and upload it to the Hub repo ORG/NAME in one commit, with a model card.
 
+    DIR is a folder named so that it cannot read as a Hub repo: ./org/name, not org/name.
+
     Prints the commit URL. Load the package pinned to that commit (the hash at the end of the URL) so
     that its compiled artifacts run: xpupack.load(model, "ORG/NAME", revision="<commit hash>").
     """
