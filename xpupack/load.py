@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device, _hooks, devices, distributed
+from . import _device, _hooks, _inference, devices, distributed
 from ._model_edit import ModelEdit, named_tensors
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
@@ -61,6 +61,7 @@ class _ModulePlan:
         return self.choice.locate(self.package_config, self.package_folder)[1]
 
 
+@_inference.outside_inference_mode  # the weights and recordings it makes serve in any mode
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
          device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import _hooks
+from ._inference import own_copy
 from .backends.base import ModuleSpec
 from .errors import TuningError
 from .signature import Signature, Unrecordable, flatten, map_tensors
@@ -71,8 +72,9 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
 
 
 def snapshot(value: Any) -> Any:
-    """A detached copy of the tensors of a call, so later in-place updates do not change it."""
-    return map_tensors(lambda tensor: tensor.detach().clone(), value)
+    """A detached copy of the tensors of a call, so later in-place updates do not change it (normal tensors,
+    even of a call under inference mode: `xpupack._inference`)."""
+    return map_tensors(own_copy, value)
 
 
 def same_values(a: Any, b: Any) -> bool:
@@ -116,18 +118,20 @@ class _Recording:
             # a state object is kept by reference; its tensors as they are before this call are copied,
             # so that every candidate later runs this call on the state eager ran it on
             state = signature.state_tensors(flatten(args, kwargs)[0])
-            spec.states[index].append([tensor.detach().clone() for tensor in state])
+            spec.states[index].append([own_copy(tensor) for tensor in state])
 
 
 def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],
            run: Callable[[nn.Module, Any], Any] | None,
-           progress: Callable[[str], None] | None = None) -> dict[str, ModuleSpec]:
-    """Runs ``samples`` through ``model`` and returns each selected module's recorded spec."""
+           progress: Callable[[str], None] | None = None, *,
+           mode: Callable[[], Any] = torch.no_grad) -> dict[str, ModuleSpec]:
+    """Runs ``samples`` through ``model`` under ``mode`` (`torch.no_grad`, or `torch.inference_mode` where the
+    caller runs in it) and returns each selected module's recorded spec."""
     recordings = {path: _Recording() for path in modules}
     handles = [_hooks.observe(module, recordings[path].add) for path, module in modules.items()]
     count = 0
     try:
-        with torch.no_grad():
+        with mode():
             for count, sample in enumerate(samples, 1):
                 if progress:
                     progress(f"recording sample {count}")

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device, _hooks, devices, distributed, padding
+from . import _device, _hooks, _inference, devices, distributed, padding
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .environment import environment, resolve_device
@@ -66,6 +66,17 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """
+    # the samples run in the caller's mode; everything xpupack makes is made outside inference mode, so
+    # that the tuned model serves in any mode (`xpupack._inference`)
+    samples_mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
+    with _inference.normal_tensors(model):
+        return _tune(model, samples, modules, device, strategy, run, batch_sizes, batch_axis, progress, samples_mode)
+
+
+def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None,
+          device: str | torch.device | None, strategy: Strategy | None, run: Callable[[nn.Module, Any], Any] | None,
+          batch_sizes: Iterable[int] | None, batch_axis: int | None, progress: Callable[[str], None] | None,
+          samples_mode: Callable[[], Any]) -> nn.Module:
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
@@ -95,7 +106,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     strategy = strategy or default_strategy(device)
     distributed.check_strategy(selected, strategy)
     with generate_compile_off(model):
-        specs = record(model, selected, samples, run, progress)
+        specs = record(model, selected, samples, run, progress, mode=samples_mode)
 
     tuned: dict[str, TunedModule] = {}
     for number, (path, module) in enumerate(selected.items(), 1):
@@ -107,8 +118,10 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         try:
             with _device.on_device(placed[path]):
                 tuned[path] = _tune_one(target, spec, strategy, placed[path])
-        finally:
-            spec.drop_samples()  # recorded data is never kept beyond tuning
+        except BaseException as exc:
+            _drop_samples_after(spec, exc)
+            raise
+        spec.drop_samples()  # recorded data is never kept beyond tuning
     session = Session(tuned, device, environment=environment(device), strategy=repr(strategy),
                       architecture=architecture, devices=placed)
     attach(model, session)
@@ -124,17 +137,27 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
         return TunedModule(target, spec, backend, backend.build(target, spec, device),
                            [{"backend": "eager", "status": "chosen", "reason": why}])
     references = []
-    with torch.no_grad():
-        for index, samples in enumerate(spec.samples):
-            outputs = []
-            for number in range(len(samples)):
+    for index, samples in enumerate(spec.samples):
+        outputs = []
+        for number in range(len(samples)):
+            with spec.mode(index):
                 args, kwargs = spec.sample(index, number)
                 call = snapshot((args, kwargs))  # the recorded sample stays as recorded
                 outputs.append(spec.observe(index, *call, target.forward(*call[0], **call[1])))
-                spec.mutates_inputs |= not same_values(call, (args, kwargs))
-            references.append(outputs)
+            spec.mutates_inputs |= not same_values(call, (args, kwargs))
+        references.append(outputs)
     padding.plan(spec, target.forward, references)
     backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
     return TunedModule(target, spec, backend, runner, report, padding_checked=True)  # `padding.plan` checked it
 
+
+
+def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
+    """`ModuleSpec.drop_samples` while ``error`` stops tuning: a failure of its own is logged, never raised in
+    place of ``error`` (which says what went wrong first)."""
+    try:
+        spec.drop_samples()
+    except Exception as cleanup:
+        log.warning("while tuning stopped on %s: %s, forgetting the recorded samples failed too (%s: %s)",
+                    type(error).__name__, error, type(cleanup).__name__, cleanup)

@@ -251,13 +251,14 @@ class InductorBackend(ComposedBackend):
                  base_runner: Runner | None) -> Runner:
         # a base transforms the module in place, so its own forward is what gets compiled
         compiled = torch.compile(_own_entry(target.forward), dynamic=False, **self._settings(device))
-        with _recording() as recorded, torch.no_grad():
+        with _recording() as recorded:
             for index in range(len(spec.signatures)):
-                try:
-                    args, kwargs = spec.example(index)
-                except Unsynthesizable:
-                    continue  # a call with a KV cache at load: it compiles on its first real call
-                compiled(*args, **kwargs)  # compile now, not on the user's first call
+                with spec.mode(index):
+                    try:
+                        args, kwargs = spec.example(index)
+                    except Unsynthesizable:
+                        continue  # a call with a KV cache at load: it compiles on its first real call
+                    compiled(*args, **kwargs)  # compile now, not on the user's first call
         runner = InductorRunner(compiled, set(range(len(spec.signatures))), recorded)
         runner.base_runner = base_runner
         return runner
