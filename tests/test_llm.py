@@ -242,6 +242,26 @@ def test_state_signature_round_trips_through_the_spec(emulated_graphs, tmp_path)
         signature.synthesize()
 
 
+def test_inspect_describes_a_language_model_package_in_text_and_json(emulated_graphs, tmp_path):
+    from click.testing import CliRunner
+
+    from xpupack.cli import main
+
+    model, _ = tune_llm()
+    root = xpupack.save(model, tmp_path / "pkg")
+    described = xpupack.tuned.session_of(model).modules[""].spec.signatures[0].describe()
+    assert "StaticCache[" in described  # the KV cache: its type and how many state tensors
+    result = CliRunner().invoke(main, ["inspect", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["modules"][0]["signatures"] == [described]
+    result = CliRunner().invoke(main, ["inspect", str(root)])
+    assert result.exit_code == 0, result.output
+    assert all(word in result.output for word in described.split())  # the table wraps it at spaces
+    from xpupack.card import package_card  # the Hub's model card lists the signatures too
+
+    assert described in package_card(root, read_manifest(root))
+
+
 @pytest.mark.parametrize("bad", [
     {"kind": "state", "type": "x.Cache", "tensors": []},
     {"kind": "state", "type": 3, "tensors": [{"shape": [1], "stride": [1], "dtype": "float32", "device": "cpu"}]},

@@ -19,24 +19,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._signature_text import describe_leaves
 from .backends._facts import describe
 from .errors import PackageFormatError, XpupackError
 from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
 from .source import Source
 
-_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
-          "int32": "i32", "bool": "bool"}
-
 
 def describe_signature(data: dict) -> str:
-    """``(f32[1,16,64], 2.0)`` from a signature's JSON."""
-    parts = []
-    for leaf in data["leaves"]:
-        if leaf["kind"] == "tensor":
-            parts.append(f"{_SHORT.get(leaf['dtype'], leaf['dtype'])}[{','.join(map(str, leaf['shape']))}]")
-        else:
-            parts.append(repr(leaf["value"]))
-    return "(" + ", ".join(parts) + ")"
+    """``(f32[1,16,64], 2.0)`` from a signature's JSON (as `Signature.describe` gives it)."""
+    return describe_leaves(data["leaves"])
 
 
 def _backend(name: Any, options: Any, device: Any = None) -> Any:
