@@ -88,8 +88,14 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
     return plans
 
 
-def _padding(spec: dict) -> str | None:
-    """What the module's spec says about padding calls up to a recorded batch."""
+def _padding(spec: dict, entry: dict) -> str | None:
+    """What the module's spec says about padding calls up to a recorded batch; None for a backend that
+    runs any batch itself (eager, TorchAO): it never pads."""
+    try:
+        if not _backend(entry["backend"]["name"], entry["backend"]["options"]).pads_calls:
+            return None
+    except (XpupackError, ValueError):
+        pass  # a backend this xpupack does not know: the spec says what it may do
     if spec.get("padding_refused"):
         return "never padded: " + spec["padding_refused"]
     axes = spec.get("batch_axes") or []
@@ -145,7 +151,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "signatures": [describe_signature(s) for s in spec["signatures"]],
             "calls_recorded": spec["calls"],
             "unrecordable": spec["unrecordable"],
-            "padding": _padding(spec),
+            "padding": _padding(spec, entry),
             "recorded": _recorded(entry),
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,

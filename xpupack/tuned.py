@@ -84,9 +84,15 @@ class TunedModule:
         #: tuning checked the batch axes on its samples; none after a load, whose axes are the package's
         #: claim (the first padded call into each is checked, `_check_first_padded_call`)
         self._padding_checked: set[int] = set(self._table.values()) if padding_checked else set()
+        #: eager runs the original module for any call: nothing to fit, nothing to pad, never a fallback
+        self._runs_original = backend.name == "eager"
+        #: advice already given as a warning (`_advise`); one set for all tuned modules of a model (`Session`)
+        self.advised: set[type] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        if self._runs_original:
+            return self.target.forward(*args, **kwargs)
         module = self.target.module
         key, leaves = fit_key(args, kwargs)
         try:
@@ -204,6 +210,7 @@ class TunedModule:
                           f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
             else:
                 reason = "no recorded signature fits " + _describe_call(leaves)
+                self._advise(leaves)
         self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
         if reason not in self._logged:
             self._logged.add(reason)
@@ -213,6 +220,19 @@ class TunedModule:
             for listener in list(_fallback_listeners):
                 listener(event)
         return self.target.forward(*args, **kwargs)
+
+    def _advise(self, leaves: list) -> None:
+        """Warns, once per model, about an argument that makes every call fall back and that can be
+        changed (a transformers ``DynamicCache``: a plain ``generate()``); the fallback itself is logged at
+        INFO, as most fallbacks are single unusual calls."""
+        for x in leaves:
+            if isinstance(x, torch.Tensor) or type(x) in _PLAIN or state_type(x) is not None:
+                continue
+            hint = unrecordable_hint(x)
+            if hint and type(x) not in self.advised:
+                self.advised.add(type(x))
+                log.warning("%s: calls with a %s cannot be recorded and run the original module on every "
+                            "call%s", self.target.path or "<model>", type(x).__name__, hint)
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
@@ -225,6 +245,9 @@ class TunedModule:
     def __deepcopy__(self, memo):
         raise TypeError("cannot deepcopy a model with active xpupack modules; "
                         "call xpupack.deactivate(model) first, or copy it before tuning")
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def _describe_call(leaves: list) -> str:
@@ -262,6 +285,11 @@ class Session:
     architecture: dict = field(default_factory=dict)
     #: the model this session tunes (`attach` sets it)
     owner: "weakref.ref[nn.Module] | None" = None
+
+    def __post_init__(self) -> None:
+        advised: set = set()  # advice is given once per model, not once per tuned module
+        for tuned in self.modules.values():
+            tuned.advised = advised
 
     def device_of(self, path: str) -> torch.device:
         """The device the tuned module at ``path`` runs on."""
