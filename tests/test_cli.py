@@ -101,6 +101,30 @@ def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypa
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("case", ["other files", "a file", "under a file"])
+def test_build_refuses_an_out_it_may_not_replace_before_tuning(case, tmp_path, monkeypatch):
+    import xpupack
+
+    def never(*args, **kwargs):
+        raise AssertionError("tuned before the destination was checked")
+
+    monkeypatch.setattr(xpupack, "tune", never)
+    out = tmp_path / "pkg"
+    if case == "other files":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "a file":
+        out.write_text("mine")
+    else:
+        out.with_name("parent").write_text("mine")
+        out = out.with_name("parent") / "pkg"
+    result = CliRunner().invoke(main, ["build", *DEMO, "--out", str(out)])
+    assert result.exit_code in (1, 2) and "tuned before" not in result.output, result.output  # 2: click's own
+    assert out.name in result.output and "Traceback" not in result.output
+    if case == "other files":
+        assert "refusing to replace it" in result.output and (out / "notes.txt").read_text() == "mine"
+
+
 def test_help_shows_the_demo():
     result = CliRunner().invoke(main, ["--help"])
     assert result.exit_code == 0 and "xpupack build xpupack.examples:tiny_transformer" in result.output

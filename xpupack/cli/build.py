@@ -98,7 +98,10 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
       xpupack build xpupack.examples:tiny_transformer \\
           --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
     """
+    from ..manifest import check_destination, destination
+
     sizes = _sizes(batch_sizes) if batch_sizes is not None else None
+    check_destination(destination(out))  # before minutes of tuning: save would refuse it after them
     out_console = console()
     started = time.perf_counter()
     if device is not None:
