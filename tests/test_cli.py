@@ -19,18 +19,18 @@ def built(tmp_path_factory):
     result = CliRunner().invoke(main, ["build", *DEMO, "--modules", "layers.*.mlp", "--out", str(out),
                                        "--backends", "graph,eager"])
     assert result.exit_code == 0, result.output
-    return out, result.output
+    return out, result.output, result.stderr
 
 
 def test_build_reports_modules_and_rejections(built):
-    out, output = built
+    out, output, _ = built
     assert (out / "xpupack.json").is_file()
     assert "layers.0.mlp" in output and "layers.1.mlp" in output
     assert "no device graphs on cpu" in output
 
 
 def test_inspect_json(built):
-    out, _ = built
+    out, _, _ = built
     result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
@@ -44,6 +44,33 @@ def test_inspect_json(built):
 def test_inspect_table(built):
     result = CliRunner().invoke(main, ["inspect", str(built[0])])
     assert result.exit_code == 0 and "first to pass" in result.output
+
+
+def test_build_outside_a_terminal_prints_a_line_per_step_and_module(built):
+    """In CI or a log there is no spinner to update: each step and each module gets its own line, once."""
+    lines = built[2].splitlines()
+    assert "importing torch" in lines and "building the model" in lines
+    assert [line for line in lines if line.startswith("tuning ")] == [
+        "tuning layers.0.mlp (1/2, 2 signature(s))", "tuning layers.1.mlp (2/2, 2 signature(s))"]
+    assert [line for line in lines if line.startswith("recording sample")] == ["recording sample 1"]  # no count-up
+    assert any(line.startswith("writing ") for line in lines)
+
+
+def test_inspect_at_80_columns_wraps_signatures_instead_of_cutting_them(built):
+    from rich.console import Console
+
+    from xpupack.cli.inspect import print_report
+    from xpupack.report import package_report
+
+    report = package_report(built[0])
+    long = "(f32[1,16,64], " + ", ".join(["StaticCache[6 state tensors]", "bool[1,1,1,1300000]"] * 2) + ")"
+    report["modules"][0]["signatures"] = [long]
+    console = Console(width=80, record=True, highlight=False)
+    print_report(report, console)
+    text = console.export_text()
+    assert "…" not in text
+    column = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") == 7)
+    assert long.replace(" ", "") in column.replace(" ", "")
 
 
 def test_verify_intact_then_damaged(built, tmp_path):

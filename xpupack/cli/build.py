@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import click
 
 from ._common import console, handle_errors, import_object
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 #: backends that take another as ``base=``: ``graph+torchao:int8-weight-only`` records the quantized
@@ -56,6 +63,32 @@ def _sizes(text: str) -> list[int]:
     except ValueError:
         raise click.BadParameter(f"{text!r}: give batch sizes separated by commas, e.g. 1,2,4,8",
                                  param_hint="--batch-sizes") from None
+
+
+@contextlib.contextmanager
+def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
+    """Shows a build's progress messages: on a terminal as one status line that each message replaces;
+    elsewhere (CI, a log) as a line each on stderr, except a message that only counts up from the one
+    before it (``recording sample 2`` after ``recording sample 1``)."""
+    if out.is_terminal:
+        with out.status(first) as status:
+            yield status.update
+        return
+    previous = None
+
+    def line(message: str) -> None:
+        nonlocal previous
+        counter = _COUNTER.sub("", message)
+        if counter != previous:
+            click.echo(message, err=True)
+        previous = counter
+
+    line(first)
+    yield line
+
+
+#: a number that ends a progress message: what changes from one to the next while one step counts up
+_COUNTER = re.compile(r"\d+$")
 
 
 @click.command()
@@ -110,7 +143,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
         resolve_device(device)  # before minutes of tuning
     make_model = import_object(model_factory, "MODULE:FACTORY", package=out)
     make_samples = import_object(samples_factory, "--samples", package=out)
-    with out_console.status("importing torch") as status:
+    with _progress(out_console, "importing torch") as progress:
         import xpupack
 
         from .. import _device
@@ -120,16 +153,12 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
         candidates = parse_backends(backends) if backends is not None else default_backends(device)
         chosen = (xpupack.Fastest if strategy == "fastest" else xpupack.FirstWins)(
             candidates, min_speedup=_ratio(min_speedup))
-        status.update("building the model")
+        progress("building the model")
         model = make_model()
         samples = make_samples()
-
-        def progress(message: str) -> None:
-            status.update(message)
-
         xpupack.tune(model, samples, modules=list(modules) or None, device=device, strategy=chosen,
                      batch_sizes=sizes, batch_axis=batch_axis, progress=progress)
-        status.update(f"writing {out}")
+        progress(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights)
 
     from .inspect import print_report

@@ -40,6 +40,8 @@ def print_report(report: dict, out) -> None:
                   + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"])))
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
+    for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
+        column.overflow = "fold"
     for module in report["modules"]:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
