@@ -26,6 +26,7 @@ from .errors import (BackendError, BackendUnavailableError, DestinationExistsErr
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, TuningError, UnknownConfigError, XpupackError)
+from .errors import NotAModelError, SampleError
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from .backends.eager import EagerBackend
@@ -102,5 +103,6 @@ __all__ = [
     "NoCandidateError", "TuningError", "NotTunedError", "SaveError", "DestinationExistsError",
     "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",
     "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError",
+    "NotAModelError", "SampleError",
     "__version__",
 ]

@@ -54,7 +54,8 @@ def normal_tensors(model: nn.Module) -> contextlib.AbstractContextManager:
     A model built under inference mode holds inference tensors and runs only there: its block stays in the
     caller's mode.
     """
-    if torch.is_inference_mode_enabled() and any(tensor.is_inference() for tensor in _tensors(model)):
+    if (torch.is_inference_mode_enabled() and isinstance(model, nn.Module)
+            and any(tensor.is_inference() for tensor in _tensors(model))):
         return contextlib.nullcontext()
     return _normal_tensors()
 

@@ -28,7 +28,7 @@ from .signature import dtype_name, flatten
 from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source
-from .tuned import Session, TunedModule, attach, describe_architecture, detach, find_session
+from .tuned import Session, TunedModule, attach, check_model, describe_architecture, detach, find_session
 
 log = logging.getLogger("xpupack")
 
@@ -113,6 +113,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     Example:
         >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
     """
+    check_model(model, "load")
     if on_mismatch not in ON_MISMATCH:
         raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
     source = resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token)

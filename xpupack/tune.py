@@ -17,7 +17,7 @@ from .errors import TuningError
 from .recorder import record, same_values, select_modules, snapshot
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
-from .tuned import (Session, TunedModule, attach, describe_architecture, detach, find_session,
+from .tuned import (Session, TunedModule, attach, check_model, describe_architecture, detach, find_session,
                     generate_compile_off)
 
 log = logging.getLogger("xpupack")
@@ -66,6 +66,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """
+    check_model(model, "tune")
     # the samples run in the caller's mode; everything xpupack makes is made outside inference mode, so
     # that the tuned model serves in any mode (`xpupack._inference`)
     samples_mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad

@@ -22,7 +22,7 @@ from torch import nn
 from . import _hooks
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from .backends.base import Backend, ModuleSpec, Runner, Target
-from .errors import NotTunedError
+from .errors import NotAModelError, NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .signature import Signature, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, state_type, unrecordable_hint
@@ -353,6 +353,23 @@ def describe_architecture(model: nn.Module) -> dict[str, dict]:
     """State-dict name -> ``{"shape", "dtype"}``: what a package records and a loader checks."""
     return {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
             for name, t in model.state_dict().items()}
+
+
+def check_model(model: Any, function: str) -> None:
+    """Raises `NotAModelError` unless ``model`` is a module: ``function`` (``"tune"``, ``"load"``) says whose
+    first argument it is. A factory passed where its model belongs would otherwise fail deep inside with
+    an ``AttributeError``."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type):
+        what, fix = f"the class {model.__name__}", f" — build it: xpupack.{function}({model.__name__}(...), ...)"
+    elif callable(model):
+        name = getattr(model, "__name__", type(model).__name__)
+        what, fix = f"the function {name}", f" — call it: xpupack.{function}({name}(), ...)"
+    else:
+        what, fix = f"a {type(model).__name__}", f" — pass the model first: xpupack.{function}(model, ...)"
+    raise NotAModelError(f"xpupack.{function} needs the model (a torch.nn.Module) as its first argument, not "
+                         f"{what}{fix}", actual=type(model).__name__)
 
 
 def session_of(model: nn.Module) -> Session:
