@@ -26,9 +26,9 @@ xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
 
 
 def generate(model, ids, mode: str):
-    with MODES[mode]():
+    with MODES[mode]():  # disable_compile: the untuned reference must not compile itself (it would on a GPU)
         return model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
-                              cache_implementation="static")
+                              cache_implementation="static", disable_compile=True)
 
 
 @pytest.mark.parametrize("tune_mode", MODES)
@@ -135,3 +135,22 @@ def test_a_failed_cleanup_never_hides_the_error_that_stopped_tuning(monkeypatch)
     with pytest.raises(RuntimeError, match="the strategy broke"):
         xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
                      strategy=Broken([xpupack.EagerBackend()]))
+
+
+@pytest.mark.requires_graph_device
+def test_real_graphs_of_a_language_model_tuned_under_inference_mode_replay_in_every_mode(tmp_path, fallback_calls):
+    from conftest import GRAPH_DEVICE
+
+    model, reference = tiny_llama().to(GRAPH_DEVICE), tiny_llama().to(GRAPH_DEVICE)
+    strategy = xpupack.Only(xpupack.GraphBackend())
+    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, "inference_mode"),
+                 strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    for serve_mode in MODES:
+        loaded = xpupack.load(tiny_llama().to(GRAPH_DEVICE), root)
+        ids = prompt(seed=7, device=GRAPH_DEVICE)
+        for _ in range(2):  # the second generate() replays the recording the first one made
+            assert torch.equal(generate(loaded, ids, serve_mode), generate(reference, ids, serve_mode)), serve_mode
+        stats = xpupack.stats(loaded)[""]
+        assert stats["fallbacks"] == 2 and stats["recordings"] >= 1, (serve_mode, stats)  # the two prefills
+    assert all("prefill" in event.reason for event in fallback_calls)
