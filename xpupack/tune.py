@@ -153,7 +153,6 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
     return TunedModule(target, spec, backend, runner, report, padding_checked=True)  # `padding.plan` checked it
 
 
-
 def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
     """`ModuleSpec.drop_samples` while ``error`` stops tuning: a failure of its own is logged, never raised in
     place of ``error`` (which says what went wrong first)."""

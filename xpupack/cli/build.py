@@ -65,6 +65,10 @@ def _sizes(text: str) -> list[int]:
                                  param_hint="--batch-sizes") from None
 
 
+#: a number that ends a progress message: what changes from one to the next while one step counts up
+_COUNTER = re.compile(r"\d+$")
+
+
 @contextlib.contextmanager
 def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
     """Shows a build's progress messages: on a terminal as one status line that each message replaces;
@@ -78,17 +82,13 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
 
     def line(message: str) -> None:
         nonlocal previous
-        counter = _COUNTER.sub("", message)
-        if counter != previous:
+        step = _COUNTER.sub("", message)
+        if step != previous:
             click.echo(message, err=True)
-        previous = counter
+        previous = step
 
     line(first)
     yield line
-
-
-#: a number that ends a progress message: what changes from one to the next while one step counts up
-_COUNTER = re.compile(r"\d+$")
 
 
 @click.command()
