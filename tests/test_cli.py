@@ -20,18 +20,18 @@ def built(tmp_path_factory):
     result = CliRunner().invoke(main, ["build", *DEMO, "--modules", "layers.*.mlp", "--out", str(out),
                                        "--backends", "graph,eager"])
     assert result.exit_code == 0, result.output
-    return out, result.output
+    return out, result.output, result.stderr
 
 
 def test_build_reports_modules_and_rejections(built):
-    out, output = built
+    out, output, _ = built
     assert (out / "xpupack.json").is_file()
     assert "layers.0.mlp" in output and "layers.1.mlp" in output
     assert "no device graphs on cpu" in output
 
 
 def test_inspect_json(built):
-    out, _ = built
+    out, _, _ = built
     result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
@@ -45,6 +45,33 @@ def test_inspect_json(built):
 def test_inspect_table(built):
     result = CliRunner().invoke(main, ["inspect", str(built[0])])
     assert result.exit_code == 0 and "first to pass" in result.output
+
+
+def test_build_outside_a_terminal_prints_a_line_per_step_and_module(built):
+    """In CI or a log there is no spinner to update: each step and each module gets its own line, once."""
+    lines = built[2].splitlines()
+    assert "importing torch" in lines and "building the model" in lines
+    assert [line for line in lines if line.startswith("tuning ")] == [
+        "tuning layers.0.mlp (1/2, 2 signature(s))", "tuning layers.1.mlp (2/2, 2 signature(s))"]
+    assert [line for line in lines if line.startswith("recording sample")] == ["recording sample 1"]  # no count-up
+    assert any(line.startswith("writing ") for line in lines)
+
+
+def test_inspect_at_80_columns_wraps_signatures_instead_of_cutting_them(built):
+    from rich.console import Console
+
+    from xpupack.cli.inspect import print_report
+    from xpupack.report import package_report
+
+    report = package_report(built[0])
+    long = "(f32[1,16,64], " + ", ".join(["StaticCache[6 state tensors]", "bool[1,1,1,1300000]"] * 2) + ")"
+    report["modules"][0]["signatures"] = [long]
+    console = Console(width=80, record=True, highlight=False)
+    print_report(report, console)
+    text = console.export_text()
+    assert "…" not in text
+    column = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.count("│") == 7)
+    assert long.replace(" ", "") in column.replace(" ", "")
 
 
 def test_verify_intact_then_damaged(built, tmp_path):
@@ -116,6 +143,30 @@ def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypa
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("case", ["other files", "a file", "under a file"])
+def test_build_refuses_an_out_it_may_not_replace_before_tuning(case, tmp_path, monkeypatch):
+    import xpupack
+
+    def never(*args, **kwargs):
+        raise AssertionError("tuned before the destination was checked")
+
+    monkeypatch.setattr(xpupack, "tune", never)
+    out = tmp_path / "pkg"
+    if case == "other files":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "a file":
+        out.write_text("mine")
+    else:
+        out.with_name("parent").write_text("mine")
+        out = out.with_name("parent") / "pkg"
+    result = CliRunner().invoke(main, ["build", *DEMO, "--out", str(out)])
+    assert result.exit_code in (1, 2) and "tuned before" not in result.output, result.output  # 2: click's own
+    assert out.name in result.output and "Traceback" not in result.output
+    if case == "other files":
+        assert "refusing to replace it" in result.output and (out / "notes.txt").read_text() == "mine"
 
 
 def test_help_shows_the_demo():

@@ -155,5 +155,5 @@ def test_saving_through_a_symlink_replaces_the_package_it_points_to(tmp_path):
 def test_a_destination_that_cannot_be_created_is_a_save_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
-    with pytest.raises(SaveError, match="writing .*file/pkg failed"):
+    with pytest.raises(SaveError, match="cannot write a package at .*file/pkg: .*file is not a directory"):
         xpupack.save(_tuned(), blocker / "pkg")

@@ -219,8 +219,10 @@ def test_backend_facts_agree_with_the_backends(name, options):
         assert name not in ("eager", "graph", "inductor") or "torchao" in json.dumps(options)
         return
     cpu = torch.device("cpu")
-    assert (facts.name, facts.label, tuple(facts.depends_on), bool(facts.compiled_artifacts), facts.rebuildable) == \
-        (real.name, real.label, tuple(real.depends_on), bool(real.compiled_artifacts), real.rebuildable)
+    assert (facts.name, facts.label, tuple(facts.depends_on), bool(facts.compiled_artifacts), facts.rebuildable,
+            facts.pads_calls) == \
+        (real.name, real.label, tuple(real.depends_on), bool(real.compiled_artifacts), real.rebuildable,
+         real.pads_calls)
     assert facts.available(CPU()) == real.available(cpu)
     if not real.available(cpu):
         assert facts.why_unavailable(CPU()) == real.why_unavailable(cpu)

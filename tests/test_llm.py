@@ -197,8 +197,7 @@ def test_prefill_and_decode_are_separate_signatures(emulated_graphs):
     assert any("not ready" in reason and "prefill" in reason for reason in spec.unrecordable)
 
 
-@pytest.mark.expects_fallbacks
-def test_a_dynamic_cache_falls_back_and_says_how_to_tune_it(emulated_graphs, fallback_calls):
+def test_a_dynamic_cache_stays_eager_and_says_how_to_tune_it(emulated_graphs, fallback_calls):
     model = tiny_llama()
     with torch.no_grad():
         xpupack.tune(model, [prompt()], run=lambda m, ids: m.generate(ids, max_new_tokens=3, do_sample=False),
@@ -209,7 +208,24 @@ def test_a_dynamic_cache_falls_back_and_says_how_to_tune_it(emulated_graphs, fal
     assert "DynamicCache" in report and 'cache_implementation="static"' in report
     with torch.no_grad():
         model.generate(prompt(), max_new_tokens=2, do_sample=False)
-    assert fallback_calls and all('cache_implementation="static"' in e.reason for e in fallback_calls)
+    assert fallback_calls == [] and whole(model)["fallbacks"] == 0  # eager runs it as it would untuned
+
+
+@pytest.mark.expects_fallbacks
+def test_serving_with_a_dynamic_cache_warns_once_per_model(emulated_graphs, fallback_calls, caplog):
+    """A model tuned with a static cache, served by a plain ``generate()``: each call falls back."""
+    hint = 'cache_implementation="static"'
+    for _ in range(2):  # two models, each warned once
+        model, _ = tune_llm()
+        caplog.clear()
+        for _ in range(2):
+            with torch.no_grad():
+                model.generate(prompt(), max_new_tokens=3, do_sample=False)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and hint in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "DynamicCache" in warnings[0] and "every call" in warnings[0]
+        assert whole(model)["fallbacks"] == 6 and all(hint in event.reason for event in fallback_calls)
+        fallback_calls.clear()
 
 
 def test_bench_leaves_out_calls_with_a_cache(emulated_graphs, caplog):
@@ -321,6 +337,26 @@ def test_state_signature_round_trips_through_the_spec(emulated_graphs, tmp_path)
     assert signature == xpupack.tuned.session_of(model).modules[""].spec.signatures[0]
     with pytest.raises(Unsynthesizable):
         signature.synthesize()
+
+
+def test_inspect_describes_a_language_model_package_in_text_and_json(emulated_graphs, tmp_path):
+    from click.testing import CliRunner
+
+    from xpupack.cli import main
+
+    model, _ = tune_llm()
+    root = xpupack.save(model, tmp_path / "pkg")
+    described = xpupack.tuned.session_of(model).modules[""].spec.signatures[0].describe()
+    assert "StaticCache[" in described  # the KV cache: its type and how many state tensors
+    result = CliRunner().invoke(main, ["inspect", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["modules"][0]["signatures"] == [described]
+    result = CliRunner().invoke(main, ["inspect", str(root)])
+    assert result.exit_code == 0, result.output
+    assert all(word in result.output for word in described.split())  # the table wraps it at spaces
+    from xpupack.card import package_card  # the Hub's model card lists the signatures too
+
+    assert described in package_card(root, read_manifest(root))
 
 
 @pytest.mark.parametrize("bad", [

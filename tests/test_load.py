@@ -105,6 +105,14 @@ def test_wrong_architecture_fails_before_anything_changes(package):
     assert_unchanged(model, before)
 
 
+def test_load_given_a_factory_says_to_call_it(package):
+    from xpupack.errors import NotAModelError
+
+    with pytest.raises(NotAModelError, match="xpupack.load needs the model .* not the function make_stack — "
+                                             r"call it: xpupack.load\(make_stack\(\), \.\.\.\)"):
+        xpupack.load(make_stack, package)
+
+
 def test_other_dtype_is_a_mismatch(package):
     with pytest.raises(ModelMismatchError, match="float64"):
         xpupack.load(make_stack().double(), package)

@@ -141,10 +141,16 @@ def test_a_module_whose_rows_mix_is_never_padded_and_inspect_says_why(emulated_g
         "smaller batches padded up to 1, 2, 4, 8"
 
 
-def test_eager_and_a_module_changing_its_inputs_are_not_padded(emulated_graphs, fallback_calls):
+def test_eager_and_a_module_changing_its_inputs_are_not_padded(emulated_graphs, tmp_path, fallback_calls):
     model, reference = tune_ladder(xpupack.FirstWins([xpupack.EagerBackend()]))
-    serve(model, reference, (3,))
-    assert xpupack.stats(model)["layers.0.mlp"]["padded"] == 0  # eager runs any batch itself
+    serve(model, reference, (3, 16))
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["padded"] == 0 and stats["fallbacks"] == 0  # eager runs any batch itself: nothing falls back
+    assert fallback_calls == []
+    root = xpupack.save(model, tmp_path / "pkg")
+    shown = CliRunner().invoke(main, ["inspect", "--json", str(root)])
+    assert [m["padding"] for m in json.loads(shown.output)["modules"]] == [None, None]
+    assert "padded up to" not in CliRunner().invoke(main, ["inspect", str(root)]).output
 
     class InPlace(nn.Module):
         def forward(self, x):

@@ -153,3 +153,31 @@ def test_snapshots_keep_named_tuples():
     copy = snapshot(original)
     assert type(copy) is Pair and copy.y[1] is None
     assert torch.equal(copy.x, original.x) and copy.x is not original.x
+
+
+@pytest.mark.parametrize("given, says", [(make_stack, "the function make_stack — call it: xpupack.tune(make_stack()"),
+                                         (nn.Linear, "the class Linear — build it: xpupack.tune(Linear(...)"),
+                                         ([1, 2], "a list")])
+def test_tune_given_something_else_than_a_model_says_so(given, says):
+    import xpupack
+    from xpupack.errors import NotAModelError
+
+    with pytest.raises(NotAModelError, match="xpupack.tune needs the model") as caught:
+        xpupack.tune(given, [torch.randn(2, 8)])
+    assert says in str(caught.value) and isinstance(caught.value, TypeError)
+    with torch.inference_mode(), pytest.raises(NotAModelError):  # also where tune looks at the model first
+        xpupack.tune(given, [torch.randn(2, 8)])
+
+
+@pytest.mark.parametrize("run", [None, lambda model, sample: model(sample["x"])], ids=["samples", "run"])
+def test_a_sample_that_fails_in_the_model_is_named(run):
+    import xpupack
+
+    good, bad = torch.randn(2, 8), torch.randn(2, 7)
+    samples = [good, bad, good] if run is None else [{"x": good}, {"x": bad}]
+    with pytest.raises(TuningError, match="sample 1 ") as caught:
+        xpupack.tune(make_stack(), samples, run=run)
+    message = str(caught.value)
+    assert ("a Tensor of shape [2, 7]" if run is None else "a dict {'x': [2, 7]}") in message
+    assert "RuntimeError" in message and isinstance(caught.value.__cause__, RuntimeError)
+    assert caught.value.index == 1

@@ -13,12 +13,13 @@ CONFTEST = """
 import sys
 sys.path.insert(0, {tests!r})
 import pytest, torch, xpupack
+from support.backends import CountingBackend
 from support.models import make_stack, stack_samples
 
 @pytest.fixture
 def model():
     return xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                        strategy=xpupack.Only(xpupack.EagerBackend()))
+                        strategy=xpupack.Only(CountingBackend()))
 """
 
 
@@ -181,3 +182,19 @@ def test_the_ini_option_lets_a_project_run_other_backends_than_its_packages(pyte
     pytester.makepyfile(test_user=DOWNGRADED_TESTS)
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5)
+
+
+def test_a_deploy_test_of_eager_modules_passes_on_any_batch(pytester, fallback_calls):
+    """An eager module runs every call as it would untuned: no call of it is a fallback to fail a test on."""
+    import os
+
+    pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__))
+                          .replace("Only(CountingBackend())", "Only(xpupack.EagerBackend())"))
+    pytester.makepyfile(test_user="""
+        import torch
+
+        def test_unrecorded_batch_in_training_mode(model):
+            model.train()
+            model(torch.randn(16, 8))
+    """)
+    pytester.runpytest().assert_outcomes(passed=1)

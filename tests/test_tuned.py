@@ -68,6 +68,20 @@ def test_calls_that_do_not_fit_fall_back_to_exact_eager(tuned, fallback_calls, c
     assert xpupack.stats(model)["layers.0.mlp"]["fallbacks"] == 1
 
 
+def test_an_eager_module_runs_every_call_itself_and_never_falls_back(fallback_calls):
+    model = make_stack()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.EagerBackend()))
+    x = torch.randn(16, 8)  # a batch never recorded
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x, scale=3.0), reference(x, scale=3.0))
+    model.train()
+    assert torch.equal(model(x), reference(x))  # training mode, gradients needed
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert (stats["backend"], stats["calls"], stats["fallbacks"]) == ("eager", 3, 0) and fallback_calls == []
+
+
 def test_grad_mode_fits_when_backend_supports_autograd(fallback_calls):
     model = make_stack()
     xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.EagerBackend()))

@@ -26,6 +26,7 @@ from .errors import (AmbiguousSourceError, BackendError, BackendUnavailableError
                      IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
                      OfflineNotCachedError, OutputMismatchError, PackageFormatError, PackageLimitError, RepoNotFoundError,
                      RevisionNotFoundError, SaveError, SourceError, TuningError, UnknownConfigError, XpupackError)
+from .errors import NotAModelError, SampleError
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from .backends.eager import EagerBackend
@@ -104,5 +105,6 @@ __all__ = [
     "NoCandidateError", "TuningError", "NotTunedError", "BenchmarkError", "SaveError", "DestinationExistsError",
     "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",
     "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError", "SourceError", "AmbiguousSourceError",
+    "NotAModelError", "SampleError",
     "__version__",
 ]

@@ -92,6 +92,24 @@ class BenchmarkError(XpupackError, ValueError):
     """`xpupack.bench.benchmark` (``xpupack bench``) was called with arguments it cannot use."""
 
 
+class SampleError(TuningError):
+    """A sample failed in the model while `tune` ran the samples; ``index`` is its place among them, and the
+    model's own exception is the ``__cause__``."""
+
+    def __init__(self, message: str, *, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+class NotAModelError(XpupackError, TypeError):
+    """`tune` or `load` was given something else than the model, e.g. the function that builds it;
+    ``actual`` names what it was given."""
+
+    def __init__(self, message: str, *, actual: str):
+        super().__init__(message)
+        self.actual = actual
+
+
 class NotTunedError(XpupackError, ValueError):
     """The model has no tuned modules (call `xpupack.tune` or `xpupack.load` first)."""
 

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device, _hooks, devices, distributed, padding
+from . import _device, _hooks, _inference, devices, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
 from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
 from .environment import environment
@@ -31,7 +31,8 @@ from .signature import dtype_name, flatten
 from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source
-from .tuned import DowngradeEvent, Session, TunedModule, attach, describe_architecture, detach, find_session
+from .tuned import (DowngradeEvent, Session, TunedModule, attach, check_model, describe_architecture, detach,
+                    find_session)
 
 log = logging.getLogger("xpupack")
 
@@ -65,6 +66,7 @@ class _ModulePlan:
 
 
 @edits_model
+@_inference.outside_inference_mode  # the weights and recordings it makes serve in any mode
 def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
          device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
@@ -132,6 +134,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     Example:
         >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
     """
+    check_model(model, "load")
     if on_mismatch not in ON_MISMATCH:
         raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
     _check_options(compile_options, record_collectives)

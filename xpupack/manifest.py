@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import json
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._fsutil import interrupted_save_of, moved_aside
-from .errors import IntegrityError, PackageFormatError
+from .errors import DestinationExistsError, IntegrityError, PackageFormatError, SaveError, XpupackError
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -540,6 +541,74 @@ def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
         raise IntegrityError(f"{current} is a symbolic link; packages must hold plain files, so xpupack "
                              "refuses to follow it — replace the link by the file itself, or rebuild the package",
                              path=current.relative_to(root).as_posix())
+
+
+def destination(path: str | Path) -> Path:
+    """Where `save` writes a package given ``path``: through a link to the package it points to, never
+    replacing the link."""
+    root = Path(path)
+    return root.resolve() if root.is_symlink() else root
+
+
+def check_destination(root: Path) -> None:
+    """Raises unless `save` may write a package at ``root`` (a `destination`): nothing, an empty directory or a
+    package xpupack wrote is there, and the nearest folder that exists above it is a directory it can write
+    in. `xpupack build` asks before it tunes, `save` again before it writes.
+
+    Raises:
+        DestinationExistsError: something `save` would delete is in the way; nothing was changed.
+        SaveError: the folder above cannot hold the package.
+    """
+    _check_replaceable(root)
+    parent = root.absolute().parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise SaveError(f"cannot write a package at {root}: {parent} is not a directory; nothing was changed — "
+                        "save to another directory (--out)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SaveError(f"cannot write a package at {root}: {parent} is not writable; nothing was changed — "
+                        "check its permissions, or save to another directory (--out)")
+
+
+def _check_replaceable(root: Path) -> None:
+    """Refuses a destination whose replacement could lose anyone's work: anything but nothing, an empty
+    directory, or a package xpupack wrote (a manifest that validates, and no file or link it does not list
+    besides the model card xpupack writes next to it).
+
+    Raises:
+        DestinationExistsError: naming what is in the way; nothing was changed.
+    """
+    if not root.exists() and not root.is_symlink():
+        return
+
+    def refuse(why: str, unexpected: list[str]) -> DestinationExistsError:
+        return DestinationExistsError(
+            f"{root} {why}; refusing to replace it, which would delete that — save to another directory "
+            "(--out), or move those files out or remove the directory yourself", path=str(root),
+            unexpected=unexpected)
+
+    if not root.is_dir():
+        raise refuse("exists and is not a directory", [])
+    try:
+        if not any(root.iterdir()):
+            return
+        if not (root / MANIFEST).is_file():
+            raise refuse(f"is not an xpupack package (it has no {MANIFEST})", [])
+        try:
+            manifest = read_manifest(root)
+        except XpupackError as exc:
+            raise refuse(f"holds an {MANIFEST} that is not a valid xpupack manifest ({exc})", [MANIFEST]) from None
+        ours = {MANIFEST, MODEL_CARD, *manifest["files"]}
+        unexpected = sorted(relative for path in root.rglob("*")
+                            if (relative := path.relative_to(root).as_posix()) not in ours
+                            and (path.is_symlink() or not path.is_dir()))
+    except OSError as exc:
+        raise SaveError(f"cannot look into {root} ({exc}); nothing was changed — check its permissions, "
+                        "or save to another directory") from None
+    if unexpected:
+        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
+        raise refuse(f"holds files that are not part of the package its {MANIFEST} lists ({shown})", unexpected)
 
 
 def module_folder(path: str) -> str:

@@ -13,9 +13,9 @@ from torch import nn
 from . import _fsutil, devices, distributed
 from .card import model_card
 from ._version import __version__
-from .errors import DestinationExistsError, SaveError, XpupackError
-from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, describe_files, module_folder, read_manifest,
-                       validate, write_json)
+from .errors import SaveError, XpupackError
+from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, check_destination, describe_files, destination,
+                       module_folder, validate, write_json)
 from .spec import spec_to_json
 from .tuned import session_of
 
@@ -50,9 +50,7 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
         >>> xpupack.save(model, "pkg/")
     """
     session = session_of(model)
-    root = Path(path)
-    if root.is_symlink():  # replace the package the link points to, not the link
-        root = root.resolve()
+    root = destination(path)
     state = model.state_dict()
     # a tensor-parallel model: every rank gathers the full weights (a collective), rank 0 alone writes them
     full = distributed.full_state(state)
@@ -61,7 +59,7 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
 
 
 def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path, weights: bool) -> None:
-    _check_replaceable(root)
+    check_destination(root)
     staging = None
     try:
         staging = _fsutil.temporary_sibling(root)
@@ -78,46 +76,6 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
             raise
         raise SaveError(f"writing {root} failed: {type(exc).__name__}: {exc}; "
                         "any previous package there is unchanged") from exc
-
-
-def _check_replaceable(root: Path) -> None:
-    """Refuses a destination whose replacement could lose anyone's work: anything but nothing, an empty
-    directory, or a package xpupack wrote (a manifest that validates, and no file or link it does not list
-    besides the model card xpupack writes next to it).
-
-    Raises:
-        DestinationExistsError: naming what is in the way; nothing was changed.
-    """
-    if not root.exists() and not root.is_symlink():
-        return
-
-    def refuse(why: str, unexpected: list[str]) -> DestinationExistsError:
-        return DestinationExistsError(
-            f"{root} {why}; refusing to replace it, which would delete that — save to another directory "
-            "(--out), or move those files out or remove the directory yourself", path=str(root),
-            unexpected=unexpected)
-
-    if not root.is_dir():
-        raise refuse("exists and is not a directory", [])
-    try:
-        if not any(root.iterdir()):
-            return
-        if not (root / MANIFEST).is_file():
-            raise refuse(f"is not an xpupack package (it has no {MANIFEST})", [])
-        try:
-            manifest = read_manifest(root)
-        except XpupackError as exc:
-            raise refuse(f"holds an {MANIFEST} that is not a valid xpupack manifest ({exc})", [MANIFEST]) from None
-        ours = {MANIFEST, MODEL_CARD, *manifest["files"]}
-        unexpected = sorted(relative for path in root.rglob("*")
-                            if (relative := path.relative_to(root).as_posix()) not in ours
-                            and (path.is_symlink() or not path.is_dir()))
-    except OSError as exc:
-        raise SaveError(f"cannot look into {root} ({exc}); nothing was changed — check its permissions, "
-                        "or save to another directory") from None
-    if unexpected:
-        shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
-        raise refuse(f"holds files that are not part of the package its {MANIFEST} lists ({shown})", unexpected)
 
 
 def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], staging: Path, weights: bool) -> dict:

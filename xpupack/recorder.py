@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from . import _hooks
+from ._inference import own_copy
 from .backends.base import ModuleSpec
-from .errors import TuningError
-from .signature import Signature, Unrecordable, flatten, map_tensors
+from .errors import SampleError, TuningError
+from .signature import Signature, Unrecordable, dtype_name, flatten, map_tensors
 
 #: recorded samples kept per signature (only for accuracy checks and timing at tune time)
 SAMPLES_PER_SIGNATURE = 2
@@ -80,8 +81,9 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
 
 
 def snapshot(value: Any) -> Any:
-    """A detached copy of the tensors of a call, so later in-place updates do not change it."""
-    return map_tensors(lambda tensor: tensor.detach().clone(), value)
+    """A detached copy of the tensors of a call, so later in-place updates do not change it (normal tensors,
+    even of a call under inference mode: `xpupack._inference`)."""
+    return map_tensors(own_copy, value)
 
 
 def same_values(a: Any, b: Any) -> bool:
@@ -208,29 +210,58 @@ class _Recording:
             # a state object is kept by reference; its tensors as they are before this call are copied,
             # so that every candidate later runs this call on the state eager ran it on
             leaves = flatten(args, kwargs)[0]
-            spec.states[index].append([tensor.detach().clone() for tensor in signature.state_tensors(leaves)])
+            spec.states[index].append([own_copy(tensor) for tensor in signature.state_tensors(leaves)])
             spec.counts[index].append([counters.read(obj) for counters, obj in signature.state_counters(leaves)])
 
 
 def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],
            run: Callable[[nn.Module, Any], Any] | None,
-           progress: Callable[[str], None] | None = None) -> dict[str, ModuleSpec]:
-    """Runs ``samples`` through ``model`` and returns each selected module's recorded spec."""
+           progress: Callable[[str], None] | None = None, *,
+           mode: Callable[[], Any] = torch.no_grad) -> dict[str, ModuleSpec]:
+    """Runs ``samples`` through ``model`` under ``mode`` (`torch.no_grad`, or `torch.inference_mode` where the
+    caller runs in it) and returns each selected module's recorded spec."""
     recordings = {path: _Recording() for path in modules}
     handles = [_hooks.observe(module, recordings[path].add) for path, module in modules.items()]
     count = 0
     try:
-        with torch.no_grad():
+        with mode():
             for count, sample in enumerate(samples, 1):
                 if progress:
                     progress(f"recording sample {count}")
-                _run_sample(model, sample, run)
+                try:
+                    _run_sample(model, sample, run)
+                except TuningError:
+                    raise
+                except Exception as exc:
+                    raise SampleError(
+                        f"sample {count - 1} (counting from 0), {describe_sample(sample)}, failed in the model"
+                        f"{' (through run)' if run is not None else ''}: {type(exc).__name__}: {exc} — the model "
+                        "must run every sample as it is, so fix or leave out that sample", index=count - 1) from exc
     finally:
         for handle in handles:
             handle.remove()
     if count == 0:
         raise TuningError("samples is empty; pass at least one input the model is called with")
     return {path: rec.spec for path, rec in recordings.items()}
+
+
+def describe_sample(sample: Any) -> str:
+    """A sample for a message: ``a Tensor of shape [2, 7], float32``, ``a dict {'x': [2, 7]}``,
+    ``a tuple [[2, 8], 1.0]``, ``a Batch``."""
+    if isinstance(sample, torch.Tensor):
+        return f"a Tensor of shape {list(sample.shape)}, {dtype_name(sample.dtype)}"
+    if isinstance(sample, dict):
+        return f"a dict {{{', '.join(f'{key!r}: {_leaf(value)}' for key, value in sample.items())}}}"
+    if isinstance(sample, (tuple, list)):
+        return f"a {type(sample).__name__} [{', '.join(map(_leaf, sample))}]"
+    return f"a {type(sample).__name__}"
+
+
+def _leaf(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return str(list(value.shape))
+    text = repr(value)
+    return text if len(text) <= 40 else type(value).__name__
 
 
 def _run_sample(model: nn.Module, sample: Any, run: Callable | None) -> None:

@@ -19,25 +19,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._signature_text import describe_leaves
 from .backends._facts import describe
 from .errors import PackageFormatError, XpupackError
 from .limits import LoadLimits, check_package as check_limits
 from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
 from .source import Source
 
-_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
-          "int32": "i32", "bool": "bool"}
-
 
 def describe_signature(data: dict) -> str:
-    """``(f32[1,16,64], 2.0)`` from a signature's JSON."""
-    parts = []
-    for leaf in data["leaves"]:
-        if leaf["kind"] == "tensor":
-            parts.append(f"{_SHORT.get(leaf['dtype'], leaf['dtype'])}[{','.join(map(str, leaf['shape']))}]")
-        else:
-            parts.append(repr(leaf["value"]))
-    return "(" + ", ".join(parts) + ")"
+    """``(f32[1,16,64], 2.0)`` from a signature's JSON (as `Signature.describe` gives it)."""
+    return describe_leaves(data["leaves"])
 
 
 def _backend(name: Any, options: Any, device: Any = None) -> Any:
@@ -124,8 +116,14 @@ def describe_options(options: Any, prefix: str = "") -> list[str]:
     return lines
 
 
-def _padding(spec: dict) -> str | None:
-    """What the module's spec says about padding calls up to a recorded batch."""
+def _padding(spec: dict, entry: dict) -> str | None:
+    """What the module's spec says about padding calls up to a recorded batch; None for a backend that
+    runs any batch itself (eager, TorchAO): it never pads."""
+    try:
+        if not _backend(entry["backend"]["name"], entry["backend"]["options"]).pads_calls:
+            return None
+    except (XpupackError, ValueError):
+        pass  # a backend this xpupack does not know: the spec says what it may do
     if spec.get("padding_refused"):
         return "never padded: " + spec["padding_refused"]
     axes = spec.get("batch_axes") or []
@@ -182,7 +180,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "signatures": [describe_signature(s) for s in spec["signatures"]],
             "calls_recorded": spec["calls"],
             "unrecordable": spec["unrecordable"],
-            "padding": _padding(spec),
+            "padding": _padding(spec, entry),
             "recorded": _recorded(entry),
             "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
             "compiled_artifacts": entry["path"] in compiled,

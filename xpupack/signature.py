@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._cxx_pytree as pytree
 
+from ._signature_text import describe_leaves
 from .distributed import is_dtensor
 from .manifest import check_tree
 from .state import StateNotReady, StateType, state_type, unrecordable_hint
@@ -161,9 +162,6 @@ class StateLeaf:
         return StateLeaf(self.type_name, tuple((shape, stride, dtype, mapping.get(device, device))
                                                for shape, stride, dtype, device in self.tensors))
 
-    def describe(self) -> str:
-        return f"{self.type_name.rsplit('.', 1)[-1]}[{len(self.tensors)} state tensors]"
-
 
 @dataclass(frozen=True)
 class ConstantLeaf:
@@ -246,17 +244,8 @@ class Signature:
                 for kind in [state_type(leaves[slot])] if kind.counters is not None]
 
     def describe(self) -> str:
-        """A short human-readable form, e.g. ``(f32[2,16,64], scale=2.0)``."""
-        parts = []
-        for leaf in self.leaves:
-            if isinstance(leaf, TensorLeaf):
-                parts.append(f"{_SHORT_DTYPES.get(leaf.dtype, dtype_name(leaf.dtype))}"
-                             f"[{','.join(map(str, leaf.shape))}]")
-            elif isinstance(leaf, StateLeaf):
-                parts.append(leaf.describe())
-            else:
-                parts.append(repr(leaf.value))
-        return "(" + ", ".join(parts) + ")"
+        """A short human-readable form, e.g. ``(f32[2,16,64], 2.0)`` (`xpupack._signature_text`)."""
+        return describe_leaves([leaf.to_json() for leaf in self.leaves])
 
     def on_device(self, mapping: dict[torch.device, torch.device]) -> "Signature":
         """The same signature with tensor leaves moved according to ``mapping``."""
@@ -422,5 +411,3 @@ def device_from_name(name: Any) -> torch.device:
 
 
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-_SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-                 torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}

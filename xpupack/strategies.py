@@ -50,14 +50,14 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
 def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, references: list[list[Any]]) -> None:
     if not runner.supported:
         raise Rejected("no recorded signature could be built")
-    with torch.no_grad():
-        for index in sorted(runner.supported):
-            numbers = list(range(len(spec.samples[index])))
-            if spec.signatures[index].state_slots:
-                # a call with state may run for real first and be recorded on the next one: run the
-                # first sample again, so that a recording is always among what gets checked
-                numbers.append(0)
-            for number in numbers:
+    for index in sorted(runner.supported):
+        numbers = list(range(len(spec.samples[index])))
+        if spec.signatures[index].state_slots:
+            # a call with state may run for real first and be recorded on the next one: run the
+            # first sample again, so that a recording is always among what gets checked
+            numbers.append(0)
+        for number in numbers:
+            with spec.mode(index):
                 # a candidate that changes its inputs must not change the samples
                 args, kwargs = snapshot(spec.sample(index, number))
                 leaves, _ = flatten(args, kwargs)
@@ -66,9 +66,9 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
                 except Exception as exc:
                     raise Rejected(f"running {spec.signatures[index].describe()} failed: "
                                    f"{type(exc).__name__}: {_first_line(exc)}") from exc
-                problem = backend.compare(actual, references[index][number])
-                if problem:
-                    raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
+            problem = backend.compare(actual, references[index][number])
+            if problem:
+                raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
 
 
 class _SpeedGate:
@@ -382,9 +382,12 @@ def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], An
     time (a decode step must not run past the end of its KV cache). Other calls run on a copy of the
     sample, which a module that changes its inputs may change at will."""
     if spec.signatures[index].state_slots:
+        mode = spec.mode  # inference mode where the state was made there: a call writes it
+
         def call() -> Any:
-            args, kwargs = spec.sample(index, 0)
-            return runner.run(index, args, kwargs, flatten(args, kwargs)[0])
+            with mode(index):
+                args, kwargs = spec.sample(index, 0)
+                return runner.run(index, args, kwargs, flatten(args, kwargs)[0])
         return call
     args, kwargs = snapshot(spec.example(index))
     leaves, _ = flatten(args, kwargs)

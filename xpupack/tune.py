@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device, _hooks, devices, distributed, padding
+from . import _device, _hooks, _inference, devices, distributed, padding
 from ._model_edit import edits_model
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
@@ -18,7 +18,7 @@ from .errors import TuningError
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
-from .tuned import (Session, TunedModule, attach, describe_architecture, detach, find_session,
+from .tuned import (Session, TunedModule, attach, check_model, describe_architecture, detach, find_session,
                     generate_compile_off)
 
 log = logging.getLogger("xpupack")
@@ -68,6 +68,18 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """
+    check_model(model, "tune")
+    # the samples run in the caller's mode; everything xpupack makes is made outside inference mode, so
+    # that the tuned model serves in any mode (`xpupack._inference`)
+    samples_mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
+    with _inference.normal_tensors(model):
+        return _tune(model, samples, modules, device, strategy, run, batch_sizes, batch_axis, progress, samples_mode)
+
+
+def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None,
+          device: str | torch.device | None, strategy: Strategy | None, run: Callable[[nn.Module, Any], Any] | None,
+          batch_sizes: Iterable[int] | None, batch_axis: int | None, progress: Callable[[str], None] | None,
+          samples_mode: Callable[[], Any]) -> nn.Module:
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
@@ -97,7 +109,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     strategy = strategy or default_strategy(device)
     distributed.check_strategy(selected, strategy)
     with generate_compile_off(model):
-        specs = record(model, selected, samples, run, progress)
+        specs = record(model, selected, samples, run, progress, mode=samples_mode)
 
     tuned: dict[str, TunedModule] = {}
     for number, (path, module) in enumerate(selected.items(), 1):
@@ -109,8 +121,10 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         try:
             with _device.on_device(placed[path]):
                 tuned[path] = _tune_one(target, spec, strategy, placed[path])
-        finally:
-            spec.drop_samples()  # recorded data is never kept beyond tuning
+        except BaseException as exc:
+            _drop_samples_after(spec, exc)
+            raise
+        spec.drop_samples()  # recorded data is never kept beyond tuning
     session = Session(tuned, device, environment=environment(device), strategy=repr(strategy),
                       architecture=architecture, devices=placed)
     attach(model, session)
@@ -129,15 +143,15 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
     # tuning's own runs (references, checks, timing) leave the module's buffers as the samples' run left them
     with BufferWatch(target.module).kept() as buffers:
         references = []
-        with torch.no_grad():
-            for index, samples in enumerate(spec.samples):
-                outputs = []
-                for number in range(len(samples)):
+        for index, samples in enumerate(spec.samples):
+            outputs = []
+            for number in range(len(samples)):
+                with spec.mode(index):
                     args, kwargs = spec.sample(index, number)
                     output, changed = run_on_copy(target.forward, args, kwargs)  # the sample stays as recorded
                     outputs.append(spec.observe(index, args, kwargs, output))
-                    spec.mutates_inputs |= changed
-                references.append(outputs)
+                spec.mutates_inputs |= changed
+            references.append(outputs)
         spec.writes_buffers = bool(buffers.written())
         buffers.restore()
         padding.plan(spec, target.forward, references)
@@ -145,3 +159,12 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
     log.info("%s: %s", target.path or "<model>", backend.name)
     return TunedModule(target, spec, backend, runner, report, padding_checked=True)  # `padding.plan` checked it
 
+
+def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
+    """`ModuleSpec.drop_samples` while ``error`` stops tuning: a failure of its own is logged, never raised in
+    place of ``error`` (which says what went wrong first)."""
+    try:
+        spec.drop_samples()
+    except Exception as cleanup:
+        log.warning("while tuning stopped on %s: %s, forgetting the recorded samples failed too (%s: %s)",
+                    type(error).__name__, error, type(cleanup).__name__, cleanup)

@@ -24,7 +24,7 @@ from ._model_edit import edits_model
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from .backends.base import Backend, ModuleSpec, Runner, Target
-from .errors import NotTunedError
+from .errors import NotAModelError, NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .recorder import BufferWatch
 from .signature import Signature, Unrecordable, dtype_name, fit_key
@@ -106,12 +106,18 @@ class TunedModule:
         #: set by `xpupack.load` when the package's backend does not run here; each call reports it
         #: to the downgrade listeners (the pytest plugin), as each fallback is reported
         self.downgrade = downgrade
+        #: eager runs the original module for any call: nothing to fit, nothing to pad, never a fallback
+        self._runs_original = backend.name == "eager"
+        #: advice already given as a warning (`_advise`); one set for all tuned modules of a model (`Session`)
+        self.advised: set[type] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.downgrade is not None and _downgrade_listeners:
             for listener in list(_downgrade_listeners):
                 listener(self.downgrade)
+        if self._runs_original:
+            return self.target.forward(*args, **kwargs)
         module = self.target.module
         key, leaves = fit_key(args, kwargs)
         try:
@@ -255,6 +261,7 @@ class TunedModule:
                           f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
             else:
                 reason = "no recorded signature fits " + _describe_call(leaves)
+                self._advise(leaves)
         self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
         if reason not in self._logged:
             self._logged.add(reason)
@@ -263,6 +270,19 @@ class TunedModule:
             event = FallbackEvent(self.target.path, reason)
             for listener in list(_fallback_listeners):
                 listener(event)
+
+    def _advise(self, leaves: list) -> None:
+        """Warns, once per model, about an argument that makes every call fall back and that can be
+        changed (a transformers ``DynamicCache``: a plain ``generate()``); the fallback itself is logged at
+        INFO, as most fallbacks are single unusual calls."""
+        for x in leaves:
+            if isinstance(x, torch.Tensor) or type(x) in _PLAIN or state_type(x) is not None:
+                continue
+            hint = unrecordable_hint(x)
+            if hint and type(x) not in self.advised:
+                self.advised.add(type(x))
+                log.warning("%s: calls with a %s cannot be recorded and run the original module on every "
+                            "call%s", self.target.path or "<model>", type(x).__name__, hint)
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
@@ -285,6 +305,9 @@ def _lookup(table: dict, key: Any) -> Any:
         return table.get(key)
     except TypeError:  # an unhashable constant
         return None
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def _describe_call(leaves: list) -> str:
@@ -325,6 +348,11 @@ class Session:
     #: where a load's time went, seconds per phase (verify, weights, shared_artifacts, modules, activate);
     #: empty for a session tuned here
     load_seconds: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        advised: set = set()  # advice is given once per model, not once per tuned module
+        for tuned in self.modules.values():
+            tuned.advised = advised
 
     def device_of(self, path: str) -> torch.device:
         """The device the tuned module at ``path`` runs on."""
@@ -388,6 +416,23 @@ def describe_architecture(model: nn.Module) -> dict[str, dict]:
     """State-dict name -> ``{"shape", "dtype"}``: what a package records and a loader checks."""
     return {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
             for name, t in model.state_dict().items()}
+
+
+def check_model(model: Any, function: str) -> None:
+    """Raises `NotAModelError` unless ``model`` is a module: ``function`` (``"tune"``, ``"load"``) says whose
+    first argument it is. A factory passed where its model belongs would otherwise fail deep inside with
+    an ``AttributeError``."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type):
+        what, fix = f"the class {model.__name__}", f" — build it: xpupack.{function}({model.__name__}(...), ...)"
+    elif callable(model):
+        name = getattr(model, "__name__", type(model).__name__)
+        what, fix = f"the function {name}", f" — call it: xpupack.{function}({name}(), ...)"
+    else:
+        what, fix = f"a {type(model).__name__}", f" — pass the model first: xpupack.{function}(model, ...)"
+    raise NotAModelError(f"xpupack.{function} needs the model (a torch.nn.Module) as its first argument, not "
+                         f"{what}{fix}", actual=type(model).__name__)
 
 
 def session_of(model: nn.Module) -> Session:

@@ -52,7 +52,10 @@ class EmulatedGraphs:
                 fresh, _ = flatten((fn(),), {})
             for static, value in zip(static_leaves, fresh):
                 if isinstance(static, torch.Tensor):
-                    static.copy_(value)
+                    # a real replay writes the outputs' memory whatever the caller's mode; outputs captured
+                    # under inference mode are inference tensors, which copy_ writes only inside it
+                    with torch.inference_mode(static.is_inference()):
+                        static.copy_(value)
 
         memory = sum(leaf.untyped_storage().nbytes() for leaf in static_leaves if isinstance(leaf, torch.Tensor))
         return replay, outputs, memory

@@ -33,6 +33,8 @@ class BackendFacts:
     rebuildable: bool = True
     #: device types it runs on (None: all)
     runs_on: tuple[str, ...] | None = None
+    #: it runs only the recorded shapes and pads a smaller batch up to one (graph, Inductor)
+    pads_calls: bool = False
 
     @property
     def label(self) -> str:
@@ -81,9 +83,9 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
         # a CPU has no device graphs (tests emulate them in-process, where torch is loaded and the
         # real backend answers)
         return BackendFacts("graph", inner, inner.depends_on if inner else (),
-                            bool(inner and inner.compiled_artifacts), runs_on=("cuda", "xpu"))
+                            bool(inner and inner.compiled_artifacts), runs_on=("cuda", "xpu"), pads_calls=True)
     if name == "inductor":
         if set(options) - {"mode"} or ("mode" in options and options["mode"] not in _INDUCTOR_MODES):
             return None  # a base (torchao), or an option the real backend refuses or would not write
-        return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True)
+        return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True, pads_calls=True)
     return None

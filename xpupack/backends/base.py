@@ -8,6 +8,7 @@ whose signature it recorded.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from .._compare import DEFAULT_TOLERANCES, mismatch
+from .._inference import own_copy, write, writing
 from ..errors import UnknownConfigError
 from ..signature import Signature, flatten
 
@@ -90,8 +92,8 @@ class ModuleSpec:
         if saved:
             live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
             for tensor, copy in zip(live, saved):
-                self._after_run.setdefault(id(tensor), (tensor, tensor.detach().clone()))
-                tensor.copy_(copy)
+                self._after_run.setdefault(id(tensor), (tensor, own_copy(tensor)))
+                write(tensor, copy)
         counts = self.counts[index][number] if index < len(self.counts) else []
         for (counters, obj), saved_counts in zip(self.signatures[index].state_counters(flatten(args, kwargs)[0]),
                                                  counts):
@@ -99,18 +101,27 @@ class ModuleSpec:
             counters.write(obj, saved_counts)
         return args, kwargs
 
+    def mode(self, index: int) -> contextlib.AbstractContextManager:
+        """The mode recorded calls of signature ``index`` run in while tuning, autograd off: inference mode
+        when their state tensors were made there (the caller's ``generate()`` under `torch.inference_mode`),
+        since only there can a call write them; `torch.no_grad` otherwise (`xpupack._inference`)."""
+        if not self.signatures[index].state_slots or index >= len(self.samples) or not self.samples[index]:
+            return torch.no_grad()
+        args, kwargs = self.samples[index][0]
+        return writing(self.signatures[index].state_tensors(flatten(args, kwargs)[0]))
+
     def observe(self, index: int, args: tuple, kwargs: dict, output: Any) -> Any:
         """What a candidate's call must reproduce: its output and, for a call with state, the state after it."""
         if not self.signatures[index].state_slots:
             return output
         live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
-        return output, [tensor.detach().clone() for tensor in live]
+        return output, [own_copy(tensor) for tensor in live]
 
     def drop_samples(self) -> None:
         """Forgets the recorded data (never kept beyond tuning); state objects get back the contents
         they had when the samples' run ended."""
         for tensor, contents in self._after_run.values():
-            tensor.copy_(contents)
+            write(tensor, contents)
         for counters, obj, counts in self._counts_after_run.values():
             counters.write(obj, counts)
         self._after_run.clear()

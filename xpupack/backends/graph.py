@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from .. import _device
+from .._inference import own_copy
 from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError
 from ..padding import BatchAxes, check_output_axes, signature_batch
@@ -296,7 +297,8 @@ class GraphRunner(Runner):
         """
         leaves, treespec = flatten(args, kwargs)
         slots = self.state_slots[index]
-        static = [None if i in slots else leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+        # normal tensors, even for a call under inference mode: a later call in another mode copies into them
+        static = [None if i in slots else own_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf
                   for i, leaf in enumerate(leaves)]
         recording = _Recording(static, slots)
 

@@ -328,16 +328,17 @@ class InductorBackend(ComposedBackend):
         sliding = {index for index in range(len(spec.signatures))
                    if index < len(spec.counts) and any(any(sample) for sample in spec.counts[index])}
         runner = InductorRunner(target.path, spec, compile_one)
-        with _recording() as recorded, torch.no_grad():
+        with _recording() as recorded:
             for index in range(len(spec.signatures)):
                 if index in sliding:
                     continue
                 runner.supported.add(index)
-                try:
-                    args, kwargs = spec.example(index)
-                except Unsynthesizable:
-                    continue  # a call with a KV cache at load: it compiles on its first real call
-                runner.run(index, args, kwargs, [])  # compile now, not on the user's first call
+                with spec.mode(index):
+                    try:
+                        args, kwargs = spec.example(index)
+                    except Unsynthesizable:
+                        continue  # a call with a KV cache at load: it compiles on its first real call
+                    runner.run(index, args, kwargs, [])  # compile now, not on the user's first call
         runner.compiled = recorded
         if not runner.supported:
             raise RuntimeError(f"no signature was compiled: {NOT_COMPILED}")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import time
 from pathlib import Path
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import click
 
 from ..source import read_name
 
 from ._common import console, handle_errors, import_object
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 #: backends that take another as ``base=``: ``graph+torchao:int8-weight-only`` records the quantized
@@ -75,6 +82,32 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+#: a number that ends a progress message: what changes from one to the next while one step counts up
+_COUNTER = re.compile(r"\d+$")
+
+
+@contextlib.contextmanager
+def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
+    """Shows a build's progress messages: on a terminal as one status line that each message replaces;
+    elsewhere (CI, a log) as a line each on stderr, except a message that only counts up from the one
+    before it (``recording sample 2`` after ``recording sample 1``)."""
+    if out.is_terminal:
+        with out.status(first) as status:
+            yield status.update
+        return
+    previous = None
+
+    def line(message: str) -> None:
+        nonlocal previous
+        step = _COUNTER.sub("", message)
+        if step != previous:
+            click.echo(message, err=True)
+        previous = step
+
+    line(first)
+    yield line
+
+
 @click.command()
 @click.argument("model_factory", metavar="MODULE:FACTORY")
 @click.option("--samples", "samples_factory", required=True, metavar="MODULE:FN",
@@ -119,7 +152,10 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
       xpupack build xpupack.examples:tiny_transformer \\
           --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
     """
+    from ..manifest import check_destination, destination
+
     sizes = _sizes(batch_sizes) if batch_sizes is not None else None
+    check_destination(destination(out))  # before minutes of tuning: save would refuse it after them
     out_console = console()
     started = time.perf_counter()
     if device is not None:
@@ -128,7 +164,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
         resolve_device(device)  # before minutes of tuning
     make_model = import_object(model_factory, "MODULE:FACTORY", package=out)
     make_samples = import_object(samples_factory, "--samples", package=out)
-    with out_console.status("importing torch") as status:
+    with _progress(out_console, "importing torch") as progress:
         import xpupack
 
         from .. import _device
@@ -141,16 +177,12 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
         else:
             chosen = xpupack.FirstWins(candidates, min_speedup=_ratio(min_speedup),
                                        startup_margin=_ratio(startup_margin, "--startup-margin"))
-        status.update("building the model")
+        progress("building the model")
         model = make_model()
         samples = make_samples()
-
-        def progress(message: str) -> None:
-            status.update(message)
-
         xpupack.tune(model, samples, modules=list(modules) or None, device=device, strategy=chosen,
                      batch_sizes=sizes, batch_axis=batch_axis, progress=progress)
-        status.update(f"writing {out}")
+        progress(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights)
 
     from .inspect import print_report

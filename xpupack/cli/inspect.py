@@ -40,8 +40,9 @@ def print_report(report: dict, out) -> None:
         out.print("device slots (xpupack.load(..., device_map={slot: device})): "
                   + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"])))
     out.print(_trust_line(report))
-    # the backend's settings are never cut short: each one changes what runs
-    table = Table("module", Column("backend", overflow="fold"), "signatures", "candidates", "on load here", "size")
+    table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
+    for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
+        column.overflow = "fold"
     for module in report["modules"]:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")

@@ -1,0 +1,81 @@
+"""Inference tensors: xpupack works whether the caller's code runs under `torch.inference_mode()`, `torch.no_grad()`
+or neither (README: "Calls, fit and fallback").
+
+A tensor made under inference mode (an *inference tensor*) cannot be written in place outside
+inference mode, ever. Two rules follow:
+
+- every tensor xpupack keeps (a recorded sample, a state copy, a device graph's static buffer) is a
+  normal tensor, made outside inference mode whatever mode the call that made it ran in: a normal
+  tensor can be written in either mode;
+- a tensor of the caller's that xpupack writes (a KV cache put back as it was) or that a call it
+  makes writes (a recorded decode step run again at tune time) is written under inference mode when
+  it is an inference tensor: it was made there, and only there can it change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Concatenate, ParamSpec, TypeVar
+
+import torch
+from torch import nn
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def own_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``tensor`` that is a normal tensor, even when made inside inference mode."""
+    with torch.inference_mode(False):
+        return tensor.detach().clone()
+
+
+def write(tensor: torch.Tensor, values: torch.Tensor) -> None:
+    """``tensor.copy_(values)``, under inference mode when ``tensor`` is an inference tensor."""
+    with writing([tensor]):
+        tensor.copy_(values)
+
+
+def writing(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """The mode in which code may write ``tensors`` in place, autograd off: `torch.inference_mode` when any of
+    them is an inference tensor, else `torch.no_grad` (which keeps the results normal tensors)."""
+    if any(tensor.is_inference() for tensor in tensors):
+        return torch.inference_mode()
+    return torch.no_grad()
+
+
+def normal_tensors(model: nn.Module) -> contextlib.AbstractContextManager:
+    """A block whose new tensors are normal tensors whatever mode the caller is in, autograd on or off as the
+    caller had it (``torch.inference_mode(False)`` alone would switch it on). `tune` and `load` run in one:
+    weights or buffers they made under inference mode would make the model unusable outside it.
+
+    A model built under inference mode holds inference tensors and runs only there: its block stays in the
+    caller's mode.
+    """
+    if (torch.is_inference_mode_enabled() and isinstance(model, nn.Module)
+            and any(tensor.is_inference() for tensor in _tensors(model))):
+        return contextlib.nullcontext()
+    return _normal_tensors()
+
+
+def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+@contextlib.contextmanager
+def _normal_tensors() -> Iterator[None]:
+    grad = torch.is_grad_enabled()
+    with torch.inference_mode(False), torch.set_grad_enabled(grad):
+        yield
+
+
+def outside_inference_mode(function: Callable[Concatenate[nn.Module, P], R]) -> Callable[Concatenate[nn.Module, P], R]:
+    """Decorator for a function whose first argument is the model (`load`): it runs in `normal_tensors`."""
+    @functools.wraps(function)
+    def wrapper(model: nn.Module, *args: P.args, **kwargs: P.kwargs) -> R:
+        with normal_tensors(model):
+            return function(model, *args, **kwargs)
+    return wrapper
