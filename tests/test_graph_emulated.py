@@ -331,4 +331,5 @@ def test_a_package_saying_its_module_leaves_its_inputs_alone_is_checked_at_load(
     assert xpupack.stats(loaded)["inner"]["padded"] == 0
     assert [(event.running, "in place" in event.reason) for event in backend_downgrades] == \
         ([("eager", True)] if graph else [])
-    assert len(fallback_calls) == 1  # the batch of 3, which no recording takes
+    # the batch of 3, which no recording takes; a module downgraded to eager runs every call itself
+    assert len(fallback_calls) == (0 if graph else 1)

@@ -65,7 +65,7 @@ def test_dtensor_arguments_are_never_recorded(emulated_graphs, fallback_calls):
     x = distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])
     with torch.no_grad():
         torch.testing.assert_close(torch.as_tensor(block(model, x)), block(make_blocks(seed=0, depth=1), x.full_tensor()))
-    assert [e.path for e in fallback_calls] == ["layers.0"]
+    assert fallback_calls == []  # an eager module runs every call itself: none is a fallback
 
 
 @pytest.mark.usefixtures("one_rank_group")

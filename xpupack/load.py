@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import _device, _hooks, _inference, devices, distributed, padding
+from . import _background, _device, _hooks, _inference, devices, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
-from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json
+from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json, check_against_original
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
@@ -72,7 +72,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
          revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
          token: str | bool | None = None, progress: Callable[[str], None] | None = None,
          compile_options: dict | None = None, record_collectives: bool | None = None,
-         limits: LoadLimits | None = None) -> nn.Module:
+         limits: LoadLimits | None = None, defer_compile: bool = True) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
     The manifest is validated against its schema, every file's sha256 is
@@ -112,6 +112,11 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
             another source. A refused capture runs the module with the next backend.
         limits: the most the package may make this load allocate or do (`LoadLimits`). None:
             the defaults, or the ``XPUPACK_MAX_*`` environment variables where set.
+        defer_compile: a device graph over compiled code (``graph+inductor``) records the original
+            module now and serves those recordings while a background thread loads the compiled
+            code; each signature's next call after that records it again over the compiled code
+            (README: "Cold start"). ``stats()`` counts the calls served meanwhile as ``compiling``.
+            False: the load returns once everything is compiled and recorded.
 
     Returns:
         The same model object, tuned modules active.
@@ -171,7 +176,9 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         _place_tensors(edit, model, weights, placement)
         edit.set_eval(model)
         clock.lap("weights")
-        with listed_files(source.root, manifest):  # backends read no file the manifest does not list
+        # backends read no file the manifest does not list; with defer_compile, compiled code is restored
+        # off the caller's path while recordings of the original modules serve
+        with listed_files(source.root, manifest), _background.deferring(defer_compile):
             _restore_shared(manifest, source, plans, context)
             clock.lap("shared_artifacts")
             modules = {}
@@ -363,7 +370,8 @@ def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
         # eager, and a backend that transforms the module in place (TorchAO), run the module's own
         # forward: there is no other original to compare with
         if plan.backend.name != "eager" and not plan.backend.transforms_module:
-            _check_against_eager(target, plan.spec, plan.backend, runner)
+            # both runs of each check start from the same buffers (running statistics...)
+            check_against_original(target, plan.spec, plan.backend, runner, reset=BufferWatch(target.module).restore)
     except Exception as exc:
         runner.undo()
         return _restore_failed(plan, context, exc)
@@ -407,32 +415,6 @@ def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> Tune
     tuned = _restore(replace(plan, choice=fallback), context)
     tuned.report.insert(0, {"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"})
     return tuned
-
-
-def _check_against_eager(target: Target, spec: ModuleSpec, backend: Backend, runner: Runner) -> None:
-    """Runs every restored signature once through the backend and once through the original module.
-
-    The inputs are synthesised from the signature with another seed than the
-    recording's, so a replay that ignored its inputs would show. A package's
-    backends were checked against eager when it was built; this catches what
-    changed since: a damaged or hostile package that still passes its digests,
-    artifacts that do not fit this machine.
-    """
-    buffers = BufferWatch(target.module)  # both runs start from the same buffers (running statistics...)
-    with torch.no_grad():
-        for index in sorted(runner.supported):
-            if spec.signatures[index].state_slots:
-                continue  # only a real call brings a KV cache; its recording was checked when tuning
-            args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
-            buffers.restore()
-            expected = target.forward(*args, **kwargs)
-            buffers.restore()
-            leaves, _ = flatten(args, kwargs)
-            problem = backend.compare(runner.run(index, args, kwargs, leaves), expected)
-            if problem:
-                raise OutputMismatchError(f"{target.path or '<model>'}: the restored {backend.name} backend "
-                                          f"differs from the original module on {spec.signatures[index].describe()}"
-                                          f" ({problem})")
 
 
 def _place_tensors(edit: ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None,

@@ -181,3 +181,37 @@ class MeteredBackend(Backend):
         runner = SwitchRunner(target.module, target.forward, set(range(len(spec.signatures))))
         runner.redo()
         return runner
+
+
+class GatedRunner(CountingRunner):
+    """A `CountingRunner` whose every runner made by one backend shares a list (the test reads it)."""
+
+
+@register_backend
+class GatedCompileBackend(Backend):
+    """Stands in for Inductor under a graph at load: compiled artifacts, and a `restore` that waits until
+    the test opens ``GATE`` (as a compile on a fresh server takes seconds) or ``fail`` makes it raise.
+    Its runners count their calls in ``RUNNERS``; ``offset`` makes them answer wrong."""
+
+    name = "gated-compile"
+    compiled_artifacts = True
+    GATE = None  # a threading.Event, set by the test's fixture
+    RUNNERS: list = []
+
+    def __init__(self, offset: float = 0.0, fail: bool = False):
+        self.offset, self.fail = offset, fail
+
+    def options(self):
+        return {"offset": self.offset, "fail": self.fail}
+
+    def build(self, target, spec, device):
+        return CountingRunner(target.forward, set(range(len(spec.signatures))))
+
+    def restore(self, target, spec, config, folder, device, *, use_artifacts):
+        if not type(self).GATE.wait(timeout=30):
+            raise RuntimeError("the test never opened the gate")
+        if self.fail:
+            raise RuntimeError("the compile failed")
+        runner = GatedRunner(target.forward, set(range(len(spec.signatures))), self.offset)
+        type(self).RUNNERS.append(runner)
+        return runner

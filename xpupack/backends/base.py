@@ -9,6 +9,7 @@ whose signature it recorded.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -18,7 +19,7 @@ from torch import nn
 
 from .._compare import DEFAULT_TOLERANCES, mismatch
 from .._inference import own_copy, write, writing
-from ..errors import UnknownConfigError
+from ..errors import OutputMismatchError, UnknownConfigError
 from ..signature import Signature, flatten
 
 if TYPE_CHECKING:
@@ -129,6 +130,34 @@ class ModuleSpec:
         self.samples, self.states, self.counts = [], [], []
 
 
+def check_against_original(target: Target, spec: ModuleSpec, backend: "Backend", runner: "Runner", *,
+                           reset: Callable[[], object] = lambda: None) -> None:
+    """Runs every restored signature once through ``runner`` and once through the original module; raises
+    `OutputMismatchError` where ``backend.compare`` finds them apart. ``reset`` runs before each run (a
+    loader puts the module's buffers back there).
+
+    The inputs are synthesised from the signature with another seed than the
+    recording's, so a replay that ignored its inputs would show. A package's
+    backends were checked against eager when it was built; this catches what
+    changed since: a damaged or hostile package that still passes its digests,
+    artifacts that do not fit this machine.
+    """
+    with torch.no_grad():
+        for index in sorted(runner.supported):
+            if spec.signatures[index].state_slots:
+                continue  # only a real call brings a KV cache; its recording was checked when tuning
+            args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
+            reset()
+            expected = target.forward(*args, **kwargs)
+            reset()
+            leaves, _ = flatten(args, kwargs)
+            problem = backend.compare(runner.run(index, args, kwargs, leaves), expected)
+            if problem:
+                raise OutputMismatchError(f"{target.path or '<model>'}: the restored {backend.name} backend "
+                                          f"differs from the original module on {spec.signatures[index].describe()}"
+                                          f" ({problem})")
+
+
 class Runner:
     """Executes calls of a tuned module. Subclasses override `run`."""
 
@@ -151,6 +180,13 @@ class Runner:
         """Takes calls of a signature appended to the spec while serving (a call with state of a tuned
         signature's family, e.g. a KV cache of another length); the runner prepares it on its first call."""
         self.supported.add(index)
+
+    def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+        """Gets signature ``index`` ready off the caller's path for calls like this one (a compile of a call
+        with state, on a scratch copy of its state), for a runner that takes over from recordings of the
+        original module while serving (`GraphRunner.upgrade_when_ready`). Returns a future of that work,
+        or None when the runner is ready for such calls now (the default)."""
+        return None
 
     def release(self) -> None:
         """Frees what the runner holds on the device (called on deactivate); `run` must still work after."""

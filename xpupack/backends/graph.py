@@ -37,6 +37,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from contextlib import ExitStack
 from operator import is_
 from pathlib import Path
@@ -45,14 +46,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import _device
+from .. import _background, _device
 from .._inference import own_copy
 from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError
 from ..padding import BatchAxes, check_output_axes, signature_batch
 from ..signature import flatten, unflatten
 from ..state import state_type
-from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
+from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
+                   register_backend)
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +225,17 @@ class GraphRunner(Runner):
         # one call at a time: a replay fills shared static buffers, and two threads interleaving
         # there would hand each other's results back
         self._lock = threading.Lock()
+        #: the base runner being restored off the caller's path (`upgrade_when_ready`); until it is
+        #: ready every call replays a recording of the original module
+        self._upgrade: Future | None = None
+        #: the original module's function while the base runner takes over signature by signature
+        self._original: Callable[..., Any] | None = None
+        #: signatures with state the base runner is getting ready for (`Runner.prepare`), and those it is ready for
+        self._preparing: dict[int, Future] = {}
+        self._base_ready: set[int] = set()
+        #: calls served by the original module's recordings while the base runner was being restored
+        self.compiling = 0
+        self.upgrade_error: str | None = None
 
     def add_signature(self, index: int) -> None:
         with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
@@ -305,7 +318,7 @@ class GraphRunner(Runner):
         def call() -> Any:
             now = recording.leaves_now()
             static_args, static_kwargs = unflatten(now, treespec)
-            return self.function(index, static_args, static_kwargs, now)
+            return self._function(index)(index, static_args, static_kwargs, now)
 
         recording.live = {slot: leaves[slot] for slot in slots}
         try:
@@ -347,9 +360,96 @@ class GraphRunner(Runner):
         self.rerecordings += 1
         self.record_all(strict=False)
 
+    # -- a base restored off the caller's path --------------------------------------
+    def upgrade_when_ready(self, future: Future) -> None:
+        """Serves every call with recordings of the original module until ``future`` (the base runner,
+        restored by `xpupack._background`) is done; the first call after that records each signature
+        again over the base (captures only: the compile is done) and replays those from then on.
+
+        A failed restore, or recordings over the base that fail where the original's did not, leave the
+        original module's recordings serving (`upgrade_error` says why)."""
+        self._original = self.function
+        self._upgrade = future
+
+    def _take_upgrade(self, index: int, args: tuple, kwargs: dict) -> None:
+        """Called under the lock before each call while an upgrade is pending: adopts a finished base."""
+        if self._upgrade is None:
+            if self._original is not None and self.state_slots[index] and index not in self._base_ready:
+                self._prepare_state_signature(index, args, kwargs)
+            return
+        if not self._upgrade.done() or not _background.device_work.acquire(blocking=False):
+            self.compiling += 1  # captures wait for the worker's device work: try again on a later call
+            return
+        try:
+            future, self._upgrade = self._upgrade, None
+            try:
+                base = future.result()
+            except Exception as exc:
+                self._keep_original(f"restoring the compiled module failed: {_reason(exc)}")
+                return
+            self.base_runner, self.function = base, base.run
+            self._base_ready = {i for i, slots in enumerate(self.state_slots) if not slots}
+            self._drop_recordings()
+            self.supported.clear()
+            self.failures.clear()
+            self.record_all(strict=False)
+            if self.failures:  # the original module's recordings served these: never lose one
+                failed = "; ".join(self.failures.values())
+                base.release()
+                self.base_runner, self.function = None, self._original
+                self._drop_recordings()
+                self.supported.clear()
+                self.failures.clear()
+                self.record_all(strict=False)
+                self._keep_original(f"recording over the compiled module failed: {failed}")
+                return
+            log.info("%s: the compiled module serves now (restored off the caller's path)",
+                     self.target.path or "<model>")
+            if not any(self.state_slots):
+                self._original = None  # every signature is the base's: nothing left to route
+        finally:
+            _background.device_work.release()
+        if self.state_slots[index]:
+            self._prepare_state_signature(index, args, kwargs)
+
+    def _keep_original(self, why: str) -> None:
+        self.upgrade_error, self._original, self._base_ready = why, None, set()
+        log.warning("%s: %s; recordings of the original module keep serving", self.target.path or "<model>", why)
+
+    def _prepare_state_signature(self, index: int, args: tuple, kwargs: dict) -> None:
+        """A call with state after the base took over: the base gets ready for it off the caller's path
+        (`Runner.prepare`), the original module's recordings serving until then; then its recordings
+        are made again over the base."""
+        future = self._preparing.get(index)
+        if future is None:
+            future = self._preparing[index] = self.base_runner.prepare(index, args, kwargs) or _done()
+        if not future.done():
+            self.compiling += 1
+            return
+        del self._preparing[index]
+        if future.exception() is not None:
+            log.warning("%s: the compiled module could not take %s (%s); the original module's recordings "
+                        "serve it", self.target.path or "<model>", self.spec.signatures[index].describe(),
+                        _reason(future.exception()))
+            self._base_ready.discard(index)
+            self._preparing[index] = future  # never asked again
+            return
+        self._base_ready.add(index)
+        for key in [key for key in self.state_recordings if key[0] == index]:
+            del self.state_recordings[key]  # recorded again, over the base, on the next calls
+
+    def _function(self, index: int) -> Callable[..., Any]:
+        """What signature ``index``'s calls run (and its recordings record): the base's, or the original
+        module's where the base is not ready for it yet."""
+        if self._original is not None and index not in self._base_ready:
+            return self._original
+        return self.function
+
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         with self._lock:
+            if self._original is not None:
+                self._take_upgrade(index, args, kwargs)
             recording = self._recording_now(index)
             if recording is None:
                 return self._run_with_state(index, args, kwargs, leaves)
@@ -372,6 +472,8 @@ class GraphRunner(Runner):
         into the start of the static buffers and zeros into the rest (what the tune-time check verified),
         and only the call's rows of the outputs come back (copied, or views of the static outputs)."""
         with self._lock:
+            if self._original is not None:
+                self._take_upgrade(index, (), {})
             recording = self._recording_now(index)  # never None: signatures with state are not padded
             static = recording.static_leaves
             for slot in recording.tensor_slots:
@@ -410,7 +512,7 @@ class GraphRunner(Runner):
         if any(before):
             added = self._added.get(index)
             if added is None:  # the first such call: run it for real to learn what it adds
-                output = self.function(index, args, kwargs, leaves)
+                output = self._function(index)(index, args, kwargs, leaves)
                 self._added[index] = _difference(tuple(counters.read(obj) for counters, obj in counted), before)
                 self.warm_runs += 1
                 return output
@@ -418,7 +520,7 @@ class GraphRunner(Runner):
                           for (counters, obj), counts, adds in zip(counted, before, added))
             if None in paths:
                 self.unreplayable_runs += 1
-                return self.function(index, args, kwargs, leaves)
+                return self._function(index)(index, args, kwargs, leaves)
         tensors = signature.state_tensors(leaves)
         if paths:
             tensors += [t for counters, obj in counted for t in counters.tensors(obj)]
@@ -439,7 +541,7 @@ class GraphRunner(Runner):
             if len(self._warm) > _WARM_RUNS_KEPT:
                 self._warm.popitem(last=False)
             self.warm_runs += 1
-            return self.function(index, args, kwargs, leaves)
+            return self._function(index)(index, args, kwargs, leaves)
         self._make_room()
         with ExitStack() as following:
             for counters, obj in counted:
@@ -492,9 +594,20 @@ class GraphRunner(Runner):
                 facts["warm_runs"] = self.warm_runs
             if self.unreplayable_runs:
                 facts["unreplayable_runs"] = self.unreplayable_runs
+            if self._original is not None or self.compiling or self.upgrade_error:
+                facts["compiling"] = self.compiling
+                facts["compiled_serving"] = self._upgrade is None and self.upgrade_error is None
+            if self.upgrade_error:
+                facts["upgrade_error"] = self.upgrade_error
             if self.failures:
                 facts["not_recorded"] = {self.spec.signatures[i].describe(): why for i, why in self.failures.items()}
             return facts
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
 
 
 def _difference(after: tuple, before: tuple) -> tuple:
@@ -644,7 +757,38 @@ class GraphBackend(ComposedBackend):
                 device: torch.device, *, use_artifacts: bool) -> Runner:
         _refuse_unsafe_collectives(target, device, self.record_collectives)
         _refuse_input_mutation(spec)
-        base_runner = self._restore_base(target, spec, config, folder, device, use_artifacts)
+        if self._defers(spec):
+            runner = self._recorded(target, spec, device, None)
+            runner.upgrade_when_ready(_background.submit(
+                lambda: self._checked_base(target, spec, config, folder, device, use_artifacts)))
+            return runner
+        return self._recorded(target, spec, device,
+                              self._restore_base(target, spec, config, folder, device, use_artifacts))
+
+    def _defers(self, spec: ModuleSpec) -> bool:
+        """Whether this load records the original module now and restores the base off the caller's path
+        (README: "Cold start"): a base with compiled code (Inductor: seconds of importing and loading on
+        a fresh server) that leaves the module as it is, for a module that writes none of its buffers
+        (the worker runs it while calls do)."""
+        if not (_background.deferred() and self.base is not None and self.base.compiled_artifacts):
+            return False
+        backend: Backend | None = self.base
+        while backend is not None:
+            if backend.transforms_module:
+                return False
+            backend = getattr(backend, "base", None)
+        return not spec.writes_buffers
+
+    def _checked_base(self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device,
+                      use_artifacts: bool) -> Runner:
+        """The base runner, restored and checked against the original module (on the worker)."""
+        with _device.on_device(device):
+            base = self._restore_base(target, spec, config, folder, device, use_artifacts)
+            check_against_original(target, spec, self, base)
+        return base
+
+    def _recorded(self, target: Target, spec: ModuleSpec, device: torch.device,
+                  base_runner: Runner | None) -> GraphRunner:
         runner = self._runner(target, spec, device, base_runner)
         try:
             with _device.on_device(device):
@@ -667,5 +811,15 @@ class GraphBackend(ComposedBackend):
         return {} if shared is None else shared  # a graph package lists its shared entry, empty or not
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
-        if self.base is not None:
-            self.base.restore_shared(config, folder, use_artifacts=use_artifacts)
+        if self.base is None:
+            return
+        if self._defers(ModuleSpec([])):  # on the worker too, before the modules' restores it queues
+            def restore() -> None:
+                try:
+                    self.base.restore_shared(config, folder, use_artifacts=use_artifacts)
+                except Exception as exc:  # the modules then compile here, off the caller's path all the same
+                    log.warning("the shared %s artifacts in %s cannot be loaded (%s); compiling here instead",
+                                self.base.name, folder, _reason(exc))
+            _background.submit(restore)
+            return
+        self.base.restore_shared(config, folder, use_artifacts=use_artifacts)

@@ -1,0 +1,107 @@
+"""A package comes alive at once on a fresh server: a device graph over compiled code records the original
+module at load and switches to the compiled code once a background thread has it (README: "Cold start")."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import xpupack
+from support.backends import GatedCompileBackend
+from support.language_models import generate, prompt, tiny_llama
+from support.models import make_stack, stack_samples
+from xpupack import _background
+
+
+@pytest.fixture
+def gate():
+    GatedCompileBackend.GATE = threading.Event()
+    GatedCompileBackend.RUNNERS = []
+    yield GatedCompileBackend.GATE
+    GatedCompileBackend.GATE.set()  # a restore still waiting ends now
+    _background.wait(30)
+
+
+def package(tmp_path, **options):
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(**options))))
+    return xpupack.save(model, tmp_path / "pkg")
+
+
+def serve(model, batch=4):
+    x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(batch))
+    with torch.no_grad():
+        return model(x), make_stack()(x)
+
+
+def base_runs() -> int:
+    return sum(runner.runs for runner in GatedCompileBackend.RUNNERS)
+
+
+def test_a_graph_over_compiled_code_serves_at_once_and_switches_once_the_compile_is_done(emulated_graphs, gate,
+                                                                                       tmp_path):
+    root = package(tmp_path)
+    model = xpupack.load(make_stack(), root)  # returns although the compiled part is not restored yet
+    actual, expected = serve(model)
+    assert torch.allclose(actual, expected)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["backend"] == "graph" and stats["compiling"] >= 1 and stats["compiled_serving"] is False
+    assert stats["fallbacks"] == 0 and base_runs() == 0
+
+    gate.set()
+    _background.wait(30)
+    actual, expected = serve(model)
+    assert torch.allclose(actual, expected)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["compiled_serving"] is True and "upgrade_error" not in stats
+    runs = base_runs()
+    assert runs > 0  # the new recordings run the compiled code
+    serve(model)
+    assert base_runs() > runs  # and every replay after them
+
+
+@pytest.mark.parametrize("options, why", [({"fail": True}, "restoring the compiled module failed: RuntimeError"),
+                                          ({"offset": 1.0}, "differs from the original module")])
+def test_compiled_code_that_fails_or_answers_wrong_is_never_switched_in(emulated_graphs, gate, tmp_path, options,
+                                                                        why):
+    root = package(tmp_path, **options)
+    model = xpupack.load(make_stack(), root)
+    gate.set()
+    _background.wait(30)
+    for batch in (4, 2):
+        actual, expected = serve(model, batch)
+        assert torch.allclose(actual, expected)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert why in stats["upgrade_error"] and stats["compiled_serving"] is False and stats["fallbacks"] == 0
+
+
+def test_defer_compile_false_returns_with_the_compiled_code_recorded(emulated_graphs, gate, tmp_path):
+    root = package(tmp_path)
+    gate.set()
+    model = xpupack.load(make_stack(), root, defer_compile=False)
+    assert base_runs() > 0  # recorded over the compiled code before load returned
+    actual, expected = serve(model)
+    assert torch.allclose(actual, expected)
+    assert "compiling" not in xpupack.stats(model)["layers.0.mlp"]
+
+
+def test_a_language_model_decodes_through_the_original_recordings_then_the_compiled_ones(emulated_graphs, gate,
+                                                                                         tmp_path, fallback_calls):
+    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend()))
+    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
+    served = xpupack.load(tiny_llama(), root)
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert base_runs() == 0 and xpupack.stats(served)[""]["compiling"] > 0
+    gate.set()
+    _background.wait(30)
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    stats = xpupack.stats(served)[""]
+    assert stats["compiled_serving"] is True and base_runs() > 0
+    runs = base_runs()
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert base_runs() > runs  # the decode steps replay recordings over the compiled code
+    assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
