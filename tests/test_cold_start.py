@@ -105,3 +105,21 @@ def test_a_language_model_decodes_through_the_original_recordings_then_the_compi
     assert torch.equal(generate(served, prompt(seed=5), 8), expected)
     assert base_runs() > runs  # the decode steps replay recordings over the compiled code
     assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
+
+
+def test_a_load_gives_its_deferred_work_to_the_worker_only_once_every_module_is_restored():
+    ran = []
+    with _background.deferring():
+        assert _background.deferred()
+        first = _background.later(lambda: ran.append(_background.deferred()) or "first")
+        second = _background.later(lambda: "second")
+        _background.wait(5)
+        assert ran == [] and not first.done()  # nothing starts while the load still records
+    assert first.result(5) == "first" and second.result(5) == "second"
+    assert ran == [False]  # the deferred work defers nothing again
+    with pytest.raises(ValueError), _background.deferring():
+        cancelled = _background.later(lambda: ran.append("never"))
+        raise ValueError("a module failed to restore")
+    _background.wait(5)
+    assert cancelled.cancelled() and "never" not in ran
+    assert not _background.deferred()

@@ -34,10 +34,11 @@ _starting = threading.Lock()
 _stopping = False
 
 
-def submit(job: Callable[[], Any]) -> Future:
-    """Runs ``job()`` on the worker after the jobs given before it; its future holds the result or the error."""
+def submit(job: Callable[[], Any], future: Future | None = None) -> Future:
+    """Runs ``job()`` on the worker after the jobs given before it; its future (``future``, or a new one)
+    holds the result or the error."""
     global _worker
-    future: Future = Future()
+    future = future if future is not None else Future()
     context = contextvars.copy_context()  # the job sees what the caller's block set (a load's file guard)
     _jobs.put((lambda: context.run(job), future))
     with _starting:
@@ -89,21 +90,46 @@ def _work() -> None:
         del item, job, future  # a finished job's inputs (a scratch KV cache) are freed now, not at the next job
 
 
-#: whether the load in progress restores compiled modules off the caller's path (`deferring`)
-_deferring: contextvars.ContextVar[bool] = contextvars.ContextVar("xpupack_deferring", default=False)
+#: the jobs a load queues (`deferring`): given to the worker once every module is restored, so that no
+#: capture of the load waits for them; None outside such a load
+_deferred_jobs: contextvars.ContextVar[list | None] = contextvars.ContextVar("xpupack_deferred_jobs", default=None)
 
 
 @contextlib.contextmanager
 def deferring(on: bool = True) -> Iterator[None]:
-    """A load inside this block lets backends that can restore their compiled part with this worker
-    (`deferred`): ``xpupack.load(..., defer_compile=True)``."""
-    token = _deferring.set(on)
+    """A load inside this block lets backends restore their compiled part on the worker (`deferred`,
+    `later`): ``xpupack.load(..., defer_compile=True)``. The jobs start when the block ends, in the order
+    given; a block that raises starts none (their futures are cancelled)."""
+    jobs: list = []
+    token = _deferred_jobs.set(jobs if on else None)
     try:
         yield
+    except BaseException:
+        for _job, future in jobs:
+            future.cancel()
+        raise
     finally:
-        _deferring.reset(token)
+        _deferred_jobs.reset(token)
+    for job, future in jobs:
+        submit(job, future)
 
 
 def deferred() -> bool:
     """Whether the load in progress restores compiled modules off the caller's path."""
-    return _deferring.get()
+    return _deferred_jobs.get() is not None
+
+
+def later(job: Callable[[], Any]) -> Future:
+    """Queues ``job`` for the worker when the `deferring` block ends; its future holds the result."""
+    jobs = _deferred_jobs.get()
+    if jobs is None:
+        raise RuntimeError("xpupack._background.later outside a deferring block")
+    future: Future = Future()
+    jobs.append((lambda: _not_deferring(job), future))  # `submit` runs it in a copy of this context
+    return future
+
+
+def _not_deferring(job: Callable[[], Any]) -> Any:
+    """Runs a queued job as the work it defers: nothing it restores is deferred again."""
+    _deferred_jobs.set(None)
+    return job()

@@ -759,7 +759,7 @@ class GraphBackend(ComposedBackend):
         _refuse_input_mutation(spec)
         if self._defers(spec):
             runner = self._recorded(target, spec, device, None)
-            runner.upgrade_when_ready(_background.submit(
+            runner.upgrade_when_ready(_background.later(
                 lambda: self._checked_base(target, spec, config, folder, device, use_artifacts)))
             return runner
         return self._recorded(target, spec, device,
@@ -820,6 +820,6 @@ class GraphBackend(ComposedBackend):
                 except Exception as exc:  # the modules then compile here, off the caller's path all the same
                     log.warning("the shared %s artifacts in %s cannot be loaded (%s); compiling here instead",
                                 self.base.name, folder, _reason(exc))
-            _background.submit(restore)
+            _background.later(restore)
             return
         self.base.restore_shared(config, folder, use_artifacts=use_artifacts)
