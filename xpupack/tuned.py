@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import logging
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,10 @@ class TunedModule:
                 self._families.setdefault(signature.family, set()).add(signature.state_layout)
         self.new_sizes = 0
         self._refused: set = set()
+        #: new sizes whose runner prepares them off the caller's path -> that work (`_take_new_size`)
+        self._pending: dict[int, Future] = {}
+        #: calls that ran the original module while their signature's compile was pending
+        self.compiling = 0
         #: calls served by padding up to a recorded batch (`xpupack.padding`)
         self.padded = 0
         self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
@@ -104,23 +109,47 @@ class TunedModule:
             return self._fallback(args, kwargs, "autograd needed", leaves)
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
             return self._fallback(args, kwargs, "autocast enabled", leaves)
+        if self._pending and index in self._pending and not self._prepared(index, key):
+            if index in self._pending:  # the original module serves while the compile runs elsewhere
+                self.compiling += 1
+                return self.target.forward(*args, **kwargs)
+            return self._fallback(args, kwargs, "backend error", leaves)
         try:
             if padding is None:
                 return self.runner.run(index, args, kwargs, leaves)
             outputs = self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
-            self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
-            self._table = {k: i for k, i in self._table.items() if i != index}
-            if self._padding:
-                self._padding.retire(index)
-            self._refused.add(key)
-            log.warning("%s: %s backend failed (%s); this signature now runs the original module",
-                        self.target.path or "<model>", self.backend_name, exc)
+            self._retire(index, key, f"{type(exc).__name__}: {exc}")
             return self._fallback(args, kwargs, "backend error", leaves)
         if index not in self._padding_checked and not self._check_first_padded_call(index, outputs, args, kwargs):
             return self._fallback(args, kwargs, "padding check", leaves)
         self.padded += 1
         return outputs
+
+    def _retire(self, index: int, key: tuple, error: str) -> None:
+        """Signature ``index`` failed in the backend: its calls run the original module from now on."""
+        self.backend_errors[index] = error
+        self._table = {k: i for k, i in self._table.items() if i != index}
+        if self._padding:
+            self._padding.retire(index)
+        self._refused.add(key)
+        log.warning("%s: %s backend failed (%s); this signature now runs the original module",
+                    self.target.path or "<model>", self.backend_name, error)
+
+    def _prepared(self, index: int, key: tuple) -> bool:
+        """Whether the work off the caller's path for new size ``index`` finished well (it is then
+        forgotten). False while it runs, and once it failed: the signature is then retired."""
+        work = self._pending.get(index)
+        if work is None:  # another thread took the outcome
+            return index not in self.backend_errors
+        if not work.done():
+            return False
+        self._pending.pop(index, None)
+        error = work.exception()
+        if error is None:
+            return True
+        self._retire(index, key, f"compile off the caller's path: {type(error).__name__}: {error}")
+        return False
 
     def _check_first_padded_call(self, index: int, outputs: Any, args: tuple, kwargs: dict) -> bool:
         """Whether a loaded package's first padded call into signature ``index`` agrees with the original
@@ -155,8 +184,10 @@ class TunedModule:
         """A call of a tuned signature's family whose state has a new layout (a KV cache of another
         length, from ``generate(max_new_tokens=...)``) becomes a signature of its own, up to a cap; the
         backend prepares it as it does a new cache: the first call runs for real, the next one is
-        recorded. A new input size on a tuned cache layout (a prefill into a reused cache) is no such
-        call: it is a different step, and falls back like any unrecorded signature."""
+        recorded. Where that needs a compile, the runner does it off the caller's path, and the calls
+        meanwhile run the original module (counted as ``compiling``). A new input size on a tuned cache
+        layout (a prefill into a reused cache) is no such call: it is a different step, and falls back
+        like any unrecorded signature."""
         if key in self._refused or self.new_sizes >= MAX_NEW_SIZES:
             return None
         try:
@@ -171,12 +202,15 @@ class TunedModule:
             return None
         index = len(self.spec.signatures)
         self.spec.signatures.append(signature)
-        self.runner.add_signature(index)
+        pending = self.runner.add_signature(index, args, kwargs)
+        if pending is not None:
+            self._pending[index] = pending
         self._table[key] = index
         tuned_layouts.add(signature.state_layout)
         self.new_sizes += 1
-        log.info("%s: taking calls of %s (a new size of a tuned signature with state)",
-                 self.target.path or "<model>", signature.describe())
+        log.info("%s: taking calls of %s (a new size of a tuned signature with state)%s",
+                 self.target.path or "<model>", signature.describe(),
+                 "; the original module runs them while it compiles" if pending is not None else "")
         return index
 
     @property
@@ -216,6 +250,7 @@ class TunedModule:
 
     def stats(self) -> dict:
         return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
+                "compiling": self.compiling,
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
                 "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
                 **({"new_sizes": self.new_sizes} if self._families else {}),
@@ -349,7 +384,10 @@ def detach(model: nn.Module) -> None:
 
 
 def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
-    """Per tuned module (by object path): backend, calls, fallbacks, padded, signatures, memory.
+    """Per tuned module (by object path): backend, calls, fallbacks, padded, compiling, signatures, memory.
+
+    ``compiling`` counts the calls that ran the original module while a compile for their signature
+    (a new KV-cache length) ran off the caller's path; they are not fallbacks.
 
     ``memory_bytes`` is the device memory the module's recordings hold (graph backend; 0 for the
     others), ``recording_memory`` each recording's share, ``skipped`` what ``max_memory`` left out.

@@ -16,7 +16,9 @@ only calls whose state tensors sit at the recorded addresses. The first call
 at new addresses runs for real (it also warms up libraries and Inductor), the
 second is recorded and replayed; the least recently used of these
 recordings is dropped at the ``max_recordings`` cap. A recording never holds
-a reference to the state, so a freed cache is really freed.
+a reference to the state, so a freed cache is really freed. No capture
+overlaps a compile that runs off the caller's path (`xpupack._background`):
+a call that would be recorded meanwhile runs for real, the next is recorded.
 
 Before each replay the runner checks that the module still holds the very
 parameter and buffer storage it recorded: after ``.to()``, a dtype change or
@@ -34,6 +36,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from operator import is_
 from pathlib import Path
 from typing import Any, Callable
@@ -41,7 +44,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import _device
+from .. import _background, _device
 from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError
 from ..padding import BatchAxes, check_output_axes, signature_batch
@@ -215,9 +218,11 @@ class GraphRunner(Runner):
         # there would hand each other's results back
         self._lock = threading.Lock()
 
-    def add_signature(self, index: int) -> None:
+    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+        """Records the new signature as any call with state (`_run_with_state`), once the base is ready."""
         self.state_slots.append(self.spec.signatures[index].state_slots)
-        super().add_signature(index)
+        super().add_signature(index, args, kwargs)
+        return self.base_runner.add_signature(index, args, kwargs) if self.base_runner is not None else None
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -248,7 +253,8 @@ class GraphRunner(Runner):
                 continue
             args, kwargs = self.spec.example(index)
             try:
-                recording = self.record(index, args, kwargs)
+                with _background.device_work:  # waits for a compile on another thread (at load, after .to())
+                    recording = self.record(index, args, kwargs)
             except Exception as exc:
                 reason = _reason(exc)
                 if strict:
@@ -396,8 +402,13 @@ class GraphRunner(Runner):
                 self._warm.popitem(last=False)
             self.warm_runs += 1
             return self.function(index, args, kwargs, leaves)
-        self._make_room()
-        recording = self.record(index, args, kwargs, warmup=0)
+        if not _background.device_work.acquire(blocking=False):  # another thread's compile: record later
+            return self.function(index, args, kwargs, leaves)
+        try:
+            self._make_room()
+            recording = self.record(index, args, kwargs, warmup=0)
+        finally:
+            _background.device_work.release()
         del self._warm[key]
         self.state_recordings[key] = recording
         if self.api.capture_executes:  # the capture itself ran this call

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path, PurePosixPath
@@ -36,10 +37,12 @@ from typing import Any
 import torch
 from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 
+from .. import _background, _device
 from .._compare import mismatch
 from ..errors import PackageFormatError
 from ..manifest import artifact_file
-from ..signature import Unsynthesizable
+from ..signature import Unsynthesizable, flatten
+from ..state import scratch_copy
 from .base import Backend, CallableRunner, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
@@ -67,11 +70,52 @@ class _Compiled:
 
 
 class InductorRunner(CallableRunner):
-    """Runs the compiled module; knows what its compilation recorded (`_Compiled`)."""
+    """Runs the compiled module; knows what its compilation recorded (`_Compiled`).
 
-    def __init__(self, function: Callable[..., Any], supported: set[int], compiled: _Compiled):
-        super().__init__(function, supported)
+    Signatures without state run a static compile (``function``: Dynamo compiles once per shape, and
+    a batch size never becomes a symbol); signatures with state (decode steps with a KV cache) run
+    one compiled with every size a symbol (``dynamic``), so that a cache of any length runs the same
+    compiled code (Dynamo keeps a size of 1, and the weights' sizes, fixed).
+    """
+
+    def __init__(self, function: Callable[..., Any], dynamic: Callable[..., Any], spec: ModuleSpec,
+                 device: torch.device, compiled: _Compiled):
+        super().__init__(function, set(range(len(spec.signatures))))
+        self.dynamic = dynamic
+        self.spec = spec
+        self.device = device
         self.compiled = compiled
+        #: signature index -> the compiled function that runs its calls
+        self.functions = [self._function_for(index) for index in range(len(spec.signatures))]
+
+    def _function_for(self, index: int) -> Callable[..., Any]:
+        return self.dynamic if self.spec.signatures[index].state_slots else self.function
+
+    def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        return self.functions[index](*args, **kwargs)
+
+    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future:
+        """A new size of a tuned signature with state: its first call is run once more, on a scratch copy
+        of its state, by the background worker (`xpupack._background`), where it compiles if it must (the
+        first call of the process, or a size Dynamo could not keep symbolic); with the same grad mode."""
+        super().add_signature(index, args, kwargs)
+        function = self._function_for(index)
+        self.functions.append(function)
+        try:
+            scratch_args, scratch_kwargs = scratch_copy(
+                args, kwargs, self.spec.signatures[index].state_tensors(flatten(args, kwargs)[0]))
+        except Exception as exc:
+            failed: Future = Future()
+            failed.set_exception(RuntimeError(f"no scratch copy of the call to compile on ({type(exc).__name__}: "
+                                              f"{exc}); its calls run the original module"))
+            return failed
+        grad, inference, device = torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.device
+
+        def compile_off_the_callers_path() -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), _device.on_device(device):
+                function(*scratch_args, **scratch_kwargs)
+
+        return _background.submit(compile_off_the_callers_path)
 
 
 @contextlib.contextmanager
@@ -249,16 +293,20 @@ class InductorBackend(ComposedBackend):
 
     def _compile(self, target: Target, spec: ModuleSpec, device: torch.device,
                  base_runner: Runner | None) -> Runner:
-        # a base transforms the module in place, so its own forward is what gets compiled
-        compiled = torch.compile(_own_entry(target.forward), dynamic=False, **self._settings(device))
+        # a base transforms the module in place, so its own forward is what gets compiled; the compile
+        # for signatures with state takes sizes as symbols (`InductorRunner`)
+        settings = self._settings(device)
+        runner = InductorRunner(torch.compile(_own_entry(target.forward), dynamic=False, **settings),
+                                torch.compile(_own_entry(target.forward), dynamic=True, **settings),
+                                spec, device, _Compiled())
         with _recording() as recorded, torch.no_grad():
             for index in range(len(spec.signatures)):
                 try:
                     args, kwargs = spec.example(index)
                 except Unsynthesizable:
                     continue  # a call with a KV cache at load: it compiles on its first real call
-                compiled(*args, **kwargs)  # compile now, not on the user's first call
-        runner = InductorRunner(compiled, set(range(len(spec.signatures))), recorded)
+                runner.functions[index](*args, **kwargs)  # compile now, not on the user's first call
+        runner.compiled = recorded
         runner.base_runner = base_runner
         return runner
 
