@@ -74,11 +74,11 @@ class InductorRunner(CallableRunner):
 
     Signatures without state run a static compile (``function``: Dynamo compiles once per shape, and
     a batch size never becomes a symbol); signatures with state (decode steps with a KV cache) run
-    one compiled with every size a symbol (``dynamic``), so that a cache of any length runs the same
-    compiled code (Dynamo keeps a size of 1, and the weights' sizes, fixed).
+    one compiled with every size a symbol (``dynamic``; None without such signatures), so that a
+    cache of any length runs the same compiled code (Dynamo keeps a size of 1, and the weights' sizes, fixed).
     """
 
-    def __init__(self, function: Callable[..., Any], dynamic: Callable[..., Any], spec: ModuleSpec,
+    def __init__(self, function: Callable[..., Any], dynamic: Callable[..., Any] | None, spec: ModuleSpec,
                  device: torch.device, compiled: _Compiled):
         super().__init__(function, set(range(len(spec.signatures))))
         self.dynamic = dynamic
@@ -296,9 +296,10 @@ class InductorBackend(ComposedBackend):
         # a base transforms the module in place, so its own forward is what gets compiled; the compile
         # for signatures with state takes sizes as symbols (`InductorRunner`)
         settings = self._settings(device)
+        with_state = any(signature.state_slots for signature in spec.signatures)
         runner = InductorRunner(torch.compile(_own_entry(target.forward), dynamic=False, **settings),
-                                torch.compile(_own_entry(target.forward), dynamic=True, **settings),
-                                spec, device, _Compiled())
+                                torch.compile(_own_entry(target.forward), dynamic=True, **settings)
+                                if with_state else None, spec, device, _Compiled())
         with _recording() as recorded, torch.no_grad():
             for index in range(len(spec.signatures)):
                 try:
