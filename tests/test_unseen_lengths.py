@@ -4,6 +4,7 @@ Inductor one compiled step serves every cache length (README: "Language models",
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -91,8 +92,14 @@ def test_no_capture_overlaps_work_off_the_callers_path(emulated_graphs, fallback
     ids, cache = prompt(seed=5), static_cache(model, 16)
     expected = generate(reference, ids, NEW_TOKENS)
     captures = emulated_graphs.captures
-    with _background.device_work:  # as while the worker compiles
+    started, finish = threading.Event(), threading.Event()
+    _background.submit(lambda: (started.set(), finish.wait(timeout=60)))  # as a compile on the worker
+    started.wait(timeout=60)
+    try:
         assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), expected)
+    finally:
+        finish.set()
+    _background.wait(timeout=60)
     assert emulated_graphs.captures == captures  # each step ran for real instead of being recorded
     cache.reset()
     assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), expected)

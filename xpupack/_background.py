@@ -2,7 +2,9 @@
 
 One worker thread for the whole process runs the jobs one at a time, in the
 order given; it starts with the first job (a process that compiles nothing
-has none). It is a daemon thread: an exit does not wait for a compile.
+has none). At exit the job that runs finishes and the queued ones are
+dropped: a daemon thread cut off inside torch's C++ code aborts the process
+("terminate called without an active exception").
 
 While a job runs the worker holds `device_work`. A device-graph capture must
 not overlap another thread's work on the device (CUDA refuses most calls from
@@ -13,6 +15,7 @@ that cannot take it at once is made on a later call instead.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -26,6 +29,7 @@ device_work = threading.RLock()
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _worker: threading.Thread | None = None
 _starting = threading.Lock()
+_stopping = False
 
 
 def submit(job: Callable[[], Any]) -> Future:
@@ -35,8 +39,10 @@ def submit(job: Callable[[], Any]) -> Future:
     _jobs.put((job, future))
     with _starting:
         if _worker is None:
-            _worker = threading.Thread(target=_work, name="xpupack-background", daemon=True)
+            _worker = threading.Thread(target=_work, name="xpupack-background")
             _worker.start()
+            # called as the interpreter exits, before it waits for threads like this one
+            threading._register_atexit(_stop)
     return future
 
 
@@ -45,9 +51,29 @@ def wait(timeout: float | None = None) -> None:
     submit(lambda: None).result(timeout)
 
 
+def _after_fork() -> None:
+    """A forked child has no worker (threads do not survive a fork), whatever its parent had."""
+    global device_work, _jobs, _worker, _starting, _stopping
+    device_work, _jobs, _worker, _starting, _stopping = threading.RLock(), queue.SimpleQueue(), None, threading.Lock(), False
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _stop() -> None:
+    global _stopping
+    _stopping = True
+    _jobs.put(None)
+
+
 def _work() -> None:
     while True:
-        job, future = _jobs.get()
+        item = _jobs.get()
+        if item is None:
+            return
+        job, future = item
+        if _stopping:
+            future.cancel()
         if not future.set_running_or_notify_cancel():
             continue
         try:
@@ -57,4 +83,4 @@ def _work() -> None:
             future.set_exception(exc)
         else:
             future.set_result(result)
-        del job, future  # a finished job's inputs (a scratch KV cache) are freed now, not at the next job
+        del item, job, future  # a finished job's inputs (a scratch KV cache) are freed now, not at the next job

@@ -142,7 +142,7 @@ class TunedModule:
         work = self._pending.get(index)
         if work is None:  # another thread took the outcome
             return index not in self.backend_errors
-        if not work.done():
+        if not work.done() or work.cancelled():  # cancelled: the process exits
             return False
         self._pending.pop(index, None)
         error = work.exception()
