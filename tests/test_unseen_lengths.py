@@ -12,7 +12,9 @@ import torch
 import xpupack
 from support.backends import PreparingBackend
 from support.language_models import generate, prompt, static_cache, tiny_llama
+from support.models import Accumulator, RunningCache
 from xpupack import _background
+from xpupack.manifest import read_manifest
 from xpupack.state import scratch_copy, state_type
 
 NEW_TOKENS = 6
@@ -121,6 +123,30 @@ def test_a_scratch_copy_has_zeroed_state_of_the_same_layout():
         assert (copied.shape, copied.stride(), copied.dtype) == (tensor.shape, tensor.stride(), tensor.dtype)
         assert torch.equal(tensor, old)
     assert any(tensor.any() for tensor in state)  # the caller's cache holds the prompt
+
+
+def test_a_step_that_takes_no_symbolic_sizes_is_compiled_per_shape(monkeypatch, tmp_path, fallback_calls):
+    """Where the compile with sizes as symbols fails, Inductor compiles calls with state per shape, at
+    tune time and, told by the package, at load time."""
+    def fake_compile(function, *, dynamic, **settings):  # no Inductor here: the static "compile" is eager
+        def symbolic(*args, **kwargs):
+            raise RuntimeError("no symbolic sizes here")
+        return symbolic if dynamic else function
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
+    model, cache = Accumulator().eval(), RunningCache()
+    xpupack.tune(model, [torch.randn(1, 8) for _ in range(2)], run=lambda m, x: m(x, cache),
+                 strategy=xpupack.Only(xpupack.InductorBackend()))
+    root = xpupack.save(model, tmp_path / "pkg")
+    [entry] = read_manifest(root)["modules"]
+    assert entry["backend"]["config"]["state_sizes"] == "per shape"
+    loaded = xpupack.load(Accumulator(), root)
+    mine = RunningCache()
+    with torch.no_grad():
+        for _ in range(3):
+            loaded(torch.randn(1, 8), mine)
+    assert int(mine.steps) == 3 and whole(loaded)["fallbacks"] == 0 and whole(loaded)["backend"] == "inductor"
 
 
 # -- Inductor: a fresh process, empty caches --------------------------------------------------------

@@ -48,6 +48,8 @@ from .base import Backend, CallableRunner, ComposedBackend, ModuleSpec, Runner, 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "cache.bin"
+#: the backend config's entry that says calls with state were compiled per shape, not with sizes as symbols
+STATE_SIZES, PER_SHAPE = "state_sizes", "per shape"
 KERNELS = "kernels"
 #: what Inductor builds from a C++ source ``name.cpp`` in its cache: ``name.so`` (``name.o``: a part linked later)
 _BUILT_SUFFIXES = (".so", ".o")
@@ -89,7 +91,13 @@ class InductorRunner(CallableRunner):
         self.functions = [self._function_for(index) for index in range(len(spec.signatures))]
 
     def _function_for(self, index: int) -> Callable[..., Any]:
-        return self.dynamic if self.spec.signatures[index].state_slots else self.function
+        return self.dynamic if self.dynamic is not None and self.spec.signatures[index].state_slots else self.function
+
+    def compile_state_per_shape(self) -> None:
+        """Calls with state run the static compile too (their compile with sizes as symbols failed): a
+        new cache length then compiles once more (off the caller's path, `add_signature`)."""
+        self.dynamic = None
+        self.functions = [self._function_for(index) for index in range(len(self.functions))]
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         return self.functions[index](*args, **kwargs)
@@ -274,10 +282,10 @@ class InductorBackend(ComposedBackend):
         return self._compile_or_undo(target, spec, device, self._build_base(target, spec, device))
 
     def _compile_or_undo(self, target: Target, spec: ModuleSpec, device: torch.device,
-                         base_runner: Runner | None) -> Runner:
+                         base_runner: Runner | None, *, symbolic_state: bool = True) -> Runner:
         """Compiles; if that fails, the base's changes to the module are taken back."""
         try:
-            return self._compile(target, spec, device, base_runner)
+            return self._compile(target, spec, device, base_runner, symbolic_state=symbolic_state)
         except BaseException:
             if base_runner is not None:
                 base_runner.undo()
@@ -291,30 +299,38 @@ class InductorBackend(ComposedBackend):
         # torch.compile takes a mode or options, not both: the mode's own options go first
         return {"options": {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), **options}}
 
-    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device,
-                 base_runner: Runner | None) -> Runner:
+    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None,
+                 *, symbolic_state: bool) -> Runner:
         # a base transforms the module in place, so its own forward is what gets compiled; the compile
-        # for signatures with state takes sizes as symbols (`InductorRunner`)
+        # for signatures with state takes sizes as symbols (`InductorRunner`) unless that failed at tune time
         settings = self._settings(device)
-        with_state = any(signature.state_slots for signature in spec.signatures)
+        with_state = symbolic_state and any(signature.state_slots for signature in spec.signatures)
         runner = InductorRunner(torch.compile(_own_entry(target.forward), dynamic=False, **settings),
                                 torch.compile(_own_entry(target.forward), dynamic=True, **settings)
                                 if with_state else None, spec, device, _Compiled())
         with _recording() as recorded, torch.no_grad():
-            for index in range(len(spec.signatures)):
-                try:
-                    args, kwargs = spec.example(index)
-                except Unsynthesizable:
-                    continue  # a call with a KV cache at load: it compiles on its first real call
-                runner.functions[index](*args, **kwargs)  # compile now, not on the user's first call
+            try:
+                _compile_examples(runner, spec)
+            except _SymbolicSizesFailed as failed:
+                log.warning("%s: its calls with state do not compile with sizes as symbols (%s); they are "
+                            "compiled per cache length instead", target.path or "<model>", failed.__cause__)
+                runner.compile_state_per_shape()
+                _compile_examples(runner, spec)
         runner.compiled = recorded
         runner.base_runner = base_runner
         return runner
 
+    def save(self, runner: Runner, folder: Path) -> dict:
+        config = super().save(runner, folder)
+        if any(signature.state_slots for signature in runner.spec.signatures) and runner.dynamic is None:
+            config[STATE_SIZES] = PER_SHAPE  # a loader compiles them the same way
+        return config
+
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
         return self._compile_or_undo(target, spec, device,
-                                     self._restore_base(target, spec, config, folder, device, use_artifacts))
+                                     self._restore_base(target, spec, config, folder, device, use_artifacts),
+                                     symbolic_state=config.get(STATE_SIZES) != PER_SHAPE)
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
         """Writes what compiling the modules of ``runners`` recorded (all modules share one blob).
@@ -356,6 +372,27 @@ class InductorBackend(ComposedBackend):
                 shutil.copy2(source, temporary)
                 os.replace(temporary, destination)
         log.info("loaded Inductor cache artifacts and %d compiled kernels from %s", len(kernels), folder)
+
+
+class _SymbolicSizesFailed(Exception):
+    """Compiling a call with state with its sizes as symbols raised (the cause)."""
+
+
+def _compile_examples(runner: InductorRunner, spec: ModuleSpec) -> None:
+    """Runs each signature's example through its compiled function: the compile happens now, not on
+    the user's first call. Raises `_SymbolicSizesFailed` when the compile with sizes as symbols fails."""
+    for index in range(len(spec.signatures)):
+        try:
+            args, kwargs = spec.example(index)  # a recorded call with state gets its state back as recorded
+        except Unsynthesizable:
+            continue  # a call with a KV cache at load: it compiles on its first real call
+        function = runner.functions[index]
+        try:
+            function(*args, **kwargs)
+        except Exception as exc:
+            if function is runner.dynamic:
+                raise _SymbolicSizesFailed() from exc
+            raise
 
 
 def _checked_compile_options(options: Any) -> dict[str, Any]:
