@@ -19,6 +19,11 @@ compile hit a warm cache.
 
 All of these are pickles and native code: they load only when trusted
 (README: "Safety and reliability"); otherwise the module is compiled locally.
+
+Calls with state (decode steps with a KV cache) are compiled with their sizes
+as symbols, so that one compiled step serves every cache length; a new length
+while serving is prepared off the caller's path (`InductorRunner.add_signature`;
+README: "Language models").
 """
 
 from __future__ import annotations
