@@ -58,7 +58,8 @@ def wait(timeout: float | None = None) -> None:
 def _after_fork() -> None:
     """A forked child has no worker (threads do not survive a fork), whatever its parent had."""
     global device_work, _jobs, _worker, _starting, _stopping
-    device_work, _jobs, _worker, _starting, _stopping = threading.RLock(), queue.SimpleQueue(), None, threading.Lock(), False
+    device_work, _starting = threading.RLock(), threading.Lock()
+    _jobs, _worker, _stopping = queue.SimpleQueue(), None, False
 
 
 os.register_at_fork(after_in_child=_after_fork)

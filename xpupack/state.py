@@ -26,6 +26,7 @@ that no position is baked into the recording (README: "Language models").
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -104,6 +105,17 @@ def state_type(obj: Any) -> StateType | None:
         pass
     found = _builtin(cls)
     return _TYPES.setdefault(cls, found)
+
+
+def scratch_copy(args: tuple, kwargs: dict, state: list[torch.Tensor]) -> tuple[tuple, dict]:
+    """A deep copy of a call in which each of its ``state`` tensors is a new zeroed tensor of the same
+    layout: running the copy (to compile for it, say) leaves the caller's state as it was.
+
+    Raises whatever ``copy.deepcopy`` raises for an argument that cannot be copied.
+    """
+    memo: dict[int, Any] = {id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
+                            for t in state}
+    return copy.deepcopy((args, kwargs), memo)
 
 
 # -- transformers, without importing it ------------------------------------------------------------

@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import logging
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,10 @@ class TunedModule:
         #: seconds the load spent restoring this module (compiling, recording, checking); None when tuned here
         self.load_s: float | None = None
         self._refused: set = set()
+        #: new sizes whose runner prepares them off the caller's path -> that work (`_take_new_size`)
+        self._pending: dict[int, Future] = {}
+        #: calls that ran the original module while their signature's compile was pending
+        self.compiling = 0
         #: calls served by padding up to a recorded batch (`xpupack.padding`)
         self.padded = 0
         self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
@@ -135,6 +140,11 @@ class TunedModule:
             return self._fallback(args, kwargs, "autograd needed", leaves)
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
             return self._fallback(args, kwargs, "autocast enabled", leaves)
+        if self._pending and index in self._pending and not self._prepared(index, key):
+            if index in self._pending:  # the original module serves while the compile runs elsewhere
+                self.compiling += 1
+                return self.target.forward(*args, **kwargs)
+            return self._fallback(args, kwargs, "backend error", leaves)
         # the first padded call into a loaded package's recording is checked against the original module,
         # which must see the buffers as the caller left them (the padded run may have written them)
         buffers = BufferWatch(module) if padding is not None and index not in self._padding_checked else None
@@ -143,18 +153,37 @@ class TunedModule:
                 return self.runner.run(index, args, kwargs, leaves)
             outputs = self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
-            self.backend_errors[index] = f"{type(exc).__name__}: {exc}"
-            self._table = {k: i for k, i in self._table.items() if i != index}
-            if self._padding:
-                self._padding.retire(index)
-            self._refused.add(key)
-            log.warning("%s: %s backend failed (%s); this signature now runs the original module",
-                        self.target.path or "<model>", self.backend_name, exc)
+            self._retire(index, key, f"{type(exc).__name__}: {exc}")
             return self._fallback(args, kwargs, "backend error", leaves)
         if buffers is not None:
             return self._check_first_padded_call(index, outputs, args, kwargs, leaves, buffers)
         self.padded += 1
         return outputs
+
+    def _retire(self, index: int, key: tuple, error: str) -> None:
+        """Signature ``index`` failed in the backend: its calls run the original module from now on."""
+        self.backend_errors[index] = error
+        self._table = {k: i for k, i in self._table.items() if i != index}
+        if self._padding:
+            self._padding.retire(index)
+        self._refused.add(key)
+        log.warning("%s: %s backend failed (%s); this signature now runs the original module",
+                    self.target.path or "<model>", self.backend_name, error)
+
+    def _prepared(self, index: int, key: tuple) -> bool:
+        """Whether the work off the caller's path for new size ``index`` finished well (it is then
+        forgotten). False while it runs, and once it failed: the signature is then retired."""
+        work = self._pending.get(index)
+        if work is None:  # another thread took the outcome
+            return index not in self.backend_errors
+        if not work.done() or work.cancelled():  # cancelled: the process exits
+            return False
+        self._pending.pop(index, None)
+        error = work.exception()
+        if error is None:
+            return True
+        self._retire(index, key, f"compile off the caller's path: {type(error).__name__}: {error}")
+        return False
 
     def _check_first_padded_call(self, index: int, outputs: Any, args: tuple, kwargs: dict, leaves: list,
                                  buffers: BufferWatch) -> Any:
@@ -202,8 +231,10 @@ class TunedModule:
         """A call of a tuned signature's family whose state has a new layout (a KV cache of another
         length, from ``generate(max_new_tokens=...)``) becomes a signature of its own, up to a cap; the
         backend prepares it as it does a new cache: the first call runs for real, the next one is
-        recorded. A new input size on a tuned cache layout (a prefill into a reused cache) is no such
-        call: it is a different step, and falls back like any unrecorded signature."""
+        recorded. Where that needs a compile, the runner does it off the caller's path, and the calls
+        meanwhile run the original module (counted as ``compiling``). A new input size on a tuned cache
+        layout (a prefill into a reused cache) is no such call: it is a different step, and falls back
+        like any unrecorded signature."""
         if key in self._refused or self.new_sizes >= MAX_NEW_SIZES:
             return None
         try:
@@ -218,12 +249,15 @@ class TunedModule:
             return None
         index = len(self.spec.signatures)
         self.spec.signatures.append(signature)
-        self.runner.add_signature(index)
+        pending = self.runner.add_signature(index, args, kwargs)
+        if pending is not None:
+            self._pending[index] = pending
         self._table[key] = index
         tuned_layouts.add(signature.state_layout)
         self.new_sizes += 1
-        log.info("%s: taking calls of %s (a new size of a tuned signature with state)",
-                 self.target.path or "<model>", signature.describe())
+        log.info("%s: taking calls of %s (a new size of a tuned signature with state)%s",
+                 self.target.path or "<model>", signature.describe(),
+                 "; the original module runs them while it compiles" if pending is not None else "")
         return index
 
     @property
@@ -285,9 +319,14 @@ class TunedModule:
                             "call%s", self.target.path or "<model>", type(x).__name__, hint)
 
     def stats(self) -> dict:
+        described = self.runner.describe()
+        # calls the runner served from the original module's recordings while its compiled code was not
+        # ready (a load's `defer_compile`) count with those that ran the original while a compile ran
+        compiling = self.compiling + described.pop("compiling", 0)
         return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
+                "compiling": compiling,
                 "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
-                "memory_bytes": self.runner.memory_bytes(), **self.runner.describe(),
+                "memory_bytes": self.runner.memory_bytes(), **described,
                 **({"new_sizes": self.new_sizes} if self._families else {}),
                 **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
                 **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
@@ -457,7 +496,12 @@ def detach(model: nn.Module) -> None:
 
 
 def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
-    """Per tuned module (by object path): backend, calls, fallbacks, padded, signatures, memory.
+    """Per tuned module (by object path): backend, calls, fallbacks, padded, compiling, signatures, memory.
+
+    ``compiling`` counts the calls that ran the original module (or a device graph of it) while a
+    compile for their signature ran off the caller's path: a new KV-cache length, or a load's compiled
+    code (``load(defer_compile=True)``; ``compiled_serving`` then says whether it serves yet, and
+    ``upgrade_error`` why it never will). They are not fallbacks.
 
     ``memory_bytes`` is the device memory the module's recordings hold (graph backend; 0 for the
     others), ``recording_memory`` each recording's share, ``skipped`` what ``max_memory`` left out.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -215,3 +216,26 @@ class GatedCompileBackend(Backend):
         runner = GatedRunner(target.forward, set(range(len(spec.signatures))), self.offset)
         type(self).RUNNERS.append(runner)
         return runner
+
+
+class PreparingRunner(CountingRunner):
+    def __init__(self, forward, supported):
+        super().__init__(forward, supported)
+        #: one future per new size taken while serving; the test finishes it (or fails it)
+        self.preparations = []
+
+    def add_signature(self, index, args, kwargs):
+        super().add_signature(index, args, kwargs)
+        self.preparations.append(Future())
+        return self.preparations[-1]
+
+
+@register_backend
+class PreparingBackend(Backend):
+    """Takes a new size of a signature with state as a compiling backend does: not at once, but once
+    work off the caller's path (a future the test holds, `PreparingRunner.preparations`) is done."""
+
+    name = "preparing"
+
+    def build(self, target, spec, device):
+        return PreparingRunner(target.forward, set(range(len(spec.signatures))))

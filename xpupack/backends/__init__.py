@@ -47,4 +47,8 @@ into its own buffers sets ``run_padded`` (the graph runner does); otherwise the
 dispatcher pads a copy of the call and uses ``run``. ``undo``/``redo`` take back and reapply
 what building or restoring changed in the module (TorchAO's quantized
 weights), so a rejected candidate or a failed load leaves the module as it was.
+``add_signature(index, args, kwargs)`` takes a new size of a signature with state
+while serving (a KV cache of another length); a runner that must compile for it
+returns a future of that work, done off the caller's path (`xpupack._background`),
+and the dispatcher runs the original module until it finishes.
 """

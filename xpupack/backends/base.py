@@ -23,6 +23,8 @@ from ..errors import OutputMismatchError, UnknownConfigError
 from ..signature import Signature, flatten
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from ..padding import BatchAxes
 
 
@@ -176,10 +178,15 @@ class Runner:
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         raise NotImplementedError
 
-    def add_signature(self, index: int) -> None:
+    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """Takes calls of a signature appended to the spec while serving (a call with state of a tuned
-        signature's family, e.g. a KV cache of another length); the runner prepares it on its first call."""
+        signature's family, e.g. a KV cache of another length); ``args`` and ``kwargs`` are its first call.
+
+        Returns None when `run` can take its calls now, or a future that finishes once the work they
+        need (a compile) is done off the caller's path: until then its calls run the original module,
+        and if the future fails they do for good. That work must not change the call's state objects."""
         self.supported.add(index)
+        return None
 
     def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """Gets signature ``index`` ready off the caller's path for calls like this one (a compile of a call

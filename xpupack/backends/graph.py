@@ -20,6 +20,9 @@ a reference to the state, so a freed cache is really freed. A state object
 with Python-side counters (a sliding-window KV cache, `xpupack.state`) is
 recorded once per Python path its counters put the call on, and its
 counters are advanced after each replay.
+No capture
+overlaps a compile that runs off the caller's path (`xpupack._background`):
+a call that would be recorded meanwhile runs for real, the next is recorded.
 
 Before each replay the runner checks that the module still holds the very
 parameter and buffer storage it recorded: after ``.to()``, a dtype change or
@@ -237,10 +240,12 @@ class GraphRunner(Runner):
         self.compiling = 0
         self.upgrade_error: str | None = None
 
-    def add_signature(self, index: int) -> None:
+    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+        """Records the new signature as any call with state (`_run_with_state`), once the base is ready."""
         with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
             self.state_slots.append(self.spec.signatures[index].state_slots)
-            super().add_signature(index)
+            super().add_signature(index, args, kwargs)
+        return self.base_runner.add_signature(index, args, kwargs) if self.base_runner is not None else None
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -271,7 +276,8 @@ class GraphRunner(Runner):
                 continue
             args, kwargs = self.spec.example(index)
             try:
-                recording = self.record(index, args, kwargs)
+                with _background.device_work:  # waits for a compile on another thread (at load, after .to())
+                    recording = self.record(index, args, kwargs)
             except Exception as exc:
                 reason = _reason(exc)
                 if strict:
@@ -542,12 +548,17 @@ class GraphRunner(Runner):
                 self._warm.popitem(last=False)
             self.warm_runs += 1
             return self._function(index)(index, args, kwargs, leaves)
-        self._make_room()
-        with ExitStack() as following:
-            for counters, obj in counted:
-                counters.sync(obj)
-                following.enter_context(counters.following(obj))
-            recording = self.record(index, args, kwargs, warmup=0)
+        if not _background.device_work.acquire(blocking=False):  # another thread's compile: record later
+            return self._function(index)(index, args, kwargs, leaves)
+        try:
+            self._make_room()
+            with ExitStack() as following:
+                for counters, obj in counted:
+                    counters.sync(obj)
+                    following.enter_context(counters.following(obj))
+                recording = self.record(index, args, kwargs, warmup=0)
+        finally:
+            _background.device_work.release()
         del self._warm[key]
         if paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) \
                 != self._added[index]:  # its replays would advance the counters by what another call added

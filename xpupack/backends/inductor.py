@@ -19,6 +19,11 @@ compile hit a warm cache.
 
 All of these are pickles and native code: they load only when trusted
 (README: "Safety and reliability"); otherwise the module is compiled locally.
+
+Calls with state (decode steps with a KV cache) are compiled with their sizes
+as symbols, so that one compiled step serves every cache length; a new length
+while serving is prepared off the caller's path (`InductorRunner.add_signature`;
+README: "Language models").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path, PurePosixPath
@@ -37,15 +43,19 @@ from typing import Any
 import torch
 from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 
+from .. import _background, _device
 from .._compare import mismatch
 from ..errors import PackageFormatError
 from ..manifest import artifact_file
-from ..signature import Unsynthesizable
+from ..signature import Unsynthesizable, flatten
+from ..state import scratch_copy
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "cache.bin"
+#: the backend config's entry that says calls with state were compiled per shape, not with sizes as symbols
+STATE_SIZES, PER_SHAPE = "state_sizes", "per shape"
 KERNELS = "kernels"
 #: what Inductor builds from a C++ source ``name.cpp`` in its cache: ``name.so`` (``name.o``: a part linked later)
 _BUILT_SUFFIXES = (".so", ".o")
@@ -73,23 +83,31 @@ NOT_COMPILED = ("Dynamo ran it without compiling (torch.compiler.set_stance('for
 
 
 class InductorRunner(Runner):
-    """Runs each signature through a compilation of its own and knows what compiling recorded (`_Compiled`).
+    """Runs each signature through compiled code and knows what compiling recorded (`_Compiled`).
 
-    One ``torch.compile`` per signature: Dynamo keeps compiled code per function and, past its
-    recompile limit (8), runs a function's further shapes eagerly without a word, so one function
-    for an 11-size batch ladder left 3 sizes uncompiled. A function per signature compiles each
-    shape once, without raising a limit of the user's process. Whether Dynamo really compiled a
-    signature is checked on its first call; one it did not is taken out of ``supported`` and
-    listed under ``not_compiled``, and its calls run the original module (`stats` counts them).
+    A signature without state gets a ``torch.compile`` of its own, static: a batch size never becomes a
+    symbol, and Dynamo, which keeps compiled code per function and past its recompile limit (8) runs a
+    function's further shapes eagerly without a word, compiles each shape once (one function for an
+    11-size batch ladder left 3 sizes uncompiled). Signatures with state (decode steps with a KV cache)
+    share one compiled with every size a symbol, so that a cache of any length runs the same compiled
+    code (Dynamo keeps a size of 1, and the weights' sizes, fixed); where that compile failed at tune
+    time, each gets a static one. Whether Dynamo really compiled a signature is checked on its first
+    call; one it did not is taken out of ``supported`` and listed under ``not_compiled``, and its calls
+    run the original module (`stats` counts them).
     """
 
-    def __init__(self, path: str, spec: ModuleSpec,
-                 compile_one: Callable[[], tuple[Callable[..., Any], Callable[..., Any]]]):
+    def __init__(self, path: str, spec: ModuleSpec, device: torch.device,
+                 compile_one: Callable[[bool], tuple[Callable[..., Any], Callable[..., Any]]], *,
+                 symbolic_state: bool):
         super().__init__(set())
         self.path = path
         self.spec = spec
-        #: makes ``(entry, compiled)``: a function of its own and its ``torch.compile``
+        self.device = device
+        #: ``compile_one(dynamic)`` makes ``(entry, compiled)``: a function of its own and its ``torch.compile``
         self._compile_one = compile_one
+        #: whether calls with state share the compile with sizes as symbols
+        self.symbolic_state = symbolic_state and any(signature.state_slots for signature in spec.signatures)
+        self._symbolic: tuple[Callable[..., Any], Callable[..., Any]] | None = None
         #: signature index -> the compiled function of the signatures checked to be compiled
         self._ready: dict[int, Callable[..., Any]] = {}
         self._pending: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
@@ -104,15 +122,33 @@ class InductorRunner(Runner):
             return function(*args, **kwargs)
         return self._first_call(index, args, kwargs)
 
+    def is_symbolic(self, index: int) -> bool:
+        return self.symbolic_state and bool(self.spec.signatures[index].state_slots)
+
+    def compile_state_per_shape(self) -> None:
+        """Calls with state get a static compile each (their compile with sizes as symbols failed): a
+        new cache length then compiles once more (off the caller's path, `add_signature`)."""
+        with self._lock:
+            self.symbolic_state, self._symbolic = False, None
+            for index in [i for i in self._ready if self.spec.signatures[i].state_slots]:
+                del self._ready[index]
+
+    def _compiled_for(self, index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        with self._lock:
+            if self.is_symbolic(index):
+                if self._symbolic is None:
+                    self._symbolic = self._compile_one(True)
+                return self._symbolic
+            if index not in self._pending:
+                self._pending[index] = self._compile_one(False)
+            return self._pending[index]
+
     def _first_call(self, index: int, args: tuple, kwargs: dict) -> Any:
         """A signature's first call compiles it (at tune or load time, or for a call with state while
         serving) and checks that Dynamo left compiled code for it."""
         if index in self.not_compiled:
             raise RuntimeError(f"not compiled: {self.not_compiled[index]}")
-        with self._lock:
-            if index not in self._pending:
-                self._pending[index] = self._compile_one()
-            entry, function = self._pending[index]
+        entry, function = self._compiled_for(index)
         output = function(*args, **kwargs)
         if _has_compiled_code(entry):
             self._ready[index] = function
@@ -122,6 +158,36 @@ class InductorRunner(Runner):
             log.warning("%s: %s was not compiled: %s", self.path or "<model>", self.spec.signatures[index].describe(),
                         NOT_COMPILED)
         return output
+
+    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+        """A new size of a tuned signature with state: compiled off the caller's path (`prepare`)."""
+        super().add_signature(index, args, kwargs)
+        return self.prepare(index, args, kwargs)
+
+    def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+        """Runs a call like this one on a scratch copy of its state on the background worker
+        (`xpupack._background`), where signature ``index`` compiles if it must (the first call of the
+        process, or a size Dynamo could not keep symbolic), with the caller's grad and inference modes.
+        None when it is compiled already."""
+        if index in self._ready:
+            return None
+        try:
+            scratch_args, scratch_kwargs = scratch_copy(
+                args, kwargs, self.spec.signatures[index].state_tensors(flatten(args, kwargs)[0]))
+        except Exception as exc:
+            failed: Future = Future()
+            failed.set_exception(RuntimeError(f"no scratch copy of the call to compile on ({type(exc).__name__}: "
+                                              f"{exc}); its calls run the original module"))
+            return failed
+        grad, inference, device = torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.device
+
+        def compile_off_the_callers_path() -> None:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), _device.on_device(device):
+                self._first_call(index, scratch_args, scratch_kwargs)
+            if index not in self._ready:
+                raise RuntimeError(f"not compiled: {self.not_compiled.get(index, NOT_COMPILED)}")
+
+        return _background.submit(compile_off_the_callers_path)
 
     def unbuilt(self) -> dict[int, str]:
         return {index: f"not compiled: {why}" for index, why in self.not_compiled.items()}
@@ -297,10 +363,10 @@ class InductorBackend(ComposedBackend):
         return self._compile_or_undo(target, spec, device, self._build_base(target, spec, device))
 
     def _compile_or_undo(self, target: Target, spec: ModuleSpec, device: torch.device,
-                         base_runner: Runner | None) -> Runner:
+                         base_runner: Runner | None, *, symbolic_state: bool = True) -> Runner:
         """Compiles; if that fails, the base's changes to the module are taken back."""
         try:
-            return self._compile(target, spec, device, base_runner)
+            return self._compile(target, spec, device, base_runner, symbolic_state=symbolic_state)
         except BaseException:
             if base_runner is not None:
                 base_runner.undo()
@@ -314,41 +380,41 @@ class InductorBackend(ComposedBackend):
         # torch.compile takes a mode or options, not both: the mode's own options go first
         return {"options": {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), **options}}
 
-    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device,
-                 base_runner: Runner | None) -> Runner:
+    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None,
+                 *, symbolic_state: bool) -> Runner:
         settings = self._settings(device)
 
-        def compile_one() -> tuple[Callable[..., Any], Callable[..., Any]]:
+        def compile_one(dynamic: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
             # a base transforms the module in place, so its own forward is what gets compiled
             entry = _own_entry(target.forward)
-            return entry, torch.compile(entry, dynamic=False, **settings)
+            return entry, torch.compile(entry, dynamic=dynamic, **settings)
 
-        # a sliding-window KV cache counts its tokens in a Python int, which Dynamo guards on: it would
-        # compile again for every position (up to its recompile limit), so those calls are left to others
-        sliding = {index for index in range(len(spec.signatures))
-                   if index < len(spec.counts) and any(any(sample) for sample in spec.counts[index])}
-        runner = InductorRunner(target.path, spec, compile_one)
+        runner = InductorRunner(target.path, spec, device, compile_one, symbolic_state=symbolic_state)
         with _recording() as recorded:
-            for index in range(len(spec.signatures)):
-                if index in sliding:
-                    continue
-                runner.supported.add(index)
-                with spec.mode(index):
-                    try:
-                        args, kwargs = spec.example(index)
-                    except Unsynthesizable:
-                        continue  # a call with a KV cache at load: it compiles on its first real call
-                    runner.run(index, args, kwargs, [])  # compile now, not on the user's first call
+            try:
+                attempted = _compile_examples(runner, spec)
+            except _SymbolicSizesFailed as failed:
+                log.warning("%s: its calls with state do not compile with sizes as symbols (%s); they are "
+                            "compiled per cache length instead", target.path or "<model>", failed.__cause__)
+                runner.compile_state_per_shape()
+                attempted = _compile_examples(runner, spec)
         runner.compiled = recorded
-        if not runner.supported and len(sliding) < len(spec.signatures):
+        if attempted and not runner.supported:
             raise RuntimeError(f"no signature was compiled: {NOT_COMPILED}")
         runner.base_runner = base_runner
         return runner
 
+    def save(self, runner: Runner, folder: Path) -> dict:
+        config = super().save(runner, folder)
+        if any(signature.state_slots for signature in runner.spec.signatures) and not runner.symbolic_state:
+            config[STATE_SIZES] = PER_SHAPE  # a loader compiles them the same way
+        return config
+
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
         return self._compile_or_undo(target, spec, device,
-                                     self._restore_base(target, spec, config, folder, device, use_artifacts))
+                                     self._restore_base(target, spec, config, folder, device, use_artifacts),
+                                     symbolic_state=config.get(STATE_SIZES) != PER_SHAPE)
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
         """Writes what compiling the modules of ``runners`` recorded (all modules share one blob).
@@ -420,6 +486,38 @@ SPEED_SETTINGS: dict[str, type | range] = {
     "triton.max_tiles": range(1, 4),
     "cpp.max_horizontal_fusion_size": range(0, 65),
 }
+
+
+class _SymbolicSizesFailed(Exception):
+    """Compiling a call with state with its sizes as symbols raised (the cause)."""
+
+
+def _compile_examples(runner: InductorRunner, spec: ModuleSpec) -> int:
+    """Runs each signature's example through its compiled function: the compile happens now, not on
+    the user's first call. Returns how many signatures it took. Raises `_SymbolicSizesFailed` when the
+    compile with sizes as symbols fails.
+
+    A sliding-window KV cache counts its tokens in a Python int, which Dynamo guards on: it would
+    compile again for every position (up to its recompile limit), so those calls are left to others.
+    """
+    attempted = 0
+    for index in range(len(spec.signatures)):
+        if index < len(spec.counts) and any(any(sample) for sample in spec.counts[index]):
+            continue
+        runner.supported.add(index)
+        attempted += 1
+        with spec.mode(index):
+            try:
+                args, kwargs = spec.example(index)  # a recorded call with state gets its state back as recorded
+            except Unsynthesizable:
+                continue  # a call with a KV cache at load: it compiles on its first real call
+            try:
+                runner.run(index, args, kwargs, [])
+            except Exception as exc:
+                if runner.is_symbolic(index):
+                    raise _SymbolicSizesFailed() from exc
+                raise
+    return attempted
 
 
 def _refusal(key: str) -> str:
