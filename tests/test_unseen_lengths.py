@@ -108,28 +108,6 @@ def test_no_capture_overlaps_work_off_the_callers_path(emulated_graphs, fallback
     assert emulated_graphs.captures == captures + 1
 
 
-def test_where_a_capture_may_ignore_other_threads_a_decode_step_is_recorded_beside_a_compile(emulated_graphs,
-                                                                                             fallback_calls):
-    """A generate() that starts while a compile runs off the caller's path must not run every step eagerly
-    (a compile of many seconds on a GPU host): where the device API allows (CUDA's thread-local capture
-    mode) the step is recorded beside it."""
-    emulated_graphs.captures_beside_other_threads = True
-    graph = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
-    model, reference = tune_llm(graph, run=lambda m, ids: generate(m, ids, NEW_TOKENS, cache=static_cache(m, 16)))
-    ids, cache = prompt(seed=5), static_cache(model, 16)
-    expected = generate(reference, ids, NEW_TOKENS)
-    replays = emulated_graphs.replays
-    started, finish = threading.Event(), threading.Event()
-    _background.submit(lambda: (started.set(), finish.wait(timeout=60)))  # as a compile on the worker
-    started.wait(timeout=60)
-    try:
-        assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), expected)
-    finally:
-        finish.set()
-    _background.wait(timeout=60)
-    assert emulated_graphs.beside_captures == 1 and emulated_graphs.replays - replays == NEW_TOKENS - 3
-
-
 def test_a_scratch_copy_has_zeroed_state_of_the_same_layout():
     model = tiny_llama()
     cache = static_cache(model, 16)

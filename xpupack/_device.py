@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -87,16 +86,6 @@ class DeviceGraphs:
         return (self._module.is_available() and hasattr(self._module, self._graph_class)
                 and hasattr(self._module, "graph"))
 
-    @property
-    def captures_beside_other_threads(self) -> bool:
-        """Whether a capture can ignore other threads' device work (`capture`'s ``beside_other_threads``)."""
-        return self._takes_mode
-
-    @functools.cached_property
-    def _takes_mode(self) -> bool:
-        """Whether this device's ``graph`` context takes a ``capture_error_mode`` (CUDA's does)."""
-        return "capture_error_mode" in inspect.signature(self._module.graph.__init__).parameters
-
     def _side_stream(self, device: torch.device) -> Any:
         """One warm-up and capture stream per device: libraries such as cuBLAS keep a
         workspace per stream, so a new stream per recording would hold a new workspace each."""
@@ -113,7 +102,7 @@ class DeviceGraphs:
         return self._pools[device]
 
     def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2, beside_other_threads: bool = False) -> tuple[Callable[[], None], Any, int]:
+                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
         """Warms ``fn`` up on a side stream, records it once, returns ``(replay, outputs, memory)``.
 
         ``memory`` is what the capture added to ``pool``: the growth of the device's reserved
@@ -129,10 +118,6 @@ class DeviceGraphs:
         updates state in place must run once only); a host synchronisation then
         fails the capture itself. A capture that fails leaves the device's
         random generator and current stream as they were before it.
-
-        ``beside_other_threads``: another thread may use the device meanwhile (a compile off the
-        caller's path): where the API allows, only this thread's unsafe calls end the capture
-        (CUDA's ``capture_error_mode="thread_local"``; ``torch.xpu.graph`` takes no such mode).
         """
         module = self._module
         with module.device(device):
@@ -147,8 +132,7 @@ class DeviceGraphs:
             generator_states = _generator_states(module, device)
             previous_stream = module.current_stream()
             try:
-                mode = {"capture_error_mode": "thread_local"} if beside_other_threads and self._takes_mode else {}
-                with torch.no_grad(), module.graph(graph, pool=pool, stream=stream, **mode):
+                with torch.no_grad(), module.graph(graph, pool=pool, stream=stream):
                     reserved = module.memory_reserved(device)
                     outputs = fn()
             except BaseException:

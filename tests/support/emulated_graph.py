@@ -23,14 +23,10 @@ class EmulatedGraphs:
     capture_executes = True
     #: a replay runs the function again, so a sharded module's collectives really happen on every replay
     records_collectives = True
-    #: whether a capture may be made while another thread uses the device (CUDA's thread-local capture
-    #: mode); a test switches it on and reads ``beside_captures``
-    captures_beside_other_threads = False
 
     def __init__(self):
         self.captures = 0
         self.replays = 0
-        self.beside_captures = 0
         self.fail_capture: Callable[[], bool] = lambda: False
 
     def available(self) -> bool:
@@ -40,8 +36,7 @@ class EmulatedGraphs:
         return None
 
     def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2, beside_other_threads: bool = False) -> tuple[Callable[[], None], Any, int]:
-        self.beside_captures += beside_other_threads
+                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
         with torch.no_grad():
             for _ in range(warmup):
                 fn()
@@ -75,8 +70,7 @@ class TracedGraphs(EmulatedGraphs):
     records_collectives = False
 
     def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2, beside_other_threads: bool = False) -> tuple[Callable[[], None], Any, int]:
-        self.beside_captures += beside_other_threads
+                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         with torch.no_grad():

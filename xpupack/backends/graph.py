@@ -308,8 +308,7 @@ class GraphRunner(Runner):
         weights = self.spec.signature_weights()
         return sorted(indices, key=lambda index: (-weights[index], -sizes[index]))
 
-    def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2,
-               beside_other_threads: bool = False) -> _Recording:
+    def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2) -> _Recording:
         """Records one call: tensor inputs copied into new static buffers, state objects used in place.
 
         ``warmup=0`` for a call with state: it must run exactly once, and the call
@@ -330,9 +329,8 @@ class GraphRunner(Runner):
         recording.live = {slot: leaves[slot] for slot in slots}
         try:
             with _device.on_device(self.device):
-                beside = {"beside_other_threads": True} if beside_other_threads else {}
                 recording.replay, outputs, pool_memory = self.api.capture(
-                    call, device=self.device, warmup=warmup, pool=self.api.shared_pool(self.device), **beside)
+                    call, device=self.device, warmup=warmup, pool=self.api.shared_pool(self.device))
             recording.set_outputs(outputs)
         finally:
             recording.live = {}
@@ -550,11 +548,7 @@ class GraphRunner(Runner):
                 self._warm.popitem(last=False)
             self.warm_runs += 1
             return self._function(index)(index, args, kwargs, leaves)
-        # another thread's compile may use the device: where the device API lets a capture ignore other
-        # threads' calls, a decode step is recorded all the same (a generate() must not run eager steps
-        # through a compile of many seconds); elsewhere it runs for real and the next call is recorded
-        alone = _background.device_work.acquire(blocking=False)
-        if not alone and not self.api.captures_beside_other_threads:
+        if not _background.device_work.acquire(blocking=False):  # another thread's compile: record later
             return self._function(index)(index, args, kwargs, leaves)
         try:
             self._make_room()
@@ -562,19 +556,9 @@ class GraphRunner(Runner):
                 for counters, obj in counted:
                     counters.sync(obj)
                     following.enter_context(counters.following(obj))
-                try:
-                    recording = self.record(index, args, kwargs, warmup=0, beside_other_threads=not alone)
-                except Exception as exc:
-                    if alone:
-                        raise
-                    log.info("%s: recording %s beside a compile failed (%s); a later call records it",
-                             self.target.path or "<model>", signature.describe(), _reason(exc))
-                    recording = None
+                recording = self.record(index, args, kwargs, warmup=0)
         finally:
-            if alone:
-                _background.device_work.release()
-        if recording is None:  # a failed capture ran nothing: the call runs for real now
-            return self._function(index)(index, args, kwargs, leaves)
+            _background.device_work.release()
         del self._warm[key]
         if paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) \
                 != self._added[index]:  # its replays would advance the counters by what another call added
