@@ -124,3 +124,57 @@ def test_a_load_gives_its_deferred_work_to_the_worker_only_once_every_module_is_
     _background.wait(5)
     assert cancelled.cancelled() and "never" not in ran
     assert not _background.deferred()
+
+
+@pytest.fixture
+def busy_worker():
+    """Holds the background worker on a job of its own until the test lets go: what a load queues waits."""
+    release, started = threading.Event(), threading.Event()
+    _background.submit(lambda: (started.set(), release.wait(timeout=60)))
+    started.wait(timeout=60)
+    yield release
+    release.set()
+    _background.wait(60)
+
+
+@pytest.mark.slow
+def test_an_inductor_package_serves_the_original_module_until_its_compile_off_the_callers_path_is_done(
+        inductor_package, busy_worker):
+    _, root = inductor_package
+    model = xpupack.load(make_stack(), root)
+    actual, expected = serve(model)
+    assert torch.allclose(actual, expected)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["backend"] == "inductor" and stats["compiling"] == 1 and stats["compiled_serving"] is False
+    busy_worker.set()
+    _background.wait(120)
+    actual, expected = serve(model)
+    assert torch.allclose(actual, expected, atol=1e-5)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert stats["compiling"] == 1 and stats["compiled_serving"] is True and stats["fallbacks"] == 0, stats
+
+
+@pytest.mark.parametrize("failure, why", [("raises", "the compile failed"), ("wrong", "differs from the original")])
+def test_an_inductor_compile_off_the_callers_path_that_fails_or_answers_wrong_leaves_the_original_module_serving(
+        tmp_path, monkeypatch, busy_worker, failure, why):
+    # an eager "compile": this test is about what a failure leaves, not about Inductor
+    monkeypatch.setattr(torch, "compile", lambda function, **settings: function)
+    monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    root = xpupack.save(model, tmp_path / "pkg")
+
+    def broken(function, **settings):
+        if failure == "raises":
+            raise RuntimeError("the compile failed")
+        return lambda *args, **kwargs: function(*args, **kwargs) + 1
+
+    monkeypatch.setattr(torch, "compile", broken)
+    model = xpupack.load(make_stack(), root)
+    busy_worker.set()
+    _background.wait(60)
+    actual, expected = serve(model)
+    assert torch.allclose(actual, expected)
+    stats = xpupack.stats(model)["layers.0.mlp"]
+    assert why in stats["upgrade_error"] and stats["compiled_serving"] is False
+    assert stats["fallbacks"] == 0 and stats["compiling"] == 1

@@ -171,6 +171,9 @@ class Runner:
     #: ``run_padded(index, leaves, axes, batch)`` where a runner pads a smaller batch into its own
     #: buffers (the graph backend); None: `TunedModule` pads a copy of the call and uses `run`
     run_padded: Callable[..., Any] | None = None
+    #: True when the runner's compiled code is checked against the original module where it is
+    #: compiled, off the caller's path (a load's ``defer_compile``): the load itself has nothing to check
+    checked_where_compiled: bool = False
 
     def __init__(self, supported: set[int]):
         self.supported = set(supported)

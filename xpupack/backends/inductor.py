@@ -49,7 +49,8 @@ from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable, flatten
 from ..state import scratch_copy
-from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, register_backend
+from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
+                   register_backend)
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +116,42 @@ class InductorRunner(Runner):
         self.not_compiled: dict[int, str] = {}
         self.compiled = _Compiled()
         self._lock = threading.Lock()
+        #: a load's compile off the caller's path (`compile_later`) and the module's own forward meanwhile
+        self._later: Future | None = None
+        self._original: Callable[..., Any] | None = None
+        self._compiled_checked = False
+        self.compiling = 0
+        self.upgrade_error: str | None = None
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        if self._later is not None and not self._compiled_checked:
+            self.compiling += 1  # compiled off the caller's path (a load's `compile_later`): not yet, or never
+            return self._original(*args, **kwargs)
+        return self.run_compiled(index, args, kwargs, leaves)
+
+    def run_compiled(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """`run` through the compiled code, also before a load's compile off the caller's path was checked
+        (the check itself runs this way)."""
         function = self._ready.get(index)
         if function is not None:
             return function(*args, **kwargs)
         return self._first_call(index, args, kwargs)
+
+    def compile_later(self, original: Callable[..., Any], work: Future) -> None:
+        """Runs ``original`` (the module's own forward) for every call until ``work`` (the compile off the
+        caller's path) is done; a compile that failed leaves it running them (`upgrade_error` says why)."""
+        self._original, self._later = original, work
+        self.checked_where_compiled = True
+
+        def settle(done: Future) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._compiled_checked = True  # only now may a call run the compiled code
+                return
+            why = "cancelled" if done.cancelled() else f"{type(done.exception()).__name__}: {done.exception()}"
+            self.upgrade_error = f"compiling off the caller's path failed: {why}"
+            log.warning("%s: %s; the original module keeps serving", self.path or "<model>", self.upgrade_error)
+
+        work.add_done_callback(settle)
 
     def is_symbolic(self, index: int) -> bool:
         return self.symbolic_state and bool(self.spec.signatures[index].state_slots)
@@ -193,9 +224,24 @@ class InductorRunner(Runner):
         return {index: f"not compiled: {why}" for index, why in self.not_compiled.items()}
 
     def describe(self) -> dict:
-        if not self.not_compiled:
-            return {}
-        return {"not_compiled": {self.spec.signatures[i].describe(): why for i, why in self.not_compiled.items()}}
+        facts: dict = {}
+        if self._later is not None:
+            facts["compiling"] = self.compiling
+            facts["compiled_serving"] = self._compiled_checked
+        if self.upgrade_error:
+            facts["upgrade_error"] = self.upgrade_error
+        if self.not_compiled:
+            facts["not_compiled"] = {self.spec.signatures[i].describe(): why for i, why in self.not_compiled.items()}
+        return facts
+
+
+class _CompiledCode(Runner):
+    """An `InductorRunner`'s compiled code, whatever its gate says (what a load's compile off the caller's
+    path checks against the original module before any call runs it)."""
+
+    def __init__(self, runner: InductorRunner):
+        super().__init__(runner.supported)
+        self.run = runner.run_compiled  # type: ignore[method-assign]
 
 
 def _has_compiled_code(entry: Callable[..., Any]) -> bool:
@@ -380,8 +426,8 @@ class InductorBackend(ComposedBackend):
         # torch.compile takes a mode or options, not both: the mode's own options go first
         return {"options": {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), **options}}
 
-    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None,
-                 *, symbolic_state: bool) -> Runner:
+    def _runner(self, target: Target, spec: ModuleSpec, device: torch.device, *,
+                symbolic_state: bool) -> InductorRunner:
         settings = self._settings(device)
 
         def compile_one(dynamic: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -389,7 +435,17 @@ class InductorBackend(ComposedBackend):
             entry = _own_entry(target.forward)
             return entry, torch.compile(entry, dynamic=dynamic, **settings)
 
-        runner = InductorRunner(target.path, spec, device, compile_one, symbolic_state=symbolic_state)
+        return InductorRunner(target.path, spec, device, compile_one, symbolic_state=symbolic_state)
+
+    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None,
+                 *, symbolic_state: bool) -> Runner:
+        runner = self._runner(target, spec, device, symbolic_state=symbolic_state)
+        self._compile_into(runner, target, spec)
+        runner.base_runner = base_runner
+        return runner
+
+    def _compile_into(self, runner: InductorRunner, target: Target, spec: ModuleSpec) -> None:
+        """Compiles every signature of ``runner`` that has an example (now, not on the user's first call)."""
         with _recording() as recorded:
             try:
                 attempted = _compile_examples(runner, spec)
@@ -401,8 +457,6 @@ class InductorBackend(ComposedBackend):
         runner.compiled = recorded
         if attempted and not runner.supported:
             raise RuntimeError(f"no signature was compiled: {NOT_COMPILED}")
-        runner.base_runner = base_runner
-        return runner
 
     def save(self, runner: Runner, folder: Path) -> dict:
         config = super().save(runner, folder)
@@ -412,9 +466,33 @@ class InductorBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
+        symbolic_state = config.get(STATE_SIZES) != PER_SHAPE
+        if self._defers(spec):
+            return self._compiled_later(target, spec, device, symbolic_state)
         return self._compile_or_undo(target, spec, device,
                                      self._restore_base(target, spec, config, folder, device, use_artifacts),
-                                     symbolic_state=config.get(STATE_SIZES) != PER_SHAPE)
+                                     symbolic_state=symbolic_state)
+
+    def _defers(self, spec: ModuleSpec | None = None) -> bool:
+        """Whether this load compiles off the caller's path (README: "Cold start"), the original module
+        serving meanwhile: without a base (a base such as TorchAO changes the module first) and for a
+        module that writes none of its buffers (the worker runs it while calls do)."""
+        return _background.deferred() and self.base is None and not (spec is not None and spec.writes_buffers)
+
+    def _compiled_later(self, target: Target, spec: ModuleSpec, device: torch.device,
+                        symbolic_state: bool) -> Runner:
+        """A runner that runs the original module until the worker has compiled every signature it can
+        and checked the compiled module against the original; one that fails keeps the original."""
+        runner = self._runner(target, spec, device, symbolic_state=symbolic_state)
+        runner.supported.update(index for index in range(len(spec.signatures)) if _compiles(spec, index))
+
+        def compile_and_check() -> None:
+            with _device.on_device(device):
+                self._compile_into(runner, target, spec)
+                check_against_original(target, spec, self, _CompiledCode(runner))
+
+        runner.compile_later(target.forward, _background.later(compile_and_check))
+        return runner
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
         """Writes what compiling the modules of ``runners`` recorded (all modules share one blob).
@@ -445,8 +523,22 @@ class InductorBackend(ComposedBackend):
             raise PackageFormatError(f"the backend config for {folder} lists the kernels as {kernels!r}, not as "
                                      "a list of files; the package is damaged — rebuild it", path=str(folder))
         sources = [artifact_file(folder / KERNELS, relative) for relative in kernels]
-        if "cache" in config:
-            torch.compiler.load_cache_artifacts(artifact_file(folder, config["cache"]).read_bytes())
+        cache = artifact_file(folder, config["cache"]) if "cache" in config else None
+        if self._defers():  # on the worker, before the modules' compiles it queues (importing Inductor: seconds)
+            def install() -> None:
+                try:
+                    self._install_shared(cache, kernels, sources, folder)
+                except Exception as exc:  # the modules then compile here, off the caller's path all the same
+                    log.warning("the shared Inductor artifacts in %s cannot be loaded (%s: %s); compiling here "
+                                "instead", folder, type(exc).__name__, exc)
+            _background.later(install)
+            return
+        self._install_shared(cache, kernels, sources, folder)
+
+    def _install_shared(self, cache: Path | None, kernels: list[str], sources: list[Path], folder: Path) -> None:
+        """Puts the package's cache artifacts and kernels into the local Inductor cache."""
+        if cache is not None:
+            torch.compiler.load_cache_artifacts(cache.read_bytes())
         root = _inductor_cache_dir()
         for relative, source in zip(kernels, sources):
             destination = root / relative
@@ -488,6 +580,12 @@ SPEED_SETTINGS: dict[str, type | range] = {
 }
 
 
+def _compiles(spec: ModuleSpec, index: int) -> bool:
+    """Whether Inductor takes signature ``index``: not a sliding-window decode step, whose Python-side
+    token count Dynamo guards on (it would compile again for every position, up to its recompile limit)."""
+    return not (index < len(spec.counts) and any(any(sample) for sample in spec.counts[index]))
+
+
 class _SymbolicSizesFailed(Exception):
     """Compiling a call with state with its sizes as symbols raised (the cause)."""
 
@@ -495,14 +593,11 @@ class _SymbolicSizesFailed(Exception):
 def _compile_examples(runner: InductorRunner, spec: ModuleSpec) -> int:
     """Runs each signature's example through its compiled function: the compile happens now, not on
     the user's first call. Returns how many signatures it took. Raises `_SymbolicSizesFailed` when the
-    compile with sizes as symbols fails.
-
-    A sliding-window KV cache counts its tokens in a Python int, which Dynamo guards on: it would
-    compile again for every position (up to its recompile limit), so those calls are left to others.
+    compile with sizes as symbols fails. Signatures Inductor does not take (`_compiles`) are left to others.
     """
     attempted = 0
     for index in range(len(spec.signatures)):
-        if index < len(spec.counts) and any(any(sample) for sample in spec.counts[index]):
+        if not _compiles(spec, index):
             continue
         runner.supported.add(index)
         attempted += 1
@@ -512,7 +607,7 @@ def _compile_examples(runner: InductorRunner, spec: ModuleSpec) -> int:
             except Unsynthesizable:
                 continue  # a call with a KV cache at load: it compiles on its first real call
             try:
-                runner.run(index, args, kwargs, [])
+                runner.run_compiled(index, args, kwargs, [])
             except Exception as exc:
                 if runner.is_symbolic(index):
                     raise _SymbolicSizesFailed() from exc
