@@ -74,6 +74,17 @@ def graph_inductor_package(tmp_path_factory, _inductor_cache):
 
 
 @pytest.fixture(autouse=True)
+def _background_work_ends_with_its_test():
+    """A load hands compiles to xpupack's background worker (``defer_compile``): what a test started
+    finishes before the next test runs, which may spy on torch.compile or change its caches."""
+    yield
+    from xpupack import _background
+
+    if _background._worker is not None:
+        _background.wait(600)
+
+
+@pytest.fixture(autouse=True)
 def _isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setenv("XPUPACK_CACHE", str(tmp_path / "xpupack-cache"))

@@ -369,7 +369,7 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_packag
 def test_a_missing_kernel_midway_gives_back_the_earlier_tuning(inductor_package, tmp_path):
     """A kernel the manifest does not list is refused (before anything changes, by `check_package`; the
     shared artifacts' restore checks again): the earlier tuning stays active and counting (issue 10, item 4)."""
-    model = xpupack.load(make_stack(seed=5), inductor_package[1])
+    model = xpupack.load(make_stack(seed=5), inductor_package[1], defer_compile=False)
     x = torch.randn(2, 8)
     with torch.no_grad():
         expected = model(x)
@@ -486,7 +486,7 @@ def test_trusted_compiled_artifacts_are_used(inductor_package, tmp_path, monkeyp
     root = copy_package(inductor_package[1], tmp_path / "pkg")
     blobs = []
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", blobs.append)
-    xpupack.load(make_stack(), root)
+    xpupack.load(make_stack(), root, defer_compile=False)
     assert blobs == [(root / "backends/inductor/cache.bin").read_bytes()]
 
 
@@ -507,7 +507,7 @@ def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(induct
         assert "backends/inductor" in str(error) and "AttributeError" in str(error)
         assert "rebuild the package" in str(error)
         return
-    model = xpupack.load(make_stack(seed=5), root)
+    model = xpupack.load(make_stack(seed=5), root, defer_compile=False)
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
     assert "cannot be loaded (AttributeError" in caplog.text
     for tuned in xpupack.tuned.session_of(model).modules.values():

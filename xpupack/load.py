@@ -115,8 +115,9 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         defer_compile: a device graph over compiled code (``graph+inductor``) records the original
             module now and serves those recordings while a background thread loads the compiled
             code; each signature's next call after that records it again over the compiled code
-            (README: "Cold start"). ``stats()`` counts the calls served meanwhile as ``compiling``.
-            False: the load returns once everything is compiled and recorded.
+            (README: "Cold start"); a plain Inductor module runs the original meanwhile. ``stats()``
+            counts the calls served meanwhile as ``compiling``. False (and ``on_mismatch="error"``,
+            which must raise what fails): the load returns once everything is compiled and recorded.
 
     Returns:
         The same model object, tuned modules active.
@@ -178,7 +179,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         clock.lap("weights")
         # backends read no file the manifest does not list; with defer_compile, compiled code is restored
         # off the caller's path while recordings of the original modules serve
-        with listed_files(source.root, manifest), _background.deferring(defer_compile):
+        with listed_files(source.root, manifest), _background.deferring(defer_compile and on_mismatch != "error"):
             _restore_shared(manifest, source, plans, context)
             clock.lap("shared_artifacts")
             modules = {}
