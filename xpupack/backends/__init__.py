@@ -51,4 +51,16 @@ weights), so a rejected candidate or a failed load leaves the module as it was.
 while serving (a KV cache of another length); a runner that must compile for it
 returns a future of that work, done off the caller's path (`xpupack._background`),
 and the dispatcher runs the original module until it finishes.
+
+A load may restore compiled code off the caller's path (``xpupack.load(...,
+defer_compile=True)``, README "Cold start"): inside such a load
+`xpupack._background.deferred()` is true, and a backend may return a runner
+that serves at once without its compiled code and queues the rest with
+`xpupack._background.later` (the jobs start once every module is restored).
+The graph backend over Inductor records the original module and takes the
+compiled code when it is ready (`GraphRunner.upgrade_when_ready`), asking its
+base to get ready for a call with state through ``prepare(index, args,
+kwargs)`` (a future, or None when ready); the Inductor backend runs the
+original module meanwhile and sets ``checked_where_compiled``, since the worker
+checks its compiled code against the original before any call runs it.
 """
