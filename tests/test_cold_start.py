@@ -108,6 +108,23 @@ def test_a_language_model_decodes_through_the_original_recordings_then_the_compi
     assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
 
 
+def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(emulated_graphs, gate,
+                                                                                       tmp_path, fallback_calls,
+                                                                                       caplog):
+    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(prepare_fails=True)))
+    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
+    served = xpupack.load(tiny_llama(), root)
+    gate.set()
+    _background.wait(30)
+    with caplog.at_level("WARNING", logger="xpupack"):
+        for _ in range(3):
+            assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert caplog.text.count("could not take") == 1  # said once, never asked again
+    assert base_runs() == 0 and xpupack.stats(served)[""]["fallbacks"] == len(fallback_calls)
+
+
 def test_a_load_gives_its_deferred_work_to_the_worker_only_once_every_module_is_restored():
     ran = []
     with _background.deferring():

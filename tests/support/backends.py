@@ -185,7 +185,17 @@ class MeteredBackend(Backend):
 
 
 class GatedRunner(CountingRunner):
-    """A `CountingRunner` whose every runner made by one backend shares a list (the test reads it)."""
+    """A `CountingRunner` that `GatedCompileBackend` lists; ``prepare_fails``: it cannot get ready for a call
+    with state (as a compile that fails off the caller's path)."""
+
+    prepare_fails = False
+
+    def prepare(self, index, args, kwargs):
+        if not self.prepare_fails:
+            return None
+        failed = Future()
+        failed.set_exception(RuntimeError("the decode step does not compile"))
+        return failed
 
 
 @register_backend
@@ -199,11 +209,11 @@ class GatedCompileBackend(Backend):
     GATE = None  # a threading.Event, set by the test's fixture
     RUNNERS: list = []
 
-    def __init__(self, offset: float = 0.0, fail: bool = False):
-        self.offset, self.fail = offset, fail
+    def __init__(self, offset: float = 0.0, fail: bool = False, prepare_fails: bool = False):
+        self.offset, self.fail, self.prepare_fails = offset, fail, prepare_fails
 
     def options(self):
-        return {"offset": self.offset, "fail": self.fail}
+        return {"offset": self.offset, "fail": self.fail, "prepare_fails": self.prepare_fails}
 
     def build(self, target, spec, device):
         return CountingRunner(target.forward, set(range(len(spec.signatures))))
@@ -214,6 +224,7 @@ class GatedCompileBackend(Backend):
         if self.fail:
             raise RuntimeError("the compile failed")
         runner = GatedRunner(target.forward, set(range(len(spec.signatures))), self.offset)
+        runner.prepare_fails = self.prepare_fails
         type(self).RUNNERS.append(runner)
         return runner
 

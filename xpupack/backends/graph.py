@@ -236,6 +236,7 @@ class GraphRunner(Runner):
         #: signatures with state the base runner is getting ready for (`Runner.prepare`), and those it is ready for
         self._preparing: dict[int, Future] = {}
         self._base_ready: set[int] = set()
+        self._base_refused: set[int] = set()
         #: calls served by the original module's recordings while the base runner was being restored
         self.compiling = 0
         self.upgrade_error: str | None = None
@@ -426,6 +427,8 @@ class GraphRunner(Runner):
         """A call with state after the base took over: the base gets ready for it off the caller's path
         (`Runner.prepare`), the original module's recordings serving until then; then its recordings
         are made again over the base."""
+        if index in self._base_refused:
+            return
         future = self._preparing.get(index)
         if future is None:
             future = self._preparing[index] = self.base_runner.prepare(index, args, kwargs) or _done()
@@ -437,8 +440,7 @@ class GraphRunner(Runner):
             log.warning("%s: the compiled module could not take %s (%s); the original module's recordings "
                         "serve it", self.target.path or "<model>", self.spec.signatures[index].describe(),
                         _reason(future.exception()))
-            self._base_ready.discard(index)
-            self._preparing[index] = future  # never asked again
+            self._base_refused.add(index)  # never asked again
             return
         self._base_ready.add(index)
         for key in [key for key in self.state_recordings if key[0] == index]:
