@@ -19,15 +19,15 @@ from torch import nn
 
 from . import _background, _device, _hooks, _inference, devices, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
-from .backends.base import Backend, ModuleSpec, Runner, Target, backend_from_json, check_against_original
+from .backends.base import Backend, ModuleSpec, Target, backend_from_json, check_against_original
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
-                     OutputMismatchError, PackageFormatError, UnknownConfigError, XpupackError)
+                     PackageFormatError, UnknownConfigError, XpupackError)
 from .limits import LoadLimits, check_package as check_limits
 from .manifest import check_package, listed_files, module_slot
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
-from .signature import dtype_name, flatten
+from .signature import dtype_name
 from .spec import read_module_spec
 from .hub import resolve_source
 from .source import Source

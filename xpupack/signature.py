@@ -12,7 +12,6 @@ same information, never the tensor values.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import cached_property

@@ -23,8 +23,6 @@ from ..errors import OutputMismatchError, UnknownConfigError
 from ..signature import Signature, flatten
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from ..padding import BatchAxes
 
 

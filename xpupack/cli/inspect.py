@@ -23,7 +23,7 @@ def _source(package: str, revision: str | None):
 def print_report(report: dict, out) -> None:
     """Renders `package_report` as tables."""
     from rich.markup import escape
-    from rich.table import Column, Table
+    from rich.table import Table
 
     env = report["environment"]
     out.print(f"[bold]{report['package']}[/bold]  format {report['format_version']}, "
