@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,35 +29,9 @@ from ._compare import DEFAULT_TOLERANCES, mismatch
 from .backends.base import ModuleSpec
 from .errors import TuningError
 from .recorder import snapshot
-from .signature import Signature, TensorLeaf, flatten, map_tensors, unflatten
+from .signature import BatchAxes, Signature, TensorLeaf, flatten, map_tensors, unflatten
 
 _Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class BatchAxes:
-    """The batch axis of each leaf of a call (``inputs``) and of its outputs (``outputs``); None: no batch axis."""
-
-    inputs: tuple[int | None, ...]
-    outputs: tuple[int | None, ...]
-
-    def to_json(self) -> dict:
-        return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
-
-    @classmethod
-    def from_json(cls, data: Any) -> "BatchAxes":
-        """Parses `to_json`'s output; raises ``ValueError`` on anything else."""
-        if not isinstance(data, dict) or set(data) != {"inputs", "outputs"}:
-            raise ValueError(f"batch axes must be an object with 'inputs' and 'outputs', not {str(data)[:80]}")
-        axes = []
-        for field in ("inputs", "outputs"):
-            values = data[field]
-            if not isinstance(values, list) or not all(v is None or (type(v) is int and 0 <= v < 64) for v in values):
-                raise ValueError(f"batch axes {field} must be a list of axes or nulls, not {str(values)[:80]}")
-            axes.append(tuple(values))
-        if not any(axis is not None for axis in axes[0]):
-            raise ValueError("batch axes name no input axis")
-        return cls(*axes)
 
 
 # -- tune time: finding the batch axes and checking that rows do not mix -----------------------------

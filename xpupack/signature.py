@@ -410,3 +410,32 @@ def device_from_name(name: Any) -> torch.device:
 
 
 _DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
+@dataclass(frozen=True)
+class BatchAxes:
+    """The batch axis of each leaf of a call (``inputs``) and of its outputs (``outputs``); None: no batch axis.
+
+    What a padded call is cut by (`xpupack.padding`); here, below the spec that holds it
+    (`ModuleSpec.batch_axes`) and the backends that read it."""
+
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+
+    def to_json(self) -> dict:
+        return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "BatchAxes":
+        """Parses `to_json`'s output; raises ``ValueError`` on anything else."""
+        if not isinstance(data, dict) or set(data) != {"inputs", "outputs"}:
+            raise ValueError(f"batch axes must be an object with 'inputs' and 'outputs', not {str(data)[:80]}")
+        axes = []
+        for field in ("inputs", "outputs"):
+            values = data[field]
+            if not isinstance(values, list) or not all(v is None or (type(v) is int and 0 <= v < 64) for v in values):
+                raise ValueError(f"batch axes {field} must be a list of axes or nulls, not {str(values)[:80]}")
+            axes.append(tuple(values))
+        if not any(axis is not None for axis in axes[0]):
+            raise ValueError("batch axes name no input axis")
+        return cls(*axes)

@@ -11,8 +11,8 @@ from pathlib import Path
 from .backends.base import ModuleSpec
 from .errors import PackageFormatError
 from .manifest import FORMAT_VERSION, read_spec
-from .padding import BatchAxes, signature_batch
-from .signature import Signature
+from .padding import signature_batch
+from .signature import BatchAxes, Signature
 
 
 def spec_to_json(path: str, spec: ModuleSpec) -> dict:

@@ -12,7 +12,7 @@ import contextlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -20,10 +20,7 @@ from torch import nn
 from .._compare import DEFAULT_TOLERANCES, mismatch
 from .._inference import own_copy, write, writing
 from ..errors import OutputMismatchError, UnknownConfigError
-from ..signature import Signature, flatten
-
-if TYPE_CHECKING:
-    from ..padding import BatchAxes
+from ..signature import BatchAxes, Signature, flatten
 
 
 @dataclass

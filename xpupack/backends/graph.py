@@ -53,8 +53,8 @@ from .. import _background, _device
 from .._inference import own_copy
 from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError
-from ..padding import BatchAxes, check_output_axes, signature_batch
-from ..signature import flatten, unflatten
+from ..padding import check_output_axes, signature_batch
+from ..signature import BatchAxes, flatten, unflatten
 from ..state import state_type
 from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
                    register_backend)
