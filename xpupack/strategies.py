@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import _timing
-from .backends.base import Backend, ModuleSpec, Runner, Target
+from .backends.base import Backend, ModuleSpec, Runner, Target, changes_module
 from .errors import NoCandidateError
 from .recorder import snapshot
 from .signature import flatten
@@ -97,7 +97,7 @@ class _SpeedGate:
         rounds are timed (up to 4x ``iterations``)."""
         eager = self._eager or self._build_eager()
         signatures = range(len(self.spec.signatures))
-        transforms = _transforms_module(backend)
+        transforms = changes_module(backend)
         return _timing.compare(
             [_timed_call(runner, self.spec, index) if index in runner.supported else None for index in signatures],
             [_timed_call(eager, self.spec, index) for index in signatures], self.device,
@@ -180,16 +180,6 @@ def _noise_note(facts: dict) -> str:
         return ""
     low, high = facts["speedup_interval"]
     return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {facts['rounds']} rounds"
-
-
-def _transforms_module(backend: Backend) -> bool:
-    """Whether ``backend`` or a base under it changes the module in place (after which the module's own
-    forward is no longer eager's)."""
-    while backend is not None:
-        if backend.transforms_module:
-            return True
-        backend = getattr(backend, "base", None)
-    return False
 
 
 def _first_line(exc: BaseException) -> str:

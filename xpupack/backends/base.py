@@ -375,6 +375,16 @@ class ComposedBackend(Backend):
                                  use_artifacts=use_artifacts)
 
 
+def changes_module(backend: Backend | None) -> bool:
+    """Whether ``backend`` or a base under it changes the module in place (TorchAO), after which the
+    module's own forward is no longer the original one."""
+    while backend is not None:
+        if backend.transforms_module:
+            return True
+        backend = getattr(backend, "base", None)
+    return False
+
+
 #: name -> backend class: the registry `register_backend` writes (xpupack's own backends and any a
 #: user adds) and `backend_from_json` reads; a manifest resolves only names registered here
 BACKENDS: dict[str, type[Backend]] = {}

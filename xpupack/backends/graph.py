@@ -57,7 +57,7 @@ from ..padding import check_output_axes, signature_batch
 from ..signature import BatchAxes, flatten, unflatten
 from ..state import state_type
 from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
-                   register_backend)
+                   register_backend, changes_module)
 
 log = logging.getLogger(__name__)
 
@@ -361,10 +361,15 @@ class GraphRunner(Runner):
         """The module's storage moved (or was released): record again from the signatures. Under the lock."""
         log.info("%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
                  self.target.path or "<model>")
+        self.rerecordings += 1
+        self._record_again()
+
+    def _record_again(self) -> None:
+        """Drops every recording and records every signature without state again (with `_function`'s
+        choice of what each runs). Under the lock."""
         self._drop_recordings()
         self.supported.clear()
         self.failures.clear()
-        self.rerecordings += 1
         self.record_all(strict=False)
 
     # -- a base restored off the caller's path --------------------------------------
@@ -396,18 +401,12 @@ class GraphRunner(Runner):
                 return
             self.base_runner, self.function = base, base.run
             self._base_ready = {i for i, slots in enumerate(self.state_slots) if not slots}
-            self._drop_recordings()
-            self.supported.clear()
-            self.failures.clear()
-            self.record_all(strict=False)
+            self._record_again()
             if self.failures:  # the original module's recordings served these: never lose one
                 failed = "; ".join(self.failures.values())
                 base.release()
                 self.base_runner, self.function = None, self._original
-                self._drop_recordings()
-                self.supported.clear()
-                self.failures.clear()
-                self.record_all(strict=False)
+                self._record_again()
                 self._keep_original(f"recording over the compiled module failed: {failed}")
                 return
             log.info("%s: the compiled module serves now (restored off the caller's path)",
@@ -783,14 +782,8 @@ class GraphBackend(ComposedBackend):
         (README: "Cold start"): a base with compiled code (Inductor: seconds of importing and loading on
         a fresh server) that leaves the module as it is, for a module that writes none of its buffers
         (the worker runs it while calls do)."""
-        if not (_background.deferred() and self.base is not None and self.base.compiled_artifacts):
-            return False
-        backend: Backend | None = self.base
-        while backend is not None:
-            if backend.transforms_module:
-                return False
-            backend = getattr(backend, "base", None)
-        return not spec.writes_buffers
+        return (_background.deferred() and self.base is not None and self.base.compiled_artifacts
+                and not changes_module(self.base) and not spec.writes_buffers)
 
     def _checked_base(self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device,
                       use_artifacts: bool) -> Runner:
