@@ -40,6 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # graph_latency / llm_decode: the models those benchmarks time
 sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use
 
+from _caches import empty_compiler_caches  # noqa: E402
+
 STACK = {"hidden": 512, "layers": 6, "batch": 1, "seq": 16}
 TINY_MODULES = ["layers.*.mlp"]
 LLM_TOKENS, LLM_UNSEEN_TOKENS = 128, 200
@@ -233,8 +235,7 @@ def step_scratch(device: str) -> dict:
 
 def fresh(arguments: list[str], caches: Path) -> dict:
     """Runs one step of this script in a fresh process on the caches in ``caches``; returns its JSON."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           "TRITON_CACHE_DIR": str(caches / "triton")}
+    env = {**empty_compiler_caches(caches), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True, env=env,
                             timeout=1500)
     if result.returncode:

@@ -28,6 +28,9 @@ from xpupack import _device, _timing
 from xpupack.examples import TinyTransformer
 from xpupack.signature import fit_key
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _caches import empty_compiler_caches  # noqa: E402
+
 SIZES = [  # the sizes of the table in README "Benchmarks": hidden × layers, batch, sequence
     {"name": "h512x6_b1_s16", "hidden": 512, "layers": 6, "batch": 1, "seq": 16},
     {"name": "h1024x12_b1_s32", "hidden": 1024, "layers": 12, "batch": 1, "seq": 32},
@@ -94,7 +97,8 @@ def fresh_process_load(package: Path, size: dict, dtype: str, device: str) -> di
         report["fallbacks"] = sum(s["fallbacks"] for s in xpupack.stats(model).values())
         print(json.dumps(report))
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                            env=empty_compiler_caches())  # as on a new server
     if result.returncode:
         return {"error": result.stderr[-2000:]}
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -34,9 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing xpupack
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
+
+from _caches import empty_compiler_caches  # noqa: E402
 
 CPU_CONFIGS = ["int8-weight-only", "int8-dynamic", "float8-weight-only"]
 CUDA_CONFIGS = CPU_CONFIGS + ["int4-weight-only"]
@@ -118,9 +121,10 @@ def run_child(args, mode: str, package: Path, config: str | None = None) -> dict
     command = [sys.executable, __file__, "--child", mode, "--package", str(package), "--device", args.device,
                "--dtype", args.dtype, "--hidden", str(args.hidden), "--layers", str(args.layers),
                "--seq", str(args.seq)] + (["--config", config] if config else [])
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     runs = []
     for _ in range(args.repeat):
+        # each run a new server: its own empty compiler caches
+        env = {**empty_compiler_caches(), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
         if result.returncode != 0:
             return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed"}
