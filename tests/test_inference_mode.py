@@ -15,11 +15,10 @@ import pytest
 import torch
 
 import xpupack
-from support.language_models import prompt, tiny_llama
+from support.language_models import GRAPH, prompt, tiny_llama
 from support.models import Accumulator, RunningCache, make_stack, stack_samples
 
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "neither": contextlib.nullcontext}
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 TOKENS = 5
 
 xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])

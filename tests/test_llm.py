@@ -13,8 +13,8 @@ import torch
 
 import xpupack
 from support.emulated_graph import TracedGraphs
-from support.language_models import (decode_loop, generate, prompt, static_cache, tiny_gemma2, tiny_gemma3,
-                                     tiny_gpt2, tiny_llama, tiny_mistral)
+from support.language_models import (GRAPH, NEW_TOKENS, decode_loop, generate, prompt, static_cache, tiny_gemma2,
+                                     tiny_gemma3, tiny_gpt2, tiny_llama, tiny_mistral, tune_llm, whole)
 from support.models import Accumulator, RunningCache, make_stack
 from xpupack import _device
 from xpupack.manifest import read_manifest
@@ -22,8 +22,6 @@ from xpupack.signature import Signature, StateLeaf, Unsynthesizable
 
 #: the emulated graph (CPU) re-runs the module on every replay, slower than eager by construction: these
 #: tests are about the graph's logic, not its speed, so the speed gate is off
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
-NEW_TOKENS = 6
 
 xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
 
@@ -34,17 +32,6 @@ def only_prefills_fall_back(request, fallback_calls):
     yield
     if "expects_fallbacks" not in request.keywords:
         assert all("prefill" in event.reason for event in fallback_calls), fallback_calls
-
-
-def tune_llm(make=tiny_llama, strategy=GRAPH, run=lambda m, ids: generate(m, ids, NEW_TOKENS)):
-    model = make()
-    reference = copy.deepcopy(model)
-    xpupack.tune(model, [prompt()], run=run, strategy=strategy)
-    return model, reference
-
-
-def whole(model):
-    return xpupack.stats(model)[""]
 
 
 # -- importing and tuning leave other people's torch.compile alone -------------------------------
@@ -100,7 +87,7 @@ assert {{s["backend"] for s in xpupack.stats(loaded).values()}} == {{"graph"}}
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 def test_decode_steps_replay_and_tokens_equal_eager(emulated_graphs, make):
-    model, reference = tune_llm(make)
+    model, reference = tune_llm(make=make)
     assert whole(model)["backend"] == "graph"
     ids = prompt(seed=7)
     calls_before, fallbacks_before = whole(model)["calls"], whole(model)["fallbacks"]
@@ -291,7 +278,7 @@ def test_sliding_window_decode_steps_replay_with_eager_logits_also_after_load(tr
 
 def test_generate_with_the_default_mistral_window_replays_decode_steps(traced_graphs):
     """The default config's window (4096) is a sliding-window cache even for a short generate()."""
-    model, reference = tune_llm(tiny_mistral)
+    model, reference = tune_llm(make=tiny_mistral)
     stats = whole(model)
     assert stats["backend"] == "graph"
     ids = prompt(seed=7)
@@ -306,7 +293,7 @@ def test_inductor_leaves_sliding_window_decode_steps_alone():
     from xpupack.errors import NoCandidateError
 
     with pytest.raises(NoCandidateError, match="no recorded signature could be built"):
-        tune_llm(lambda: tiny_mistral(sliding_window=10), strategy=xpupack.Only(xpupack.InductorBackend()))
+        tune_llm(xpupack.Only(xpupack.InductorBackend()), make=lambda: tiny_mistral(sliding_window=10))
 
 
 def test_a_call_whose_tokens_fill_the_window_is_never_replayed():

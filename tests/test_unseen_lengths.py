@@ -3,7 +3,6 @@
 Inductor one compiled step serves every cache length (README: "Language models", "Cache length").
 """
 
-import copy
 import threading
 
 import pytest
@@ -11,26 +10,15 @@ import torch
 
 import xpupack
 from support.backends import PreparingBackend
-from support.language_models import generate, prompt, static_cache, tiny_llama
+from support.language_models import (GRAPH, NEW_TOKENS, generate, prompt, static_cache, tiny_llama, tune_llm,
+                                     whole)
 from support.models import Accumulator, RunningCache
 from xpupack import _background
 from xpupack.manifest import read_manifest
 from xpupack.state import scratch_copy, state_type
 
-NEW_TOKENS = 6
 #: lengths no tuned call had: the tuned cache holds prompt + NEW_TOKENS, these longer ones
 UNSEEN, OTHER_UNSEEN = 10, 14
-
-
-def tune_llm(strategy, run=lambda m, ids: generate(m, ids, NEW_TOKENS)):
-    model = tiny_llama()
-    reference = copy.deepcopy(model)
-    xpupack.tune(model, [prompt()], run=run, strategy=strategy)
-    return model, reference
-
-
-def whole(model):
-    return xpupack.stats(model)[""]
 
 
 def runner_of(model):
@@ -89,8 +77,7 @@ def test_a_graph_records_a_new_cache_length_once_its_base_is_ready(emulated_grap
 
 
 def test_no_capture_overlaps_work_off_the_callers_path(emulated_graphs, fallback_calls):
-    graph = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
-    model, reference = tune_llm(graph, run=lambda m, ids: generate(m, ids, NEW_TOKENS, cache=static_cache(m, 16)))
+    model, reference = tune_llm(GRAPH, run=lambda m, ids: generate(m, ids, NEW_TOKENS, cache=static_cache(m, 16)))
     ids, cache = prompt(seed=5), static_cache(model, 16)
     expected = generate(reference, ids, NEW_TOKENS)
     captures = emulated_graphs.captures

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
 
+import xpupack
+
 VOCAB = 128
+#: new tokens of the generate() that tunes a tiny model (`tune_llm`)
+NEW_TOKENS = 6
+#: device graphs where they record, eager elsewhere, never timed (tiny models are noise to a speed gate)
+GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -119,3 +126,17 @@ def decode_loop(model, ids: torch.Tensor, new_tokens: int, cache, *, positions: 
             tokens.append(token)
             logits = step(token, torch.full((1, 1), length + number, device=ids.device))
     return torch.cat(tokens, dim=1)
+
+
+def tune_llm(strategy=GRAPH, *, make=tiny_llama, run=None):
+    """``(model, reference)``: a tiny language model tuned with ``strategy`` on ``run(model, ids)`` (default:
+    a greedy ``generate()`` of `NEW_TOKENS`), and an untuned copy of it to compare with."""
+    model = make()
+    reference = copy.deepcopy(model)
+    xpupack.tune(model, [prompt()], run=run or (lambda m, ids: generate(m, ids, NEW_TOKENS)), strategy=strategy)
+    return model, reference
+
+
+def whole(model):
+    """`xpupack.stats` of a model tuned as one unit."""
+    return xpupack.stats(model)[""]
