@@ -817,15 +817,5 @@ class GraphBackend(ComposedBackend):
         return {} if shared is None else shared  # a graph package lists its shared entry, empty or not
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
-        if self.base is None:
-            return
-        if self._defers(ModuleSpec([])):  # on the worker too, before the modules' restores it queues
-            def restore() -> None:
-                try:
-                    self.base.restore_shared(config, folder, use_artifacts=use_artifacts)
-                except Exception as exc:  # the modules then compile here, off the caller's path all the same
-                    log.warning("the shared %s artifacts in %s cannot be loaded (%s); compiling here instead",
-                                self.base.name, folder, _reason(exc))
-            _background.later(restore)
-            return
-        self.base.restore_shared(config, folder, use_artifacts=use_artifacts)
+        if self.base is not None:  # a base that compiles off the caller's path loads its artifacts there too
+            self.base.restore_shared(config, folder, use_artifacts=use_artifacts)
