@@ -4,6 +4,7 @@ module at load and switches to the compiled code once a background thread has it
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from xpupack import _background
 
 @pytest.fixture
 def gate():
-    GatedCompileBackend.GATE = threading.Event()
+    GatedCompileBackend.GATE, GatedCompileBackend.RESTORING = threading.Event(), threading.Event()
     GatedCompileBackend.RUNNERS = []
     yield GatedCompileBackend.GATE
     GatedCompileBackend.GATE.set()  # a restore still waiting ends now
@@ -108,6 +109,28 @@ def test_a_language_model_decodes_through_the_original_recordings_then_the_compi
     assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
 
 
+def test_a_language_models_first_generate_replays_recordings_of_the_original_while_its_compile_waits(
+        emulated_graphs, gate, tmp_path, fallback_calls):
+    # the compile (held at the gate, as seconds of compiling on a fresh server) must not start before the
+    # first decode step is recorded: while the worker compiles, a capture cannot be made
+    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend()))
+    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
+    root = xpupack.save(model, tmp_path / "pkg")
+    expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
+    served = xpupack.load(tiny_llama(), root)
+    assert not GatedCompileBackend.RESTORING.wait(0.5)  # nothing to compile for until a decode step came
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    stats = xpupack.stats(served)[""]
+    assert stats["recordings"] == 1 and stats["warm_runs"] == 1 and stats["compiled_serving"] is False
+    assert GatedCompileBackend.RESTORING.wait(10)  # started by itself once the caller paused
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)  # replays beside the compile
+    gate.set()
+    _background.wait(30)
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert xpupack.stats(served)[""]["compiled_serving"] is True and base_runs() > 0
+    assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
+
+
 def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(emulated_graphs, gate,
                                                                                        tmp_path, fallback_calls,
                                                                                        caplog):
@@ -141,6 +164,37 @@ def test_a_load_gives_its_deferred_work_to_the_worker_only_once_every_module_is_
     _background.wait(5)
     assert cancelled.cancelled() and "never" not in ran
     assert not _background.deferred()
+
+
+def test_a_held_job_starts_only_when_its_owner_starts_it_and_its_condition_holds_or_someone_waits():
+    ran, ready = [], threading.Event()
+    with _background.deferring():
+        held = _background.hold(lambda: ran.append("held") or "done")
+        waited = _background.hold(lambda: ran.append("waited"))
+    _background.submit(lambda: None).result(5)  # the worker is idle, and the held jobs did not run
+    assert ran == [] and not held.future.done()
+    held.start(ready=ready.is_set)
+    held.start()  # a second start does nothing
+    assert not _background.submit(lambda: None).done()  # queued behind the held job, which polls its condition
+    ready.set()
+    assert held.future.result(5) == "done" and ran == ["held"]
+    _background.wait(5)  # starts what is still held
+    assert ran == ["held", "waited"] and waited.future.done()
+    with pytest.raises(ValueError), _background.deferring():
+        never = _background.hold(lambda: ran.append("never"))
+        raise ValueError("a module failed to restore")
+    never.start()
+    _background.wait(5)
+    assert never.future.cancelled() and "never" not in ran
+
+
+def test_quiet_is_true_once_the_caller_paused_or_at_the_latest_after_its_limit():
+    last = [time.monotonic()]
+    ready = _background.quiet(lambda: last[0], pause_s=30, at_most_s=60)
+    assert not ready()
+    last[0] -= 31  # the caller's latest call is older than the pause
+    assert ready()
+    assert _background.quiet(lambda: time.monotonic(), pause_s=60, at_most_s=0)()  # a caller that never pauses
 
 
 @pytest.fixture

@@ -10,7 +10,12 @@ While a job runs the worker holds `device_work`. A device-graph capture must
 not overlap another thread's work on the device (CUDA refuses most calls from
 other threads while a stream captures, and the capture is lost), so the graph
 backend records only while it holds that lock: a capture on the serving path
-that cannot take it at once is made on a later call instead.
+that cannot take it at once is made on a later call instead. That is why a
+load can keep a job back (`hold`): a language model's decode
+steps can only be recorded during a real call (they need its KV cache), so
+their compile waits until the first of them is recorded and the caller pauses
+(`Held.start`), instead of leaving the first `generate()` to run every step
+on the original module.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import contextvars
 import os
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -34,13 +41,18 @@ _starting = threading.Lock()
 _stopping = False
 
 
-def submit(job: Callable[[], Any], future: Future | None = None) -> Future:
+def submit(job: Callable[[], Any], future: Future | None = None, *,
+           context: contextvars.Context | None = None, ready: Callable[[], bool] | None = None) -> Future:
     """Runs ``job()`` on the worker after the jobs given before it; its future (``future``, or a new one)
-    holds the result or the error."""
+    holds the result or the error.
+
+    The job runs in ``context`` (by default a copy of the caller's: what its block set, a load's file
+    guard). With ``ready``, the worker polls it before the job and starts the job once it returns True,
+    not holding `device_work` meanwhile (captures on the serving path go on)."""
     global _worker
     future = future if future is not None else Future()
-    context = contextvars.copy_context()  # the job sees what the caller's block set (a load's file guard)
-    _jobs.put((lambda: context.run(job), future))
+    context = context if context is not None else contextvars.copy_context()
+    _jobs.put((lambda: context.run(job), future, ready))
     with _starting:
         if _worker is None:
             _worker = threading.Thread(target=_work, name="xpupack-background")
@@ -51,8 +63,48 @@ def submit(job: Callable[[], Any], future: Future | None = None) -> Future:
 
 
 def wait(timeout: float | None = None) -> None:
-    """Returns once every job given so far has finished (raises `TimeoutError` after ``timeout`` seconds)."""
+    """Returns once every job given so far has finished, held ones included: they start now (raises
+    `TimeoutError` after ``timeout`` seconds)."""
+    for held in list(_held):
+        held.start()
     submit(lambda: None).result(timeout)
+
+
+class Held:
+    """A load's job kept back from the worker until `start` (`hold`).
+
+    Only its owner (a runner) holds it strongly: a model dropped before its job started takes the
+    job with it, and `wait` starts the ones still held."""
+
+    def __init__(self, job: Callable[[], Any], future: Future):
+        self.job, self.future = job, future
+        self.context: contextvars.Context | None = None  # the load's, set when its `deferring` block ends
+        self._lock = threading.Lock()
+
+    def start(self, ready: Callable[[], bool] | None = None) -> None:
+        """Gives the job to the worker (once; later calls do nothing), to run once ``ready()`` is true."""
+        with self._lock:
+            if self.context is None or self.future.done() or self not in _held:
+                return
+            _held.discard(self)
+        submit(self.job, self.future, context=self.context, ready=ready)
+
+
+#: held jobs of finished loads not started yet (weakly: their runners own them)
+_held: weakref.WeakSet[Held] = weakref.WeakSet()
+
+
+def quiet(last_call: Callable[[], float], *, pause_s: float = 0.2, at_most_s: float = 5.0) -> Callable[[], bool]:
+    """A `Held.start` condition: true once ``last_call()`` (a `time.monotonic` reading) is ``pause_s`` old
+    — the caller paused between requests — or ``at_most_s`` after this call, for a caller that never
+    pauses."""
+    deadline = time.monotonic() + at_most_s
+
+    def ready() -> bool:
+        now = time.monotonic()
+        return now - last_call() >= pause_s or now >= deadline
+
+    return ready
 
 
 def _after_fork() -> None:
@@ -60,6 +112,7 @@ def _after_fork() -> None:
     global device_work, _jobs, _worker, _starting, _stopping
     device_work, _starting = threading.RLock(), threading.Lock()
     _jobs, _worker, _stopping = queue.SimpleQueue(), None, False
+    _held.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -71,12 +124,17 @@ def _stop() -> None:
     _jobs.put(None)
 
 
+_POLL_S = 0.02
+
+
 def _work() -> None:
     while True:
         item = _jobs.get()
         if item is None:
             return
-        job, future = item
+        job, future, ready = item
+        while ready is not None and not _stopping and not ready():
+            time.sleep(_POLL_S)
         if _stopping:
             future.cancel()
         if not future.set_running_or_notify_cancel():
@@ -88,7 +146,7 @@ def _work() -> None:
             future.set_exception(exc)
         else:
             future.set_result(result)
-        del item, job, future  # a finished job's inputs (a scratch KV cache) are freed now, not at the next job
+        del item, job, future, ready  # a finished job's inputs (a scratch KV cache) are freed now, not at the next job
 
 
 #: the jobs a load queues (`deferring`): given to the worker once every module is restored, so that no
@@ -112,7 +170,11 @@ def deferring(on: bool = True) -> Iterator[None]:
     finally:
         _deferred_jobs.reset(token)
     for job, future in jobs:
-        submit(job, future)
+        if isinstance(job, Held):
+            job.context = contextvars.copy_context()  # the load's, as `submit` would take it
+            _held.add(job)
+        else:
+            submit(job, future)
 
 
 def deferred() -> bool:
@@ -122,12 +184,24 @@ def deferred() -> bool:
 
 def later(job: Callable[[], Any]) -> Future:
     """Queues ``job`` for the worker when the `deferring` block ends; its future holds the result."""
+    future: Future = Future()
+    _deferred_list().append((lambda: _not_deferring(job), future))  # `submit` runs it in a copy of this context
+    return future
+
+
+def hold(job: Callable[[], Any]) -> Held:
+    """As `later`, but the job waits after the `deferring` block ends until its `Held.start` (or a
+    `wait`); the returned `Held`'s ``future`` holds the result."""
+    held = Held(lambda: _not_deferring(job), Future())
+    _deferred_list().append((held, held.future))
+    return held
+
+
+def _deferred_list() -> list:
     jobs = _deferred_jobs.get()
     if jobs is None:
-        raise RuntimeError("xpupack._background.later outside a deferring block")
-    future: Future = Future()
-    jobs.append((lambda: _not_deferring(job), future))  # `submit` runs it in a copy of this context
-    return future
+        raise RuntimeError("xpupack._background: a job deferred outside a deferring block")
+    return jobs
 
 
 def _not_deferring(job: Callable[[], Any]) -> Any:

@@ -208,6 +208,7 @@ class GatedCompileBackend(Backend):
     compiled_artifacts = True
     GATE = None  # a threading.Event, set by the test's fixture
     RUNNERS: list = []
+    RESTORING = None  # a threading.Event the fixture sets up: set once a restore began
 
     def __init__(self, offset: float = 0.0, fail: bool = False, prepare_fails: bool = False):
         self.offset, self.fail, self.prepare_fails = offset, fail, prepare_fails
@@ -219,6 +220,7 @@ class GatedCompileBackend(Backend):
         return CountingRunner(target.forward, set(range(len(spec.signatures))))
 
     def restore(self, target, spec, config, folder, device, *, use_artifacts):
+        type(self).RESTORING.set()
         if not type(self).GATE.wait(timeout=30):
             raise RuntimeError("the test never opened the gate")
         if self.fail:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from contextlib import ExitStack
@@ -240,6 +241,9 @@ class GraphRunner(Runner):
         #: calls served by the original module's recordings while the base runner was being restored
         self.compiling = 0
         self.upgrade_error: str | None = None
+        #: that restore, kept back until the first recording with state (`start_upgrade_after_recording`)
+        self._held: _background.Held | None = None
+        self._last_call = 0.0  # time.monotonic() of the latest call: the held restore waits for a pause
 
     def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """Records the new signature as any call with state (`_run_with_state`), once the base is ready."""
@@ -383,6 +387,18 @@ class GraphRunner(Runner):
         self._original = self.function
         self._upgrade = future
 
+    def start_upgrade_after_recording(self, held: _background.Held) -> None:
+        """For signatures with state (decode steps): their recordings need a real call's state, and a
+        capture cannot overlap the worker's device work, so the restore (`held`) starts only once the
+        first such call is recorded and the caller pauses (`_background.quiet`). Until then the
+        original module's recordings serve, made on the caller's first calls."""
+        self._held = held
+        self.upgrade_when_ready(held.future)
+
+    def _start_held_upgrade(self) -> None:
+        held, self._held = self._held, None
+        held.start(ready=_background.quiet(lambda: self._last_call))
+
     def _take_upgrade(self, index: int, args: tuple, kwargs: dict) -> None:
         """Called under the lock before each call while an upgrade is pending: adopts a finished base."""
         if self._upgrade is None:
@@ -455,6 +471,7 @@ class GraphRunner(Runner):
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         with self._lock:
+            self._last_call = time.monotonic()
             if self._original is not None:
                 self._take_upgrade(index, args, kwargs)
             recording = self._recording_now(index)
@@ -527,6 +544,8 @@ class GraphRunner(Runner):
                           for (counters, obj), counts, adds in zip(counted, before, added))
             if None in paths:
                 self.unreplayable_runs += 1
+                if self._held is not None:  # no recording will come to wait for
+                    self._start_held_upgrade()
                 return self._function(index)(index, args, kwargs, leaves)
         tensors = signature.state_tensors(leaves)
         if paths:
@@ -560,6 +579,8 @@ class GraphRunner(Runner):
                 recording = self.record(index, args, kwargs, warmup=0)
         finally:
             _background.device_work.release()
+            if self._held is not None:  # recorded (or refused): the compile may start once the caller pauses
+                self._start_held_upgrade()
         del self._warm[key]
         if paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) \
                 != self._added[index]:  # its replays would advance the counters by what another call added
@@ -771,8 +792,11 @@ class GraphBackend(ComposedBackend):
         _refuse_input_mutation(spec)
         if self._defers(spec):
             runner = self._recorded(target, spec, device, None)
-            runner.upgrade_when_ready(_background.later(
-                lambda: self._checked_base(target, spec, config, folder, device, use_artifacts)))
+            restore = lambda: self._checked_base(target, spec, config, folder, device, use_artifacts)  # noqa: E731
+            if any(signature.state_slots for signature in spec.signatures):
+                runner.start_upgrade_after_recording(_background.hold(restore))
+            else:
+                runner.upgrade_when_ready(_background.later(restore))
             return runner
         return self._recorded(target, spec, device,
                               self._restore_base(target, spec, config, folder, device, use_artifacts))
