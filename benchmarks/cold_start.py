@@ -125,6 +125,7 @@ def step_load(model_name: str, device: str, package: str) -> dict:
     model = _model(model_name, device, seed=1 if model_name != "llm" else 0)
     _sync(device)
     modules_before = set(sys.modules)
+    warnings = _xpupack_warnings()
     started = time.perf_counter()
     import xpupack
 
@@ -151,9 +152,25 @@ def step_load(model_name: str, device: str, package: str) -> dict:
     report["load_phases_s"] = totals["totals"].get("load_seconds", {})
     report["module_load_s"] = {path or "<model>": entry.get("load_s") for path, entry in totals["modules"].items()}
     report["fallbacks"] = totals["totals"]["fallbacks"]
+    report["fallback_reasons"] = {path or "<model>": entry.get("fallback_reasons", {})
+                                  for path, entry in totals["modules"].items()}
+    report["backend_errors"] = {path or "<model>": entry["backend_errors"]
+                                for path, entry in totals["modules"].items() if entry.get("backend_errors")}
+    report["warnings"] = warnings[:20]  # what xpupack logged at WARNING while serving (first 20)
     report["compile_stack_imported"] = "torch._inductor.compile_fx" in set(sys.modules) - modules_before
     report.update(_compiler_counters())
     return report
+
+
+def _xpupack_warnings() -> list[str]:
+    """A list that collects what xpupack logs at WARNING from now on (a fallback's cause, a failed switch)."""
+    import logging
+
+    collected: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: collected.append(record.getMessage()[:500])
+    logging.getLogger("xpupack").addHandler(handler)
+    return collected
 
 
 def _until_compiled(model, call, started: float) -> dict:

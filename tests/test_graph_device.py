@@ -1,6 +1,7 @@
 """Real device graphs (CUDAGraph on NVIDIA, XPUGraph on Intel): run on the GPU machine."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -160,6 +161,22 @@ def test_load_onto_another_device_index(tuned, tmp_path):
         torch.testing.assert_close(loaded(x.to(other)).cpu(), reference(x.to(GRAPH_DEVICE)).cpu())
     assert xpupack.stats(loaded)["layers.0.mlp"]["recordings"] == 2
     assert xpupack.stats(loaded)["layers.0.mlp"]["fallbacks"] == 0
+
+
+def test_a_capture_after_every_recording_in_the_shared_pool_was_dropped_succeeds():
+    """Regression (H200): a bare graph_pool_handle died with its last graph, and the next capture into it
+    failed with "use_count > 0 INTERNAL ASSERT FAILED" (a decode step recorded again over compiled code)."""
+    device = torch.device(GRAPH_DEVICE)
+    api = _device.graphs_for(device)
+    x = torch.ones(16, device=device)
+    replay, outputs, _ = api.capture(lambda: x * 2, device=device, pool=api.shared_pool(device))
+    replay()
+    del replay, outputs
+    gc.collect()
+    replay, outputs, _ = api.capture(lambda: x * 3, device=device, pool=api.shared_pool(device))
+    replay()
+    getattr(torch, GRAPH_DEVICE).synchronize()
+    assert torch.equal(outputs, x * 3)
 
 
 def test_recording_memory_is_measured_and_a_budget_skips_the_smaller_batches(monkeypatch, fallback_calls):

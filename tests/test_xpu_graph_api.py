@@ -33,6 +33,11 @@ def _checked(calls: list, name: str, real: Any, result: Any = None):
     return call
 
 
+class _MemPool:
+    def __init__(self, id):
+        self.id = id
+
+
 class _Context:
     def __init__(self, enter=lambda: None, leave=lambda: None):
         self._enter, self._leave = enter, leave
@@ -93,6 +98,7 @@ class StandInXPU:
             "XPUGraph": Graph,
             "graph": graph,
             "graph_pool_handle": _checked(calls, "graph_pool_handle", REAL.graph_pool_handle, ("pool", 1)),
+            "MemPool": _checked(calls, "MemPool", REAL.MemPool, lambda *a, **k: _MemPool(("pool", 1))),
             "Stream": lambda *a, **k: self._stream("side"),
             "current_stream": _checked(calls, "current_stream", REAL.current_stream, lambda *a: self.current),
             "set_stream": _checked(calls, "set_stream", REAL.set_stream,
@@ -169,6 +175,8 @@ def test_a_capture_on_xpu_makes_only_calls_torch_xpu_takes(xpu):
     graphs = _device.DeviceGraphs("xpu", "XPUGraph")
     assert graphs.available()
     pool = graphs.shared_pool(XPU)
+    assert pool == ("pool", 1) and xpu.calls.count("MemPool") == 1  # a pool that outlives every graph in it
+    assert graphs.shared_pool(XPU) == pool and xpu.calls.count("MemPool") == 1
     x = torch.randn(4, 8)
     replay, outputs, memory = graphs.capture(lambda: x * 2, device=XPU, pool=pool)
     torch.testing.assert_close(outputs, x * 2)

@@ -95,11 +95,19 @@ class DeviceGraphs:
         return self._streams[device]
 
     def shared_pool(self, device: torch.device) -> Any:
-        """The one memory pool all recordings on ``device`` share."""
+        """The one memory pool all recordings on ``device`` share.
+
+        A ``MemPool`` kept for the life of the process holds the pool: a bare ``graph_pool_handle`` is
+        freed with the last graph recorded into it, and a capture into that handle afterwards (every
+        recording dropped, then one made again: a decode step over compiled code after one over the
+        original module) failed on the H200 with ``use_count > 0 INTERNAL ASSERT FAILED`` in the
+        caching allocator."""
         if device not in self._pools:
             with on_device(device):
-                self._pools[device] = self._module.graph_pool_handle()
-        return self._pools[device]
+                self._pools[device] = (self._module.MemPool() if hasattr(self._module, "MemPool")
+                                       else self._module.graph_pool_handle())
+        pool = self._pools[device]
+        return pool.id if hasattr(pool, "id") else pool
 
     def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
                 warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
