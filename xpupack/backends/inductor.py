@@ -49,6 +49,7 @@ from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable, flatten
 from ..state import scratch_copy
+from ._facts import settings_tag
 from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
                    register_backend)
 
@@ -393,6 +394,12 @@ class InductorBackend(ComposedBackend):
         return {**({"mode": self.mode} if self.mode else {}),
                 **({"compile_options": dict(self.compile_options)} if self.compile_options else {}),
                 **self._base_options()}
+
+    @property
+    def label(self) -> str:
+        """``inductor``, with its settings where they are not the defaults (``inductor[coordinate_descent_tuning]``)."""
+        own = self.name + settings_tag(self.options())
+        return f"{own}+{self.base.label}" if self.base else own
 
     def compare(self, actual, expected) -> str | None:
         if self.base is not None:
