@@ -588,8 +588,8 @@ def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend
     """The `TorchAOBackend` of each configuration ``quantize`` names (True: `QUANTIZE_CONFIGS`).
 
     Raises:
-        ValueError: an item is neither a config name nor a `TorchAOBackend` (`UnknownConfigError`, a
-            ValueError too: a name xpupack's TorchAO configs do not have).
+        UnknownConfigError: a name xpupack's TorchAO configs do not have.
+        TypeError: an item is neither a config name nor a `TorchAOBackend`.
     """
     from .backends.torchao import TorchAOBackend
 
@@ -600,7 +600,7 @@ def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend
     for item in items:
         backend = TorchAOBackend(item) if isinstance(item, str) else item
         if not isinstance(backend, TorchAOBackend):
-            raise ValueError(f"quantize: {item!r} is neither a TorchAO config name ({', '.join(QUANTIZE_CONFIGS)}, "
+            raise TypeError(f"quantize: {item!r} is neither a TorchAO config name ({', '.join(QUANTIZE_CONFIGS)}, "
                              "...) nor an xpupack.TorchAOBackend; give True, names or backends")
         backends.append(backend)
     return backends

@@ -199,6 +199,6 @@ def _check_search(search: Any, quantize: Any, strategy: Strategy | None) -> bool
     quantize = [quantize] if isinstance(quantize, str) or not isinstance(quantize, Iterable) else list(quantize)
     try:
         quantized_backends(quantize)  # each name known, each item a name or a TorchAOBackend
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # an unknown name (UnknownConfigError), or not a name or backend
         raise TuningError(str(exc)) from None
     return quantize
