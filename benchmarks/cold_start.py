@@ -115,7 +115,8 @@ def step_build(model_name: str, variant: str, device: str, package: str, compile
     session = xpupack.tuned.session_of(model)
     return {"tune_s": round(tune_s, 2), "backends": {path or "<model>": tuned.backend.label
                                                      for path, tuned in session.modules.items()},
-            "candidates": {path or "<model>": tuned.report for path, tuned in session.modules.items()}}
+            "candidates": {path or "<model>": [entry.to_json() for entry in tuned.report]
+                           for path, tuned in session.modules.items()}}
 
 
 def step_load(model_name: str, device: str, package: str) -> dict:

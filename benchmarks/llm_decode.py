@@ -199,7 +199,7 @@ def build_package(name: str, device: str, workdir: Path, compile_options: dict |
                  strategy=strategy_for(name, compile_options))
     tuned_s = time.perf_counter() - started
     xpupack.save(model, workdir / name, weights=False)
-    return {"tune_s": tuned_s, "report": xpupack.tuned.session_of(model).modules[""].report}
+    return {"tune_s": tuned_s, "report": [entry.to_json() for entry in xpupack.tuned.session_of(model).modules[""].report]}
 
 
 def serve_package(name: str, device: str, workdir: Path) -> dict:

@@ -181,7 +181,7 @@ def tp_rank(dtype: torch.dtype, device_type: str, out: Path) -> None:
         parallelize_module(block, mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
     result["tensor_parallel"] = _eager_and_tuned(model, ["layers.*"], [device], str(device),
                                                  _strategy(inductor=True))
-    rejected = {path: [e.get("reason") for e in tuned.report if e["status"] == "rejected"]
+    rejected = {path: [e.reason for e in tuned.report if e.status == "rejected"]
                 for path, tuned in session_of(model).modules.items()}
     result["tensor_parallel"]["rejected"] = {p: r for p, r in rejected.items() if r}
     if rank == 0:

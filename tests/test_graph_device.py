@@ -110,7 +110,7 @@ def test_capture_failure_rejects_the_backend_and_moves_on():
     xpupack.tune(model, device_samples(), modules=["0"], strategy=GRAPH)
     tuned = xpupack.tuned.session_of(model).modules["0"]
     assert tuned.backend_name == "eager"
-    assert tuned.report[0]["status"] == "rejected" and tuned.report[0]["reason"]
+    assert tuned.report[0].status == "rejected" and tuned.report[0].reason
     with torch.inference_mode():  # the device is still usable afterwards
         model(torch.randn(1, 8, device=GRAPH_DEVICE))
 

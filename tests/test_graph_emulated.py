@@ -31,7 +31,7 @@ def test_unavailable_on_cpu_without_emulation():
     assert not xpupack.GraphBackend().available(torch.device("cpu"))
     model, _ = tune_stack()
     assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
-    assert "no device graphs on cpu" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]["reason"]
+    assert "no device graphs on cpu" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0].reason
 
 
 def test_one_recording_per_batch_size_and_replay_equals_eager(emulated_graphs):
@@ -145,7 +145,7 @@ def test_capture_failure_rejects_the_backend_with_its_reason(emulated_graphs):
     emulated_graphs.fail_capture = lambda: True
     model, _ = tune_stack()
     entry = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]
-    assert entry["status"] == "rejected" and "emulated capture failure" in entry["reason"]
+    assert entry.status == "rejected" and "emulated capture failure" in entry.reason
     assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
 
 
@@ -263,7 +263,7 @@ def test_modules_that_change_their_inputs_are_never_recorded(emulated_graphs, tm
     reference = copy.deepcopy(model)
     xpupack.tune(model, [torch.zeros(2, 8)], modules=["0"], strategy=GRAPH)
     tuned = xpupack.tuned.session_of(model).modules["0"]
-    assert tuned.backend_name == "eager" and "in place" in tuned.report[0]["reason"]
+    assert tuned.backend_name == "eager" and "in place" in tuned.report[0].reason
     x, y = torch.zeros(2, 8), torch.zeros(2, 8)
     with torch.no_grad():
         assert torch.equal(model(x), reference(y))

@@ -249,7 +249,7 @@ def test_unpinned_inductor_package_is_compiled_here(hub, inductor_package, caplo
         model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-unpinned")
     assert "is not pinned by commit hash" in caplog.text
     assert "loaded Inductor cache artifacts" not in caplog.text
-    assert "not pinned" in session_of(model).modules["layers.0.mlp"].report[0]["reason"]
+    assert "not pinned" in session_of(model).modules["layers.0.mlp"].report[0].reason
     torch.testing.assert_close(logits(model), reference(0), rtol=1e-4, atol=1e-4)
 
     runner = CliRunner()
@@ -267,7 +267,7 @@ def test_pinned_inductor_package_runs_its_compiled_artifacts(hub, inductor_packa
         model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit, defer_compile=False)
     assert "loaded Inductor cache artifacts" in caplog.text
     assert "not pinned" not in caplog.text
-    assert session_of(model).modules["layers.0.mlp"].report[0]["reason"] == "from package"
+    assert session_of(model).modules["layers.0.mlp"].report[0].reason == "from package"
     torch.testing.assert_close(logits(model), reference(0), rtol=1e-4, atol=1e-4)
 
 

@@ -137,7 +137,7 @@ def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog
     model = xpupack.load(make_stack(), "org/name")
     tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]
     assert tuned.backend_name == "inductor"
-    assert "not pinned by commit hash" in tuned.report[0]["reason"]
+    assert "not pinned by commit hash" in tuned.report[0].reason
     assert "trust_compiled=True" in caplog.text
 
 
@@ -300,8 +300,7 @@ def test_the_loader_overrides_the_package_compile_options(eager_package, tmp_pat
     seen.clear()
     model = xpupack.load(make_stack(), root, compile_options={}, defer_compile=False)
     assert seen and all(settings == {"dynamic": False, "mode": None} for settings in seen)
-    assert "the loader's compile_options {}" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0][
-        "reason"]
+    assert "the loader's compile_options {}" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0].reason
     seen.clear()
     xpupack.load(make_stack(), root, compile_options={"epilogue_fusion": False}, defer_compile=False)
     assert all(settings["options"] == {"epilogue_fusion": False} for settings in seen)

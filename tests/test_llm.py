@@ -191,7 +191,7 @@ def test_a_dynamic_cache_stays_eager_and_says_how_to_tune_it(emulated_graphs, fa
                      strategy=GRAPH)
     stats = whole(model)
     assert stats["backend"] == "eager"
-    report = xpupack.tuned.session_of(model).modules[""].report[0]["reason"]
+    report = xpupack.tuned.session_of(model).modules[""].report[0].reason
     assert "DynamicCache" in report and 'cache_implementation="static"' in report
     with torch.no_grad():
         model.generate(prompt(), max_new_tokens=2, do_sample=False)

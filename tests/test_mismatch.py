@@ -51,7 +51,7 @@ def built_elsewhere(root, **changes):
 
 
 def reasons(model):
-    return [tuned.report[0]["reason"] for tuned in xpupack.tuned.session_of(model).modules.values()]
+    return [tuned.report[0].reason for tuned in xpupack.tuned.session_of(model).modules.values()]
 
 
 def runners(model):

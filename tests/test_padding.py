@@ -220,7 +220,7 @@ def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls
     assert [s.describe() for s in spec.signatures] == [f"(f32[{b},8], 1.0)" for b in (3, 1, 2, 4, 8)]
     assert spec.signature_calls == [1] * 5 and emulated_graphs.captures == 10  # 5 batches x 2 modules
     report = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report
-    assert report[-1]["backend"] == "graph" and report[-1]["status"] == "chosen"  # every batch matched eager
+    assert report[-1].backend == "graph" and report[-1].status == "chosen"  # every batch matched eager
     serve(model, reference, (1, 2, 3, 4, 8))
     serve(model, reference, (5, 6, 7))
     assert fallback_calls == []
@@ -299,7 +299,7 @@ def test_the_budget_keeps_the_most_called_signatures_and_the_rest_fall_back(emul
 def test_a_budget_no_recording_fits_rejects_the_graph_backend_with_the_reason(emulated_graphs):
     model, _ = tune_ladder(budget(63), modules=("layers.0.mlp",))
     entry = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]
-    assert entry["status"] == "rejected" and "no recording fits the memory budget" in entry["reason"]
+    assert entry.status == "rejected" and "no recording fits the memory budget" in entry.reason
     assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
 
 

@@ -46,7 +46,7 @@ def runners(model):
 
 
 def reasons(model):
-    return [tuned.report[0]["reason"] for tuned in xpupack.tuned.session_of(model).modules.values()]
+    return [tuned.report[0].reason for tuned in xpupack.tuned.session_of(model).modules.values()]
 
 
 @pytest.fixture

@@ -511,7 +511,7 @@ def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(induct
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
     assert "cannot be loaded (AttributeError" in caplog.text
     for tuned in xpupack.tuned.session_of(model).modules.values():
-        assert "inductor compiled here" in tuned.report[0]["reason"]
+        assert "inductor compiled here" in tuned.report[0].reason
     x = torch.randn(2, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(x), make_stack()(x))

@@ -9,7 +9,8 @@ from xpupack.errors import NoCandidateError
 
 
 def report(model, path="layers.0.mlp"):
-    return xpupack.tuned.session_of(model).modules[path].report
+    """The module's candidates as the package stores them."""
+    return [entry.to_json() for entry in xpupack.tuned.session_of(model).modules[path].report]
 
 
 def test_first_wins_skips_unavailable_wrong_and_broken_candidates():

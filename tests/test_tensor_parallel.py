@@ -108,10 +108,10 @@ def test_a_sharded_module_is_refused_before_any_capture_where_collectives_cannot
     assert graphs_without_collectives.captures == 0
     assert xpupack.stats(model)["layers.0"]["backend"] == "eager"
     report = xpupack.tuned.session_of(model).modules["layers.0"].report
-    rejected = [entry for entry in report if entry["status"] == "rejected"]
-    assert [entry["backend"] for entry in rejected] == ["graph"]
-    assert "collectives are not recorded" in rejected[0]["reason"]
-    assert "record_collectives=True" in rejected[0]["reason"]
+    rejected = [entry for entry in report if entry.status == "rejected"]
+    assert [entry.backend for entry in rejected] == ["graph"]
+    assert "collectives are not recorded" in rejected[0].reason
+    assert "record_collectives=True" in rejected[0].reason
 
 
 @pytest.mark.usefixtures("one_rank_group")

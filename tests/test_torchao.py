@@ -290,9 +290,9 @@ def test_an_impossible_tolerance_rejects_the_candidate_with_the_reason():
                                   xpupack.EagerBackend()])
     xpupack.tune(model, samples(), modules=MODULES, strategy=strategy)
     rejected = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]
-    assert rejected["status"] == "rejected"
-    assert "SQNR" in rejected["reason"] and "below the 200 dB required" in rejected["reason"]
-    assert "int8-weight-only" in rejected["reason"] and "f32[2,128]" in rejected["reason"]
+    assert rejected.status == "rejected"
+    assert "SQNR" in rejected.reason and "below the 200 dB required" in rejected.reason
+    assert "int8-weight-only" in rejected.reason and "f32[2,128]" in rejected.reason
     xpupack.deactivate(model)
     assert_unchanged(model, before)  # the refused candidate's quantization was undone
 
@@ -346,9 +346,9 @@ def test_fastest_compares_quantized_candidates_from_the_original_weights(emulate
                                 xpupack.EagerBackend()], iterations=3, min_speedup=None)
     model = tune_quantized(strategy=strategy)
     for path, tuned in xpupack.tuned.session_of(model).modules.items():
-        statuses = [entry["status"] for entry in tuned.report]
+        statuses = [entry.status for entry in tuned.report]
         assert statuses.count("chosen") == 1 and "rejected" not in statuses  # eager ran unquantized
-        chosen = tuned.report[statuses.index("chosen")]["backend"]
+        chosen = tuned.report[statuses.index("chosen")].backend
         quantized = {type(p).__name__ for p in tuned.target.module.parameters()} == {"Int8Tensor", "Parameter"}
         assert quantized == (chosen != "eager"), (path, tuned.report)
 

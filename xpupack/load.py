@@ -20,6 +20,7 @@ from torch import nn
 from . import _background, _device, _hooks, _inference, devices, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
 from .backends.base import Backend, ModuleSpec, Target, backend_from_json, check_against_original
+from .candidate import Candidate
 from .environment import environment
 from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
                      PackageFormatError, UnknownConfigError, XpupackError)
@@ -359,7 +360,7 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
 
 def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
     target = Target(plan.path, plan.module, _hooks.original_forward(plan.module))
-    report = [{"backend": plan.backend.name, "status": "chosen", "reason": plan.choice.note or "from package"}]
+    report = [Candidate(plan.backend.name, "chosen", plan.choice.note or "from package")]
     try:
         if plan.backend.pads_calls:
             _check_claims(target, plan.spec, context)
@@ -414,7 +415,7 @@ def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> Tune
     log.warning("%s: restoring %s failed (%s: %s); %s",
                 plan.path or "<model>", plan.backend.name, type(exc).__name__, exc, fallback.note)
     tuned = _restore(replace(plan, choice=fallback), context)
-    tuned.report.insert(0, {"backend": plan.backend.name, "status": "rejected", "reason": f"restore failed: {exc}"})
+    tuned.report.insert(0, Candidate(plan.backend.name, "rejected", f"restore failed: {exc}"))
     return tuned
 
 

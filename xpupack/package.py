@@ -103,7 +103,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         modules.append({"path": path, "folder": folder, "spec": spec_file,
                         "owned_tensors": sorted(tuned.runner.owned_tensors()),
                         "backend": {"name": backend.name, "options": backend.options(), "config": config},
-                        "candidates": tuned.report,
+                        "candidates": [candidate.to_json() for candidate in tuned.report],
                         # written for split models only: a single-device package stays readable by older xpupacks
                         **({"device_slot": slots.index(session.device_of(path))}
                            if len(slots) > 1 else {})})

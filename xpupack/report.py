@@ -21,6 +21,7 @@ from typing import Any
 
 from ._signature_text import describe_leaves
 from .backends._facts import describe
+from .candidate import Candidate
 from .errors import PackageFormatError, XpupackError
 from .limits import LoadLimits, check_package as check_limits
 from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
@@ -176,7 +177,8 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "backend": entry["backend"]["name"],
             "options": entry["backend"]["options"],
             "settings": describe_options(entry["backend"]["options"]),
-            "candidates": entry["candidates"],
+            # as stored, each read through `Candidate` (a field an older xpupack did not write stays out)
+            "candidates": [Candidate.from_json(candidate).to_json() for candidate in entry["candidates"]],
             "signatures": [describe_signature(s) for s in spec["signatures"]],
             "calls_recorded": spec["calls"],
             "unrecordable": spec["unrecordable"],

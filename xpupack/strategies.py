@@ -15,6 +15,7 @@ import torch
 
 from . import _timing
 from .backends.base import Backend, ModuleSpec, Runner, Target, changes_module
+from .candidate import Candidate
 from .errors import NoCandidateError
 from .recorder import snapshot
 from .signature import flatten
@@ -23,11 +24,7 @@ log = logging.getLogger("xpupack")
 
 
 class Rejected(Exception):
-    """A candidate backend was refused; the message is the reason, ``facts`` go into its report entry."""
-
-    def __init__(self, reason: str, **facts: Any):
-        super().__init__(reason)
-        self.facts = facts
+    """A candidate backend was refused; the message is the reason."""
 
 
 def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
@@ -104,10 +101,12 @@ class _SpeedGate:
             weights=self.spec.signature_weights(), threshold=threshold, rounds=self.iterations,
             to_eager=runner.undo if transforms else None, to_candidate=runner.redo if transforms else None)
 
-    def between(self, heavy: Runner, light: Runner, threshold: float) -> _timing.Comparison:
+    def between(self, heavy: Runner, light: Runner, threshold: float, *,
+                heavy_changes_module: bool = False) -> _timing.Comparison:
         """Two candidates timed in rounds as `compare` times one against eager: ``light`` takes eager's
-        side, so the speedup is ``heavy``'s over ``light``'s. Neither may change the module (both run at
-        once); a signature only ``light`` runs costs ``light``'s time on both sides."""
+        side, so the speedup is ``heavy``'s over ``light``'s. ``light`` must not change the module;
+        ``heavy`` may (TorchAO under it: taken back for ``light``'s turns, as for eager's in `compare`).
+        A signature only ``light`` runs costs ``light``'s time on both sides."""
         signatures = range(len(self.spec.signatures))
         light_calls = [_timed_call(light, self.spec, index) if index in light.supported else None
                        for index in signatures]
@@ -116,7 +115,8 @@ class _SpeedGate:
         return _timing.compare(
             [_timed_call(heavy, self.spec, index) if index in heavy.supported else None for index in signatures],
             fallback, self.device, weights=self.spec.signature_weights(), threshold=threshold,
-            rounds=self.iterations)
+            rounds=self.iterations, to_eager=heavy.undo if heavy_changes_module else None,
+            to_candidate=heavy.redo if heavy_changes_module else None)
 
     def _build_eager(self) -> Runner:
         from .backends.eager import EagerBackend
@@ -135,30 +135,31 @@ def is_reference(backend: Backend) -> bool:
 
 
 def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: ModuleSpec,
-             references: list[list[Any]], device: torch.device, report: list[dict],
-             gate: _SpeedGate) -> tuple[Runner, dict] | None:
-    """`check_candidate`, then the speed gate; returns the runner and the facts for its report entry
-    (``median_us``, and against eager ``speedup``, ``speedup_interval``, ``rounds``, ``noisy``), or records
-    the refusal in ``report`` and returns None."""
+             references: list[list[Any]], device: torch.device, report: list[Candidate],
+             gate: _SpeedGate) -> tuple[Runner, Candidate] | None:
+    """`check_candidate`, then the speed gate; returns the runner and its ``"accepted"`` entry (with
+    ``median_us`` and, against eager, ``speedup``, ``speedup_interval``, ``rounds``, ``noisy``), or
+    records the refusal in ``report`` and returns None."""
     gated = strategy.min_speedup is not None and not is_reference(backend)
     try:
         runner = check_candidate(backend, target, spec, references, device)
     except Rejected as exc:
-        report.append({"backend": backend.label, "status": "rejected", "reason": str(exc), **exc.facts})
+        report.append(Candidate(backend.label, "rejected", str(exc)))
         return None
     if not (gated or strategy.times_candidates):
-        return runner, {}
+        return runner, Candidate(backend.label, "accepted")
     if is_reference(backend):
-        return runner, {"median_us": round(gate.times(runner), 2)}
+        return runner, Candidate(backend.label, "accepted", median_us=round(gate.times(runner), 2))
     result = gate.compare(backend, runner, strategy.min_speedup)
-    facts = {"median_us": round(result.candidate.median_us, 2), **result.to_json()}
+    timed = Candidate(backend.label, "accepted", median_us=round(result.candidate.median_us, 2),
+                      speedup=round(result.speedup, 3), speedup_interval=(round(result.low, 3), round(result.high, 3)),
+                      rounds=result.rounds, noisy=result.noisy)
     verdict = result.verdict(strategy.min_speedup) if gated else "faster"
     if verdict != "faster":
         runner.undo()
-        report.append({"backend": backend.label, "status": "rejected", **facts,
-                       "reason": _too_slow(result, verdict, strategy.min_speedup)})
+        report.append(timed.but(status="rejected", reason=_too_slow(result, verdict, strategy.min_speedup)))
         return None
-    return runner, facts
+    return runner, timed
 
 
 def _too_slow(result: _timing.Comparison, verdict: str, min_speedup: float) -> str:
@@ -174,12 +175,12 @@ def _too_slow(result: _timing.Comparison, verdict: str, min_speedup: float) -> s
     return f"not clearly faster than eager: {numbers}"
 
 
-def _noise_note(facts: dict) -> str:
+def _noise_note(entry: Candidate) -> str:
     """Appended to a kept candidate's reason when its speedup stands on noisy timings."""
-    if not facts.get("noisy"):
+    if not entry.noisy or entry.speedup_interval is None:
         return ""
-    low, high = facts["speedup_interval"]
-    return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {facts['rounds']} rounds"
+    low, high = entry.speedup_interval
+    return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {entry.rounds} rounds"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -201,26 +202,52 @@ class Strategy:
             scattered. ``None`` switches the gate off.
         iterations: timed rounds per comparison with eager; up to 4x as many while
             the timings cannot tell.
+        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+            candidate a strategy would choose carries compiled artifacts (seconds of loading on a fresh
+            server) and a candidate without them passes too (the plain device graph after graph over
+            Inductor), the two are timed side by side and the compiled one is kept only when it runs
+            the recorded calls at least ``startup_margin`` times as fast. None: no such weighing.
     """
 
     #: whether every passing candidate is timed even with the speed gate off
     times_candidates = False
 
-    def __init__(self, backends: Sequence[Backend], *, min_speedup: float | None = 1.0, iterations: int = 20):
+    def __init__(self, backends: Sequence[Backend], *, min_speedup: float | None = 1.0, iterations: int = 20,
+                 startup_margin: float | None = None):
+        name = type(self).__name__
         if not backends:
-            raise ValueError(f"{type(self).__name__} needs at least one backend")
+            raise ValueError(f"{name} needs at least one backend")
         if min_speedup is not None and (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
                                         or not min_speedup > 0):
-            raise ValueError(f"{type(self).__name__}(min_speedup={min_speedup!r}): give a positive number, "
+            raise ValueError(f"{name}(min_speedup={min_speedup!r}): give a positive number, "
                              "or None to keep candidates slower than eager")
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-            raise ValueError(f"{type(self).__name__}(iterations={iterations!r}): give a positive integer")
+            raise ValueError(f"{name}(iterations={iterations!r}): give a positive integer")
+        if startup_margin is not None and (isinstance(startup_margin, bool)
+                                           or not isinstance(startup_margin, (int, float)) or startup_margin < 1):
+            raise ValueError(f"{name}(startup_margin={startup_margin!r}): give a number >= 1 (e.g. 1.05), "
+                             "or None to leave compiled candidates unweighed against lighter ones")
         self.backends = list(backends)
         self.min_speedup = min_speedup
         self.iterations = iterations
+        self.startup_margin = startup_margin
 
     def choose(self, target: Target, spec: ModuleSpec, references: list[list[Any]],
-               device: torch.device) -> tuple[Backend, Runner, list[dict]]:
+               device: torch.device) -> tuple[Backend, Runner, list[Candidate]]:
+        """Picks the backend for one module.
+
+        Args:
+            target: the module, its object path and original forward.
+            spec: its recorded signatures and samples.
+            references: eager's outputs, ``references[signature][sample]``.
+            device: where it is tuned.
+
+        Returns:
+            The chosen backend, its runner (applied to the module), and one `Candidate` per backend tried.
+
+        Raises:
+            NoCandidateError: no candidate passed.
+        """
         raise NotImplementedError
 
     def check_unrecorded(self, target: Target, spec: ModuleSpec) -> None:
@@ -234,6 +261,8 @@ class Strategy:
             options["min_speedup"] = self.min_speedup
         if self.iterations != 20:
             options["iterations"] = self.iterations
+        if self.startup_margin is not None:
+            options["startup_margin"] = self.startup_margin
         return options
 
     def __repr__(self) -> str:
@@ -241,15 +270,52 @@ class Strategy:
         return f"{type(self).__name__}([{', '.join(map(repr, self.backends))}]{options})"
 
 
+#: a candidate as a strategy holds it while choosing: the backend, its runner, its entry
+_Passed = tuple[Backend, Runner, Candidate]
+
+
+def _is_lighter(backend: Backend) -> bool:
+    """Whether ``backend`` can be what a compiled candidate is weighed against for its start-up: no
+    compiled artifacts, not eager (the speed gate compares with that), and it leaves the module as it
+    is (both run side by side)."""
+    return not (backend.compiled_artifacts or is_reference(backend) or changes_module(backend))
+
+
+def _weigh_startup(margin: float, compiled: _Passed, lighter: _Passed, gate: _SpeedGate,
+                   won: str) -> tuple[_Passed, _Passed]:
+    """``(chosen, dropped)``: the compiled candidate when it runs the recorded calls `margin` times as fast as
+    the lighter one, both timed in alternating calls, else the lighter one; each entry says why, with both
+    figures. ``won``: why the compiled one was the candidate to weigh (``"first to pass"``, ``"fastest"``).
+    The compiled candidate's changes to the module must be applied when this is called."""
+    (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry) = compiled, lighter
+    result = gate.between(heavy_runner, light_runner, margin, heavy_changes_module=changes_module(heavy))
+    ratio = result.speedup
+    measured = {"startup_ratio": round(ratio, 3), "startup_ratio_interval": (round(result.low, 3), round(result.high, 3))}
+    figures = (f"{heavy.label} {result.candidate.median_us:.1f} vs {light.label} {result.eager.median_us:.1f} µs "
+               f"per recorded call, {result.interval()}")
+    # the compiled code must be clearly worth its start-up: timings that cannot tell keep the lighter one
+    if result.verdict(margin) == "faster":
+        heavy_entry = heavy_entry.but(status="chosen", **measured,
+                                      reason=f"{won}; {ratio:.3f}x {light.label}'s speed (start-up margin {margin}x)")
+        light_entry = light_entry.but(status="rejected", **measured,
+                                      reason=f"{heavy.label} is {ratio:.3f}x as fast ({figures}), at least the "
+                                             f"start-up margin {margin}x that its compiled code must earn")
+        return (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry)
+    heavy_entry = heavy_entry.but(status="rejected", **measured,
+                                  reason=f"{ratio:.3f}x as fast as {light.label} ({figures}), not clearly above the "
+                                         f"start-up margin {margin}x: its compiled code costs seconds on a fresh server")
+    light_entry = light_entry.but(status="chosen", **measured,
+                                  reason=f"as fast within the start-up margin {margin}x, with no compiled code")
+    return (light, light_runner, light_entry), (heavy, heavy_runner, heavy_entry)
+
+
 class FirstWins(Strategy):
     """The first backend, in order, that builds, matches eager and is faster than eager wins.
 
     Args:
-        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
-            first candidate to pass carries compiled artifacts (seconds of loading on a fresh server)
-            and a later candidate without them passes too (the plain device graph after graph over
-            Inductor), the two are timed side by side and the compiled one is kept only when it runs
-            the recorded calls at least ``startup_margin`` times as fast. None: the first to pass wins.
+        startup_margin: when the first candidate to pass carries compiled artifacts and a later candidate
+            without them passes too, the compiled one is kept only when it is at least this much faster
+            (`Strategy`). None: the first to pass wins.
         min_speedup, iterations: as for every `Strategy`.
 
     Example:
@@ -259,81 +325,40 @@ class FirstWins(Strategy):
         ...                    xpupack.EagerBackend()], startup_margin=1.05)
     """
 
-    def __init__(self, backends: Sequence[Backend], *, min_speedup: float | None = 1.0, iterations: int = 20,
-                 startup_margin: float | None = None):
-        super().__init__(backends, min_speedup=min_speedup, iterations=iterations)
-        if startup_margin is not None and (isinstance(startup_margin, bool)
-                                           or not isinstance(startup_margin, (int, float)) or startup_margin < 1):
-            raise ValueError(f"FirstWins(startup_margin={startup_margin!r}): give a number >= 1 (e.g. 1.05), "
-                             "or None to let the first passing candidate win")
-        self.startup_margin = startup_margin
-
-    def _options(self) -> dict:
-        options = super()._options()
-        if self.startup_margin is not None:
-            options["startup_margin"] = self.startup_margin
-        return options
-
     def choose(self, target, spec, references, device):
-        report: list[dict] = []
+        report: list[Candidate] = []
         gate = _SpeedGate(target, spec, device, self.iterations)
         for position, backend in enumerate(self.backends):
             attempt = _attempt(self, backend, target, spec, references, device, report, gate)
-            if attempt is not None:
-                runner, facts = attempt
-                entry = {"backend": backend.label, "status": "chosen",
-                         "reason": "first to pass" + _noise_note(facts), **facts}
-                if self.startup_margin is not None and backend.compiled_artifacts:
-                    lighter = self._lighter_candidate(self.backends[position + 1:], target, spec, references,
-                                                      device, report, gate)
-                    if lighter is not None:
-                        return self._weigh_startup((backend, runner, entry), lighter, gate, report)
-                report.append(entry)
-                return backend, runner, report
+            if attempt is None:
+                continue
+            runner, entry = attempt
+            entry = entry.but(status="chosen", reason="first to pass" + _noise_note(entry))
+            if self.startup_margin is not None and backend.compiled_artifacts:
+                lighter = self._lighter_candidate(self.backends[position + 1:], target, spec, references,
+                                                  device, report, gate)
+                if lighter is not None:
+                    chosen, (_, dropped_runner, dropped_entry) = _weigh_startup(
+                        self.startup_margin, (backend, runner, entry), lighter, gate, "first to pass")
+                    dropped_runner.release()
+                    dropped_runner.undo()
+                    # the compiled candidate's entry first, as it was tried first
+                    report += sorted([chosen[2], dropped_entry], key=lambda e: e.backend != backend.label)
+                    return chosen[0], chosen[1], report
+            report.append(entry)
+            return backend, runner, report
         raise NoCandidateError(_explain(target, report))
 
     def _lighter_candidate(self, later: Sequence[Backend], target, spec, references, device, report,
-                           gate) -> tuple[Backend, Runner, dict] | None:
+                           gate) -> _Passed | None:
         """The first of ``later`` without compiled artifacts (eager aside) that passes, or None."""
         for backend in later:
-            if backend.compiled_artifacts or is_reference(backend) or not backend.available(device):
+            if not _is_lighter(backend) or not backend.available(device):
                 continue
             attempt = _attempt(self, backend, target, spec, references, device, report, gate)
             if attempt is not None:
-                runner, facts = attempt
-                return backend, runner, {"backend": backend.label, **facts}
+                return backend, *attempt
         return None
-
-    def _weigh_startup(self, compiled: tuple[Backend, Runner, dict], lighter: tuple[Backend, Runner, dict],
-                       gate: "_SpeedGate", report: list[dict]) -> tuple[Backend, Runner, list[dict]]:
-        """Keeps the compiled candidate only where it is `startup_margin` times as fast as the lighter one,
-        both timed in alternating calls; the other is refused with both figures in its reason."""
-        (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry) = compiled, lighter
-        margin = self.startup_margin
-        result = gate.between(heavy_runner, light_runner, margin)
-        heavy_entry["startup_ratio"] = light_entry["startup_ratio"] = round(result.speedup, 3)
-        heavy_entry["startup_ratio_interval"] = light_entry["startup_ratio_interval"] = [
-            round(result.low, 3), round(result.high, 3)]
-        ratio = result.speedup
-        figures = (f"{heavy.label} {result.candidate.median_us:.1f} vs {light.label} {result.eager.median_us:.1f} µs "
-                   f"per recorded call, {result.interval()}")
-        margin = self.startup_margin
-        # the compiled code must be clearly worth its start-up: timings that cannot tell keep the lighter one
-        if result.verdict(margin) == "faster":
-            light_entry["reason"] = (f"{heavy.label} is {ratio:.3f}x as fast ({figures}), at least the start-up "
-                                     f"margin {margin}x that its compiled code must earn")
-            heavy_entry["reason"] = f"first to pass; {ratio:.3f}x {light.label}'s speed (start-up margin {margin}x)"
-            chosen, dropped = (heavy, heavy_runner, heavy_entry), (light_runner, light_entry)
-        else:
-            heavy_entry["reason"] = (f"{ratio:.3f}x as fast as {light.label} ({figures}), not clearly above the "
-                                     f"start-up margin {margin}x: its compiled code costs seconds on a fresh server")
-            light_entry["reason"] = f"as fast within the start-up margin {margin}x, with no compiled code"
-            chosen, dropped = (light, light_runner, light_entry), (heavy_runner, heavy_entry)
-        chosen[2]["status"], dropped[1]["status"] = "chosen", "rejected"
-        dropped[0].release()
-        dropped[0].undo()
-        report += [heavy_entry, light_entry]
-        return chosen[0], chosen[1], report
 
 
 class Fastest(Strategy):
@@ -342,29 +367,82 @@ class Fastest(Strategy):
     Each candidate is timed in rounds alongside eager (device-synchronized), and
     the one with the highest speedup over eager wins (eager itself counts 1.0):
     ratios to eager timed at the same moments stay true under machine load,
-    where candidates' own times, taken minutes apart, would not.
+    where candidates' own times, taken minutes apart, would not. Every candidate
+    that passed and lost says so, with its speedup and the fastest one's.
+
+    Args:
+        startup_margin: when the fastest carries compiled artifacts, it is weighed against the fastest
+            candidate without them that passed (`Strategy`); None: the fastest wins.
+        min_speedup, iterations: as for every `Strategy`.
+
+    Example:
+        >>> xpupack.Fastest([xpupack.GraphBackend(base=xpupack.InductorBackend()),
+        ...                  xpupack.GraphBackend(base=xpupack.InductorBackend("max-autotune-no-cudagraphs")),
+        ...                  xpupack.GraphBackend(), xpupack.EagerBackend()], startup_margin=1.05)
     """
 
     times_candidates = True
 
     def choose(self, target, spec, references, device):
-        report: list[dict] = []
-        timed = []
+        report: list[Candidate] = []
         gate = _SpeedGate(target, spec, device, self.iterations)
+        # report index -> the backend and runner of a passing candidate that may still be chosen: the
+        # fastest so far and the fastest lighter one; the others are released as soon as they lose
+        alive: dict[int, tuple[Backend, Runner]] = {}
         for backend in self.backends:
             attempt = _attempt(self, backend, target, spec, references, device, report, gate)
-            if attempt is not None:
-                runner, facts = attempt
-                entry = {"backend": backend.label, "status": "accepted", **facts}
-                runner.undo()  # the next candidate starts from the original module
-                report.append(entry)
-                timed.append((entry, backend, runner))
-        if not timed:
+            if attempt is None:
+                continue
+            runner, entry = attempt
+            runner.undo()  # the next candidate starts from the original module
+            report.append(entry)
+            alive[len(report) - 1] = (backend, runner)
+            keep = {_fastest(report, alive), _fastest(report, alive, lighter=True)}
+            for index in set(alive) - keep:
+                alive.pop(index)[1].release()
+        if not alive:
             raise NoCandidateError(_explain(target, report))
-        entry, backend, runner = max(timed, key=lambda item: item[0].get("speedup", 1.0))
+        best = _fastest(report, alive)
+        backend, runner = alive[best]
         runner.redo()
-        entry["status"], entry["reason"] = "chosen", "fastest" + _noise_note(entry)
+        won = "fastest" + _noise_note(report[best])
+        light = _fastest(report, alive, lighter=True)
+        if self.startup_margin is None or not backend.compiled_artifacts or light is None:
+            chosen_index = best
+            report[best] = report[best].but(status="chosen", reason=won)
+        else:
+            chosen, dropped = _weigh_startup(self.startup_margin, (backend, runner, report[best]),
+                                             (*alive[light], report[light]), gate, won)
+            report[best], report[light] = (chosen[2], dropped[2]) if chosen[0] is backend else (dropped[2], chosen[2])
+            dropped[1].undo()
+            chosen_index = best if chosen[0] is backend else light
+            backend, runner = chosen[0], chosen[1]
+            runner.redo()
+        for index, (_, other) in alive.items():
+            if index != chosen_index:
+                other.release()
+        _say_why_they_lost(report, report[best])
         return backend, runner, report
+
+
+def _fastest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], *,
+             lighter: bool = False) -> int | None:
+    """The report index of the fastest of ``alive`` (the first of equals), among the `_is_lighter` ones
+    with ``lighter``; None when there is none."""
+    indices = [index for index, (backend, _) in alive.items() if not lighter or _is_lighter(backend)]
+    return max(indices, key=lambda index: _speedup(report[index]), default=None)
+
+
+def _speedup(entry: Candidate) -> float:
+    return entry.speedup if entry.speedup is not None else 1.0  # eager's own entry has none
+
+
+def _say_why_they_lost(report: list[Candidate], fastest: Candidate) -> None:
+    """Gives each candidate that passed but was not chosen its reason: the fastest was faster."""
+    for index, entry in enumerate(report):
+        if entry.status == "accepted":
+            report[index] = entry.but(reason=f"passed at {_speedup(entry):g}x eager's speed; {fastest.backend} "
+                                             f"was faster ({_speedup(fastest):g}x)")
 
 
 def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], Any]:
@@ -399,7 +477,7 @@ class Only(Strategy):
             runner = check_candidate(backend, target, spec, references, device)
         except Rejected as exc:
             raise NoCandidateError(f"{target.path or '<model>'}: {backend.label} backend rejected: {exc}") from exc
-        return backend, runner, [{"backend": backend.label, "status": "chosen", "reason": "only candidate"}]
+        return backend, runner, [Candidate(backend.label, "chosen", "only candidate")]
 
     def check_unrecorded(self, target, spec):
         backend = self.backends[0]
@@ -413,9 +491,9 @@ class Only(Strategy):
             f"modules eager")
 
 
-def _explain(target: Target, report: list[dict]) -> str:
+def _explain(target: Target, report: list[Candidate]) -> str:
     lines = [f"no backend could tune {target.path or '<model>'}:"]
-    lines += [f"  {entry['backend']}: {entry.get('reason', '')}" for entry in report]
+    lines += [f"  {entry.backend}: {entry.reason}" for entry in report]
     lines.append("add EagerBackend() to the strategy to keep such modules untuned")
     return "\n".join(lines)
 
@@ -442,3 +520,106 @@ DEFAULT_STARTUP_MARGIN = 1.05
 def default_strategy(device: torch.device | None = None) -> Strategy:
     """``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``."""
     return FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)
+
+
+#: what `xpupack.tune`'s ``search`` takes: ``"quick"``, the default strategy (`default_strategy`), or
+#: ``"thorough"``, every candidate of `thorough_backends` timed (`thorough_strategy`)
+SEARCHES = ("quick", "thorough")
+
+#: the TorchAO configurations ``quantize=True`` tries: those whose weight-only kernels are fast at small
+#: batches (decode), each where the device has it (float8: CUDA capability 8.9; int4: CUDA, bfloat16)
+QUANTIZE_CONFIGS = ("int8-weight-only", "float8-weight-only", "int4-weight-only")
+
+_GRAPH_DEVICES = ("cuda", "xpu")
+#: Inductor's coordinate descent: each Triton kernel's block sizes and warps tuned by timing its neighbours
+COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
+
+
+def inductor_settings(device: torch.device | None) -> list[dict[str, Any]]:
+    """The `InductorBackend` arguments the thorough search tries on ``device``, each a candidate.
+
+    The defaults; coordinate descent (GPUs only: a CPU's kernels are C++, which it does not tune);
+    max-autotune without Inductor's own CUDA graphs (the graph backend records those), which also times
+    Triton templates against the libraries for each matrix multiply and turns coordinate descent on.
+    """
+    settings: list[dict[str, Any]] = [{}]
+    if device is not None and device.type in _GRAPH_DEVICES:
+        settings.append({"compile_options": dict(COORDINATE_DESCENT)})
+    settings.append({"mode": "max-autotune-no-cudagraphs"})
+    return settings
+
+
+def thorough_backends(device: torch.device | None = None,
+                      quantize: bool | Sequence[str | Backend] = False) -> list[Backend]:
+    """The thorough search's candidates: each of `inductor_settings` recorded as a device graph on a GPU
+    (as the default's first candidate) and plain on a CPU, then what the default tries after it; with
+    ``quantize``, each TorchAO configuration compiled and, on a GPU, recorded as a device graph.
+
+    Args:
+        device: where the module is tuned.
+        quantize: False; True for `QUANTIZE_CONFIGS`; or config names / `TorchAOBackend` instances
+            (``TorchAOBackend("int8-weight-only", min_sqnr_db=25)``). A configuration this device cannot
+            run stays in the list: the report says why it was refused.
+    """
+    from .backends.eager import EagerBackend
+    from .backends.graph import GraphBackend
+    from .backends.inductor import InductorBackend
+
+    graphs = device is not None and device.type in _GRAPH_DEVICES
+    compiled: list[Backend] = [InductorBackend(**settings) for settings in inductor_settings(device)]
+    quantized = _quantized(device, quantize)
+    if graphs:
+        return [*(GraphBackend(base=backend) for backend in [*compiled, *quantized]), GraphBackend(),
+                InductorBackend(), EagerBackend()]
+    return [GraphBackend(), *compiled, *quantized, *(backend.base for backend in quantized), EagerBackend()]
+
+
+def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Backend]) -> list[Backend]:
+    """Each TorchAO configuration of ``quantize`` compiled by Inductor: with coordinate descent on a GPU,
+    without which Inductor's int8 weight-only kernels are slower than bfloat16 (README: "Language models")."""
+    from .backends.inductor import InductorBackend
+
+    options = {"compile_options": dict(COORDINATE_DESCENT)} if device is not None and device.type in _GRAPH_DEVICES \
+        else {}
+    return [InductorBackend(base=backend, **options) for backend in quantized_backends(quantize)]
+
+
+def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend]:
+    """The `TorchAOBackend` of each configuration ``quantize`` names (True: `QUANTIZE_CONFIGS`).
+
+    Raises:
+        UnknownConfigError: a name xpupack's TorchAO configs do not have.
+        TypeError: an item is neither a config name nor a `TorchAOBackend`.
+    """
+    from .backends.torchao import TorchAOBackend
+
+    if quantize is False or quantize is None:
+        return []
+    items = QUANTIZE_CONFIGS if quantize is True else [quantize] if isinstance(quantize, (str, Backend)) else quantize
+    backends = []
+    for item in items:
+        backend = TorchAOBackend(item) if isinstance(item, str) else item
+        if not isinstance(backend, TorchAOBackend):
+            raise TypeError(f"quantize: {item!r} is neither a TorchAO config name ({', '.join(QUANTIZE_CONFIGS)}, "
+                             "...) nor an xpupack.TorchAOBackend; give True, names or backends")
+        backends.append(backend)
+    return backends
+
+
+def thorough_strategy(device: torch.device | None = None,
+                      quantize: bool | Sequence[str | Backend] = False) -> Strategy:
+    """``Fastest(thorough_backends(device, quantize), startup_margin=DEFAULT_STARTUP_MARGIN)``: every
+    candidate checked and timed against eager, the fastest kept, compiled code only where it is worth its
+    start-up against the plain device graph."""
+    return Fastest(thorough_backends(device, quantize), startup_margin=DEFAULT_STARTUP_MARGIN)
+
+
+def search_strategy(search: str, device: torch.device | None = None,
+                    quantize: bool | Sequence[str | Backend] = False) -> Strategy:
+    """The strategy ``xpupack.tune(..., search=search, quantize=quantize)`` uses when given none."""
+    if search not in SEARCHES:
+        raise ValueError(f"search={search!r}: choose {' or '.join(map(repr, SEARCHES))}")
+    if quantize and search != "thorough":
+        raise ValueError(f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
+                         "search='thorough' too, or put xpupack.TorchAOBackend in a strategy")
+    return thorough_strategy(device, quantize) if search == "thorough" else default_strategy(device)

@@ -17,7 +17,8 @@ from .environment import environment, resolve_device
 from .errors import TuningError
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
-from .strategies import Strategy, default_strategy
+from .candidate import Candidate
+from .strategies import SEARCHES, Strategy, quantized_backends, search_strategy
 from .tuned import (Session, TunedModule, attach, check_model, describe_architecture, detach, find_session,
                     generate_compile_off)
 
@@ -28,7 +29,8 @@ log = logging.getLogger("xpupack")
 def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
          device: str | torch.device | None = None, strategy: Strategy | None = None,
          run: Callable[[nn.Module, Any], Any] | None = None, *, batch_sizes: Iterable[int] | None = None,
-         batch_axis: int | None = None, progress: Callable[[str], None] | None = None) -> nn.Module:
+         batch_axis: int | None = None, progress: Callable[[str], None] | None = None,
+         search: str = "quick", quantize: bool | Iterable[str | Any] = False) -> nn.Module:
     """Tunes ``model`` in place and returns it, with the tuned modules active.
 
     The samples run through the model (in eval mode, without autograd) while
@@ -45,7 +47,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
             moves, and each selected module is tuned on the device its own parameters are on
             (a model split over devices; tensor samples go to the first parameter's device).
         strategy: default ``FirstWins([GraphBackend(), InductorBackend(), EagerBackend()])``, and on a
-            GPU ``GraphBackend(base=InductorBackend())`` first.
+            GPU ``GraphBackend(base=InductorBackend())`` first (``search="quick"``).
         run: ``run(model, item)`` drives the model for one sample (e.g. a ``generate()`` loop).
         batch_sizes: also record these batch sizes, made from each sample by repeating or cutting
             its rows (along ``batch_axis`` of its tensors); each is checked against eager like any
@@ -54,32 +56,41 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
         batch_axis: the samples' batch axis for ``batch_sizes`` (default 0); e.g. 1 for
             ``[sequence, batch, hidden]`` inputs, whose axis 0 must not be resized.
         progress: called with short status messages (the CLI shows them).
+        search: without a ``strategy``, ``"quick"`` (the default above) or ``"thorough"``: every
+            candidate of `strategies.thorough_backends` checked and timed, the fastest kept (Inductor's
+            default settings, coordinate descent on a GPU, max-autotune; README: "Tuning").
+        quantize: with ``search="thorough"``, also try TorchAO configurations: True for
+            int8, float8 and int4 weight-only (each where the device has it), or a list of config
+            names or ``TorchAOBackend`` instances. Quantization changes numerics: off by default.
 
     Returns:
         The same model object.
 
     Raises:
         DeviceUnavailableError: ``device`` names a device this machine lacks.
-        TuningError: no samples, no module matches ``modules``, or ``batch_sizes``/``batch_axis`` are not
-            what they must be.
+        TuningError: no samples, no module matches ``modules``, ``batch_sizes``/``batch_axis`` are not
+            what they must be, or ``search``/``quantize`` are not, or come with a ``strategy``.
         NoCandidateError: a module no backend of the strategy could tune.
 
     Example:
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
+        >>> model = xpupack.tune(model, samples, device="cuda", search="thorough", quantize=["int8-weight-only"])
     """
     check_model(model, "tune")
+    quantize = _check_search(search, quantize, strategy)
     # the samples run in the caller's mode; everything xpupack makes is made outside inference mode, so
     # that the tuned model serves in any mode (`xpupack._inference`)
     samples_mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
     with _inference.normal_tensors(model):
-        return _tune(model, samples, modules, device, strategy, run, batch_sizes, batch_axis, progress, samples_mode)
+        return _tune(model, samples, modules, device, strategy, run, batch_sizes, batch_axis, progress, samples_mode,
+                     search, quantize)
 
 
 def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None,
           device: str | torch.device | None, strategy: Strategy | None, run: Callable[[nn.Module, Any], Any] | None,
           batch_sizes: Iterable[int] | None, batch_axis: int | None, progress: Callable[[str], None] | None,
-          samples_mode: Callable[[], Any]) -> nn.Module:
+          samples_mode: Callable[[], Any], search: str, quantize: bool | Iterable[Any]) -> nn.Module:
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
@@ -106,7 +117,8 @@ def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str]
     placed = {path: _device.model_device(module, device) for path, module in selected.items()}
     if in_place:  # the session's device: slot 0's
         device = devices.slot_order(placed.values())[0]
-    strategy = strategy or default_strategy(device)
+    if strategy is None:
+        strategy = search_strategy(search, device, quantize)
     distributed.check_strategy(selected, strategy)
     with generate_compile_off(model):
         specs = record(model, selected, samples, run, progress, mode=samples_mode)
@@ -139,7 +151,7 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
         log.warning("%s: %s; it stays eager", target.path or "<model>", why)
         backend = EagerBackend()
         return TunedModule(target, spec, backend, backend.build(target, spec, device),
-                           [{"backend": "eager", "status": "chosen", "reason": why}])
+                           [Candidate("eager", "chosen", why)])
     # tuning's own runs (references, checks, timing) leave the module's buffers as the samples' run left them
     with BufferWatch(target.module).kept() as buffers:
         references = []
@@ -168,3 +180,25 @@ def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
     except Exception as cleanup:
         log.warning("while tuning stopped on %s: %s, forgetting the recorded samples failed too (%s: %s)",
                     type(error).__name__, error, type(cleanup).__name__, cleanup)
+
+
+def _check_search(search: Any, quantize: Any, strategy: Strategy | None) -> bool | list[Any]:
+    """``search`` and ``quantize`` choose xpupack's own candidates; a ``strategy`` names its own. Returns
+    ``quantize`` as a bool or a list (checked now, not after minutes of recording)."""
+    if search not in SEARCHES:
+        raise TuningError(f"search={search!r}: choose 'quick' (the default strategy) or 'thorough' (every "
+                          "candidate timed, Inductor settings and, with quantize=, TorchAO configurations)")
+    if strategy is not None and (search != "quick" or quantize):
+        raise TuningError(f"strategy={strategy!r} names its candidates itself; search= and quantize= choose "
+                          "among xpupack's own: pass one or the other")
+    if quantize and search != "thorough":
+        raise TuningError(f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
+                          "search='thorough' too, or put xpupack.TorchAOBackend in a strategy")
+    if isinstance(quantize, bool):
+        return quantize
+    quantize = [quantize] if isinstance(quantize, str) or not isinstance(quantize, Iterable) else list(quantize)
+    try:
+        quantized_backends(quantize)  # each name known, each item a name or a TorchAOBackend
+    except (ValueError, TypeError) as exc:  # an unknown name (UnknownConfigError), or not a name or backend
+        raise TuningError(str(exc)) from None
+    return quantize

@@ -25,6 +25,7 @@ from ._model_edit import edits_model
 from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from .backends.base import Backend, ModuleSpec, Runner, Target
+from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .recorder import BufferWatch
@@ -64,7 +65,7 @@ class TunedModule:
     """The ``forward`` of a tuned module: fit check, then backend or fallback."""
 
     def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
-                 report: list[dict] | None = None, *, padding_checked: bool = False,
+                 report: list[Candidate] | None = None, *, padding_checked: bool = False,
                  downgrade: DowngradeEvent | None = None):
         self.target = target
         self.spec = spec

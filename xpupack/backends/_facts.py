@@ -35,10 +35,13 @@ class BackendFacts:
     runs_on: tuple[str, ...] | None = None
     #: it runs only the recorded shapes and pads a smaller batch up to one (graph, Inductor)
     pads_calls: bool = False
+    #: the settings its label shows (`settings_tag`)
+    settings: str = ""
 
     @property
     def label(self) -> str:
-        return f"{self.name}+{self.base.label}" if self.base else self.name
+        own = self.name + self.settings
+        return f"{own}+{self.base.label}" if self.base else own
 
     def available(self, device: Any) -> bool:
         own = self.runs_on is None or device.type in self.runs_on
@@ -52,6 +55,16 @@ class BackendFacts:
 
 
 EAGER = BackendFacts("eager")
+
+
+def settings_tag(options: dict) -> str:
+    """The Inductor settings a backend's label shows, from its options: ``[max-autotune-no-cudagraphs]``,
+    ``[coordinate_descent_tuning]`` (a setting turned on), ``[max_fusion_size=32]``; "" for the defaults."""
+    mode = options.get("mode")
+    parts = [mode] if mode not in (None, "default") else []
+    parts += [key if value is True else f"{key}={value!r}"
+              for key, value in sorted((options.get("compile_options") or {}).items())]
+    return f"[{','.join(parts)}]" if parts else ""
 
 
 def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
@@ -87,5 +100,6 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
     if name == "inductor":
         if set(options) - {"mode"} or ("mode" in options and options["mode"] not in _INDUCTOR_MODES):
             return None  # a base (torchao), or an option the real backend refuses or would not write
-        return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True, pads_calls=True)
+        return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True, pads_calls=True,
+                            settings=settings_tag(options))
     return None

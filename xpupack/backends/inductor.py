@@ -49,6 +49,7 @@ from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable, flatten
 from ..state import scratch_copy
+from ._facts import settings_tag
 from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
                    register_backend)
 
@@ -254,7 +255,7 @@ def _has_compiled_code(entry: Callable[..., Any]) -> bool:
 
 
 @contextlib.contextmanager
-def _recording() -> Iterator[_Compiled]:
+def _recording(*, reload_kernels: bool = False) -> Iterator[_Compiled]:
     """Records what the compiles inside the block produce or use.
 
     PyTorch records cache artifacts for the whole process, each artifact once:
@@ -270,6 +271,9 @@ def _recording() -> Iterator[_Compiled]:
     sources passing through there are those of the block's libraries.
 
     Dynamo's compile lock, held throughout, keeps other threads' compiles out.
+
+    ``reload_kernels``: `_forget_loaded_kernels` first, so that the tuning results of kernels this
+    process tuned before are recorded too (at tune time: a load records nothing it will save).
     """
     from torch._dynamo.convert_frame import compile_lock
     from torch._inductor import codecache
@@ -286,6 +290,8 @@ def _recording() -> Iterator[_Compiled]:
         return key, path
 
     with compile_lock:
+        if reload_kernels:
+            _forget_loaded_kernels()
         with CacheArtifactManager.with_fresh_cache():
             codecache.write = observed_write
             try:
@@ -294,6 +300,25 @@ def _recording() -> Iterator[_Compiled]:
                 codecache.write = write
             compiled.artifacts = list(chain.from_iterable(CacheArtifactManager._new_cache_artifacts.values()))
         _add_to_record(compiled.artifacts)
+
+
+def _forget_loaded_kernels() -> None:
+    """Makes the compiles that follow load each generated module and Triton kernel again, through Inductor's
+    on-disk caches.
+
+    A kernel this process loaded before (for another module, or for a candidate of a thorough search
+    with the same kernel source) is otherwise reused from memory as it is, already tuned: its tuning
+    result (coordinate descent's block sizes, the autotuned config) is then never read from the
+    autotune cache, the read that records it, and a load of the package would tune it again.
+    """
+    from torch._inductor.codecache import PyCodeCache
+
+    PyCodeCache.cache_clear()
+    try:
+        from torch._inductor.async_compile import CompiledTritonKernels
+    except ImportError:  # a torch without that cache of kernels by source
+        return
+    CompiledTritonKernels.cache_clear()
 
 
 def _add_to_record(artifacts: Iterable[CacheArtifact]) -> None:
@@ -394,6 +419,12 @@ class InductorBackend(ComposedBackend):
                 **({"compile_options": dict(self.compile_options)} if self.compile_options else {}),
                 **self._base_options()}
 
+    @property
+    def label(self) -> str:
+        """``inductor``, with its settings where they are not the defaults (``inductor[coordinate_descent_tuning]``)."""
+        own = self.name + settings_tag(self.options())
+        return f"{own}+{self.base.label}" if self.base else own
+
     def compare(self, actual, expected) -> str | None:
         if self.base is not None:
             return self.base.compare(actual, expected)
@@ -446,7 +477,7 @@ class InductorBackend(ComposedBackend):
 
     def _compile_into(self, runner: InductorRunner, target: Target, spec: ModuleSpec) -> None:
         """Compiles every signature of ``runner`` that has an example (now, not on the user's first call)."""
-        with _recording() as recorded:
+        with _recording(reload_kernels=bool(spec.samples)) as recorded:  # samples: at tune time
             try:
                 attempted = _compile_examples(runner, spec)
             except _SymbolicSizesFailed as failed:

@@ -82,6 +82,29 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def _quantize(text: str | None, search: str, backends: str | None) -> bool | list[str]:
+    """``--quantize``: False, True (``all``) or the config names, checked before minutes of tuning."""
+    if search == "thorough" and backends is not None:
+        raise click.BadParameter("--backends names the candidates itself; --search thorough tries xpupack's own: "
+                                 "pass one or the other", param_hint="--search")
+    if text is None:
+        return False
+    if search != "thorough":
+        raise click.BadParameter("--quantize adds TorchAO configurations to the thorough search: add --search "
+                                 "thorough, or name torchao backends in --backends (torchao:int8-weight-only)",
+                                 param_hint="--quantize")
+    if text.strip().lower() == "all":
+        return True
+    from ..strategies import quantized_backends
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    try:
+        quantized_backends(names or [text])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--quantize") from None
+    return names
+
+
 #: a number that ends a progress message: what changes from one to the next while one step counts up
 _COUNTER = re.compile(r"\d+$")
 
@@ -136,6 +159,15 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
               help="first-wins: a candidate with compiled code (graph+inductor) is kept only when it runs the "
                    "calls RATIO times as fast as the next candidate without it (the plain graph), since its "
                    "compiled code costs seconds on a fresh server; 'none': the first to pass wins.")
+@click.option("--search", type=click.Choice(["quick", "thorough"]), default="quick", show_default=True,
+              help="quick: the candidates above, as --strategy says; thorough: every candidate checked and timed, "
+                   "the fastest kept (with --min-speedup and --startup-margin): Inductor's default settings, "
+                   "coordinate descent (GPU) and max-autotune, each recorded as a device graph on a GPU, then the "
+                   "plain graph, Inductor and eager; with --quantize, TorchAO configurations too.")
+@click.option("--quantize", default=None, metavar="CONFIG,...|all",
+              help="With --search thorough: also try these TorchAO configurations (int8-weight-only,"
+                   "float8-weight-only,int4-weight-only...), or 'all' for those three, each where the device "
+                   "has it. Quantization changes numerics: off unless given.")
 @click.option("--batch-sizes", "batch_sizes", default=None, metavar="N,N,...",
               help="Also record these batch sizes, made from each sample by repeating or cutting its rows "
                    "(xpupack.tune's batch_sizes), e.g. 1,2,4,8,16,24,32: smaller batches are padded up to them.")
@@ -144,7 +176,7 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
 @handle_errors
 def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, startup_margin,
-          batch_sizes, batch_axis, no_weights):
+          search, quantize, batch_sizes, batch_axis, no_weights):
     """Tune MODULE:FACTORY's model on its samples and write a package to --out.
 
     \b
@@ -155,6 +187,7 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     from ..manifest import check_destination, destination
 
     sizes = _sizes(batch_sizes) if batch_sizes is not None else None
+    configs = _quantize(quantize, search, backends)
     check_destination(destination(out))  # before minutes of tuning: save would refuse it after them
     out_console = console()
     started = time.perf_counter()
@@ -168,13 +201,17 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
         import xpupack
 
         from .. import _device
-        from ..strategies import default_backends
+        from ..strategies import default_backends, thorough_backends
 
         device = _device.resolve(device)
-        candidates = parse_backends(backends) if backends is not None else default_backends(device)
-        if strategy == "fastest":
+        if search == "thorough":
+            chosen = xpupack.Fastest(thorough_backends(device, configs), min_speedup=_ratio(min_speedup),
+                                     startup_margin=_ratio(startup_margin, "--startup-margin"))
+        elif strategy == "fastest":
+            candidates = parse_backends(backends) if backends is not None else default_backends(device)
             chosen = xpupack.Fastest(candidates, min_speedup=_ratio(min_speedup))
         else:
+            candidates = parse_backends(backends) if backends is not None else default_backends(device)
             chosen = xpupack.FirstWins(candidates, min_speedup=_ratio(min_speedup),
                                        startup_margin=_ratio(startup_margin, "--startup-margin"))
         progress("building the model")

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from ..candidate import Candidate
 from ._common import byte_size, console, echo_json, handle_errors, json_option
 
 _revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
@@ -44,12 +45,7 @@ def print_report(report: dict, out) -> None:
     for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
         column.overflow = "fold"
     for module in report["modules"]:
-        candidates = "\n".join(
-            f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
-            + (f" ({c['median_us']} µs)" if "median_us" in c else "")
-            + (f" [{c['speedup']}x eager" + (", {}-{}x".format(*c["speedup_interval"]) if "speedup_interval" in c else "")
-               + "]" if "speedup" in c and c["status"] != "rejected" else "")
-            for c in module["candidates"])
+        candidates = "\n".join(escape(Candidate.from_json(entry).summary()) for entry in module["candidates"])
         signatures = "\n".join(module["signatures"]) or "—"
         if module.get("padding"):
             signatures += "\n" + module["padding"]
