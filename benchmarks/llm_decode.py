@@ -615,9 +615,9 @@ class Runner:
             options += ["--compile-options", json.dumps(args.compile_options)]
         return options + ["--tiny"] * args.tiny + ["--profile"] * args.profile
 
-    def step(self, step: str, name: str, entry: dict) -> bool:
+    def step(self, step: str, name: str, entry: dict) -> str:
         """Runs ``step`` of variant ``name`` in a fresh process, merging its results into ``entry`` as
-        they come; False when it failed, hung or ran out of time (the reason in ``entry``)."""
+        they come; returns ``ok``, ``timed out`` or ``failed`` (the reason in ``entry``)."""
         timeout = self.args.variant_timeout
         remaining = self.remaining()
         if remaining is not None:
@@ -651,7 +651,7 @@ class Runner:
             part["error"] = f"{step} exited with {process.returncode}"
             part["log_tail"] = log.read_text(errors="replace")[-3000:]
         self.write()
-        return not timed_out and not process.returncode
+        return "timed out" if timed_out else "failed" if process.returncode else "ok"
 
     def _read(self, process, part: dict) -> None:
         for line in process.stdout:
@@ -668,14 +668,21 @@ class Runner:
         if not self.args.out:
             return
         with self._writing:
-            report = assemble(self.args, self.results, time.perf_counter() - self.started)
-            target = Path(self.args.out)
-            temporary = target.with_name(target.name + ".tmp")
-            temporary.write_text(json.dumps(report, indent=2, default=str))
-            os.replace(temporary, target)
+            text = json.dumps(assemble(self.args, self.results, time.perf_counter() - self.started), indent=2,
+                              default=str)
+            for out in self.args.out:
+                target = Path(out)
+                temporary = target.with_name(target.name + ".tmp")
+                temporary.write_text(text)
+                os.replace(temporary, target)
 
     def variant(self, name: str) -> dict:
         entry: dict = self.results.setdefault(name, {})
+        package = self.settings.workdir / f"pkg-{name}"
+        if entry.get("status") == "tuned" and package.is_dir():  # --resume: a tune an earlier run finished
+            loaded = self.step("load", name, entry)
+            entry["status"] = "ok" if loaded == "ok" else f"{loaded} in load"
+            return entry
         entry.clear()
         why_not = unavailable(name, self.args.device)
         if why_not:
@@ -685,17 +692,19 @@ class Runner:
         if remaining is not None and remaining < self.args.min_start:
             entry["status"] = f"skipped: the time budget ({self.args.time_budget:.0f} s) ran out"
             return entry
-        if name in XPUPACK:
-            if not self.step("tune", name, entry):
-                entry["status"] = "failed in tune"
-            elif "not_available" in entry["tune"]:
-                entry["status"] = entry["tune"]["not_available"]
-            elif (self.remaining() or 1e9) < self.args.min_start / 3:
-                entry["status"] = "tuned; the time budget ran out before the load"
-            else:
-                entry["status"] = "ok" if self.step("load", name, entry) else "failed in load"
+        if name not in XPUPACK:
+            entry["status"] = self.step("run", name, entry)
+            return entry
+        tuned = self.step("tune", name, entry)
+        if tuned != "ok":
+            entry["status"] = f"{tuned} in tune"
+        elif "not_available" in entry["tune"]:
+            entry["status"] = entry["tune"]["not_available"]
+        elif (self.remaining() or 1e9) < self.args.min_start / 3:
+            entry["status"] = "tuned; the time budget ran out before the load"
         else:
-            entry["status"] = "ok" if self.step("run", name, entry) else "failed"
+            loaded = self.step("load", name, entry)
+            entry["status"] = "ok" if loaded == "ok" else f"{loaded} in load"
         return entry
 
 
@@ -811,9 +820,11 @@ def parser() -> argparse.ArgumentParser:
                         help="most seconds one step (tune, load) of a variant may run")
     parser.add_argument("--min-start", type=float, default=45, metavar="SECONDS",
                         help="a variant does not start with less of the time budget left than this")
-    parser.add_argument("--out", default=None, help="the JSON report, rewritten as results come in")
+    parser.add_argument("--out", action="append", default=None,
+                        help="the JSON report, rewritten as results come in (may be given twice: written to both)")
     parser.add_argument("--resume", action="store_true",
-                        help="keep the variants --out already holds as 'ok' (or not available) and run the rest")
+                        help="keep the variants the first existing --out holds as done (ok, not available); "
+                             "a variant it tuned whose package is in --workdir only loads; run the rest")
     parser.add_argument("--hbm-bytes-per-s", type=float, default=HBM_BYTES_PER_S,
                         help="the device's memory bandwidth for the limit (default 4.8e12, an H200)")
     parser.add_argument("--quant-search", choices=["quick", "thorough"], default="thorough",
@@ -832,6 +843,26 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resumed(outs: list[str], workdir: Path) -> dict:
+    """``--resume``: the variants the first report of ``outs`` that exists holds as done (``ok``, not
+    available), and those it tuned whose package is still in ``workdir`` (status ``tuned``: only the load runs)."""
+    for out in outs:
+        if Path(out).exists():
+            kept = json.loads(Path(out).read_text()).get("results", {})
+            break
+    else:
+        return {}
+    results = {}
+    for name, entry in kept.items():
+        status = str(entry.get("status", ""))
+        tune = entry.get("tune", {})
+        if status == "ok" or status.startswith("not available"):
+            results[name] = entry
+        elif "package_bytes" in tune and "error" not in tune and (workdir / f"pkg-{name}").is_dir():
+            results[name] = {"tune": tune, "status": "tuned"}
+    return results
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     names = [name for name in args.variants.split(",") if name]
@@ -846,14 +877,12 @@ def main(argv: list[str] | None = None) -> dict:
     settings.workdir.mkdir(parents=True, exist_ok=True)
     args.workdir = str(settings.workdir)
     results: dict = {}
-    if args.resume and args.out and Path(args.out).exists():
-        kept = json.loads(Path(args.out).read_text()).get("results", {})
-        results = {name: entry for name, entry in kept.items()
-                   if entry.get("status") == "ok" or str(entry.get("status", "")).startswith("not available")}
+    if args.resume:
+        results = resumed(args.out or [], settings.workdir)
     runner = Runner(args, settings, results)
     for name in names:
-        if name in results:
-            print(f"{name}: kept from {args.out}", file=sys.stderr, flush=True)
+        if name in results and results[name].get("status") != "tuned":
+            print(f"{name}: kept from an earlier run ({results[name]['status']})", file=sys.stderr, flush=True)
             continue
         entry = runner.variant(name)
         runner.write()

@@ -125,3 +125,17 @@ def test_a_tiny_run_tunes_loads_on_empty_caches_and_checks_tokens_against_eager(
             batch * 4.8e12 / load["weight_bytes"]["all"], rel=1e-3)
     assert [row["batch"] for row in report["rows"]] == [1, 2]
     assert load["profile"]["steps"] == 8 and load["profile"]["top_kernels"] and not load["profile"].get("error")
+
+
+def test_resume_keeps_finished_variants_and_loads_a_tuned_package_without_tuning_again(tmp_path):
+    (tmp_path / "pkg-xpupack_int8").mkdir()
+    results = {"xpupack_bf16": {"status": "ok", "tune": {"tune_s": 1}},
+               "xpupack_bf16_thorough": {"status": "not available: this xpupack.tune has no search= parameter"},
+               "xpupack_int8": {"status": "timed out in load", "tune": {"tune_s": 2, "package_bytes": 10}},
+               "xpupack_int4": {"status": "timed out in load", "tune": {"tune_s": 2, "package_bytes": 10}},
+               "xpupack_float8": {"status": "timed out in tune", "tune": {"error": "stopped"}}}
+    (tmp_path / "report.json").write_text(json.dumps({"results": results}))
+    kept = llm_decode.resumed([str(tmp_path / "missing.json"), str(tmp_path / "report.json")], tmp_path)
+    assert kept == {"xpupack_bf16": results["xpupack_bf16"],
+                    "xpupack_bf16_thorough": results["xpupack_bf16_thorough"],
+                    "xpupack_int8": {"tune": {"tune_s": 2, "package_bytes": 10}, "status": "tuned"}}
