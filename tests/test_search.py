@@ -168,6 +168,31 @@ def test_the_fastest_compiled_candidate_gives_way_to_a_plain_one_within_the_marg
     assert xpupack.stats(model)[""]["backend"] == "sleepy-shortcut"
 
 
+def test_the_two_fastest_by_speedup_over_eager_are_timed_head_to_head_and_the_faster_of_them_wins(monkeypatch):
+    # speedups over eager are timed minutes apart, beside an eager that slows with the machine's CPU load
+    from xpupack import _timing
+
+    timed = []
+
+    def second_is_faster(self, heavy, light, threshold, **options):  # side by side: 0.6x, 0.55-0.65x
+        timed.append((heavy, light))
+        return _timing.Comparison(_timing.Timing(100.0, 100.0, 5), _timing.Timing(60.0, 60.0, 5), 0.6, 0.55, 0.65, 5)
+
+    monkeypatch.setattr(xpupack.strategies._SpeedGate, "between", second_is_faster)
+    model = SlowEager(delay=0.005)
+    strategy = xpupack.Fastest([ShortcutBackend(), SleepyShortcutBackend(delay=0.002), xpupack.EagerBackend()],
+                               iterations=3, startup_margin=None)
+    xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
+    entries = {entry.backend: entry for entry in candidates(model)}
+    by_speedup = sorted(("shortcut", "sleepy-shortcut"), key=lambda name: -entries[name].speedup)
+    assert len(timed) == 1  # one head-to-head, of the two best
+    winner, loser = entries[by_speedup[1]], entries[by_speedup[0]]
+    assert winner.status == "chosen" and winner.reason.startswith("fastest timed head to head")
+    assert loser.status == "accepted" and "faster timed head to head" in loser.reason and "0.600x" in loser.head_to_head
+    assert xpupack.stats(model)[""]["backend"] == winner.backend
+    assert Candidate.from_json(loser.to_json()) == loser  # stored in the package, and read back
+
+
 def test_the_fastest_compiled_candidate_clearly_ahead_of_the_plain_one_is_kept():
     model = SlowEager(delay=0.005)
     strategy = xpupack.Fastest([SleepyShortcutBackend(delay=0.002), FastArtifactBackend(), xpupack.EagerBackend()],

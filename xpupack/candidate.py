@@ -34,6 +34,8 @@ class Candidate:
         startup_ratio: a compiled candidate's speed over the lighter one it was weighed against
             (the start-up margin rule), timed side by side.
         startup_ratio_interval: the confidence interval of ``startup_ratio``.
+        head_to_head: the two fastest of a `Fastest` search timed against each other, where that reversed
+            their order by speedup over eager (``"a vs b: 0.67x (95% interval ...)"``).
         extra: entries of a stored candidate this xpupack does not know (a newer one wrote them),
             kept so that they are written back as they were.
     """
@@ -48,6 +50,7 @@ class Candidate:
     noisy: bool | None = None
     startup_ratio: float | None = None
     startup_ratio_interval: tuple[float, float] | None = None
+    head_to_head: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
