@@ -96,6 +96,7 @@ def generate_tokens_per_s(model, device: str) -> tuple[float, float]:
 def hand_graph(model, device: str, compiled: bool):
     """A CUDA graph captured by hand around one decode step (Inductor-compiled or eager) on a fixed cache."""
     import torch
+
     from support.language_models import cache_argument
 
     api = getattr(torch, device.split(":")[0])
@@ -182,6 +183,7 @@ def strategy_for(name: str, compile_options: dict | None = None):
 def build_package(name: str, device: str, workdir: Path, compile_options: dict | None = None) -> dict:
     """Tunes on the decode loop and on generate(), saves without weights (the loader builds the same model)."""
     import torch
+
     import xpupack
     from support.language_models import decode_loop, static_cache
 
@@ -204,6 +206,7 @@ def build_package(name: str, device: str, workdir: Path, compile_options: dict |
 
 def serve_package(name: str, device: str, workdir: Path) -> dict:
     import torch
+
     import xpupack
 
     model = build(device)

@@ -137,5 +137,6 @@ def test_an_input_on_another_device_falls_back_and_is_never_copied(fallback_call
     assert [event.path for event in fallback_calls] == ["layers.0.mlp"]
     assert fallback_calls[0].reason == "an input on meta, but the recordings take cpu: (float32[4, 8]@meta)"
     with torch.no_grad():
-        mlp(torch.randn(5, 8), scale=1.0)  # a batch larger than any recorded, on the module's device: an ordinary fallback
+        # a batch larger than any recorded, on the module's device: an ordinary fallback
+        mlp(torch.randn(5, 8), scale=1.0)
     assert xpupack.stats(model)["layers.0.mlp"]["fallback_reasons"] == {"device": 1, "signature": 1}

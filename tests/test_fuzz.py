@@ -37,10 +37,10 @@ from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, snapshot
 from xpupack import _device
 from xpupack.errors import IntegrityError, XpupackError
-from xpupack.spec import read_module_spec
 from xpupack.manifest import MANIFEST, read_manifest
 from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature
+from xpupack.spec import read_module_spec
 
 SCALE = int(os.environ.get("XPUPACK_FUZZ_SCALE", "1"))
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

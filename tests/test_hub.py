@@ -264,7 +264,8 @@ def test_unpinned_inductor_package_is_compiled_here(hub, inductor_package, caplo
 def test_pinned_inductor_package_runs_its_compiled_artifacts(hub, inductor_package, caplog):
     commit = hub.publish(inductor_package, "xpupack-tests/inductor-pinned")
     with caplog.at_level(logging.INFO, logger="xpupack"):
-        model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit, defer_compile=False)
+        model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit,
+                             defer_compile=False)
     assert "loaded Inductor cache artifacts" in caplog.text
     assert "not pinned" not in caplog.text
     assert session_of(model).modules["layers.0.mlp"].report[0]["reason"] == "from package"
@@ -283,7 +284,7 @@ class FakeHfApi:
         self.existing = existing or []
         self.refuse = refuse
 
-    def install(self, monkeypatch) -> "FakeHfApi":
+    def install(self, monkeypatch) -> FakeHfApi:
         for name in ("create_repo", "create_branch", "list_repo_files", "create_commit"):
             fake = getattr(self, "_" + name)
             # a plain function on the class, so that each HfApi instance passes itself as `api`

@@ -18,7 +18,7 @@ import xpupack
 from support.models import make_stack, stack_samples
 from xpupack.backends._facts import describe
 from xpupack.backends.base import BACKENDS, backend_from_json
-from xpupack.environment import CPU, _cpu_capability_without_torch, device_here
+from xpupack.environment import CPU, _cpu_capability_without_torch
 
 NO_TORCH = "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
 

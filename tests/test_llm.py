@@ -13,8 +13,21 @@ import torch
 
 import xpupack
 from support.emulated_graph import TracedGraphs
-from support.language_models import (GRAPH, NEW_TOKENS, decode_loop, generate, prompt, static_cache, tiny_gemma2,
-                                     tiny_gemma3, tiny_gpt2, tiny_llama, tiny_mistral, tune_llm, whole)
+from support.language_models import (
+    GRAPH,
+    NEW_TOKENS,
+    decode_loop,
+    generate,
+    prompt,
+    static_cache,
+    tiny_gemma2,
+    tiny_gemma3,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_mistral,
+    tune_llm,
+    whole,
+)
 from support.models import Accumulator, RunningCache, make_stack
 from xpupack import _device
 from xpupack.manifest import read_manifest

@@ -329,8 +329,8 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
     text = CliRunner().invoke(main, ["inspect", str(root)]).output
     assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
 
-    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu", "--iterations", "1",
-                                        "--json"])
+    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu",
+                                        "--iterations", "1", "--json"])
     assert benched.exit_code == 0, benched.output
     assert json.loads(benched.output)["recording_memory"] == {
         "modules": {"layers.0.mlp": 768, "layers.1.mlp": 768}, "total_bytes": 1536,
@@ -415,7 +415,8 @@ def test_batch_axis_errors_say_what_to_pass(kwargs, message):
 
 def test_build_records_a_ladder_from_the_command_line(tmp_path):
     out = tmp_path / "pkg"
-    result = CliRunner().invoke(main, ["build", "support.models:make_stack", "--samples", "support.models:stack_samples",
+    result = CliRunner().invoke(main, ["build", "support.models:make_stack",
+                                       "--samples", "support.models:stack_samples",
                                        "--modules", "layers.0.mlp", "--backends", "eager", "--batch-sizes", "1,8",
                                        "--batch-axis", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output

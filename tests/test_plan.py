@@ -18,11 +18,11 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
-from xpupack import _background
 from support.backends import ArtifactBackend
 from support.emulated_graph import EmulatedGraphs
 from support.models import make_stack, stack_samples
 from support.package_tools import copy_package, redigest, rewrite_manifest
+from xpupack import _background
 from xpupack.cli import main
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package

@@ -59,7 +59,8 @@ def packages(tmp_path_factory, inductor_package, graph_inductor_package):
 
 
 def _name(label: str) -> str:
-    """The backend name `xpupack.stats` reports for a runs_here label (``torchao:int8-weight-only``, ``graph+inductor``)."""
+    """The backend name `xpupack.stats` reports for a runs_here label (``torchao:int8-weight-only``,
+    ``graph+inductor``)."""
     return label.split("+")[0].split(":")[0]
 
 

@@ -20,10 +20,24 @@ from torch import nn
 import xpupack
 from support.backends import ArtifactBackend, CountingBackend
 from support.models import Stack, make_stack, stack_samples
-from support.package_tools import (assert_unchanged, copy_package, listed_files, redigest, rewrite_json,
-                                   rewrite_manifest, snapshot)
-from xpupack.errors import (BackendError, IntegrityError, ModelMismatchError, OutputMismatchError,
-                            PackageFormatError, UnknownConfigError, XpupackError)
+from support.package_tools import (
+    assert_unchanged,
+    copy_package,
+    listed_files,
+    redigest,
+    rewrite_json,
+    rewrite_manifest,
+    snapshot,
+)
+from xpupack.errors import (
+    BackendError,
+    IntegrityError,
+    ModelMismatchError,
+    OutputMismatchError,
+    PackageFormatError,
+    UnknownConfigError,
+    XpupackError,
+)
 from xpupack.manifest import MANIFEST
 from xpupack.source import Source
 
@@ -51,7 +65,8 @@ def any_package(request, tmp_path):
         return build(tmp_path, xpupack.Only(xpupack.GraphBackend()))
     if request.param == "torchao":  # quantized weights in modules/*/torchao/; TorchAO wants real sizes
         model = xpupack.tune(make_stack(width=128), [torch.randn(batch, 128) for batch in (2, 4)],
-                             modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+                             modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
         return xpupack.save(model, tmp_path / "pkg")
     return copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg")
 
@@ -343,7 +358,7 @@ def test_inductor_cache_path_cannot_leave_the_package(inductor_package, tmp_path
     for bad, error in [(str(elsewhere), PackageFormatError), ("../../../elsewhere.bin", PackageFormatError),
                        (7, PackageFormatError), (".", PackageFormatError), ("missing.bin", IntegrityError)]:
         root = copy_package(inductor_package[1], tmp_path / f"pkg-{len(loaded)}-{abs(hash(str(bad)))}")
-        rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"].update(cache=bad))
+        rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"].update(cache=bad))  # noqa: B023 (called now)
         caught = refused(root, error)
         assert "backend config" in str(caught) and "rebuild" in str(caught)
     assert loaded == []
@@ -710,7 +725,8 @@ def test_verify_reports_as_damaged_what_load_refuses(damage, kind, error, words,
     for trusted in (True, False):
         source = Source(root, trusted=trusted, description="pkg", trust_reason="test")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+            patch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+                          lambda *a, **k: source)  # noqa: B023 (used within this iteration)
             assert words in str(refused(root, error))
 
 

@@ -21,12 +21,34 @@ import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import (AmbiguousSourceError, BackendError, BackendUnavailableError, BenchmarkError,
-                     DestinationExistsError, DeviceMapError, DeviceUnavailableError, HubError,
-                     IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
-                     OfflineNotCachedError, OutputMismatchError, PackageFormatError, PackageLimitError, RepoNotFoundError,
-                     RevisionNotFoundError, SaveError, SourceError, TuningError, UnknownConfigError, XpupackError)
-from .errors import NotAModelError, SampleError
+from .errors import (
+    AmbiguousSourceError,
+    BackendError,
+    BackendUnavailableError,
+    BenchmarkError,
+    DestinationExistsError,
+    DeviceMapError,
+    DeviceUnavailableError,
+    HubError,
+    IncompatiblePackageError,
+    IntegrityError,
+    ModelMismatchError,
+    NoCandidateError,
+    NotAModelError,
+    NotTunedError,
+    OfflineNotCachedError,
+    OutputMismatchError,
+    PackageFormatError,
+    PackageLimitError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    SampleError,
+    SaveError,
+    SourceError,
+    TuningError,
+    UnknownConfigError,
+    XpupackError,
+)
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from .backends.eager import EagerBackend

@@ -67,7 +67,7 @@ def _torch_build() -> dict[str, Any]:
     for node in tree.body:
         target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
             node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(target, ast.Name) and node.value is not None:
+        if isinstance(target, ast.Name) and isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             try:
                 facts[target.id] = ast.literal_eval(node.value)
             except ValueError:
@@ -145,6 +145,8 @@ def environment(device: torch.device | CPU) -> dict:
     import torch
 
     from . import _device
+
+    assert isinstance(device, torch.device)  # only a CPU comes as `CPU`
 
     env["device_name"] = _device.device_name(device)
     if device.type == "cuda":

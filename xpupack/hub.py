@@ -22,8 +22,16 @@ from pathlib import Path
 
 from ._fsutil import moved_aside
 from ._version import __version__
-from .errors import (AmbiguousSourceError, HubError, IntegrityError, OfflineNotCachedError, PackageFormatError,
-                     RepoNotFoundError, RevisionNotFoundError, SourceError)
+from .errors import (
+    AmbiguousSourceError,
+    HubError,
+    IntegrityError,
+    OfflineNotCachedError,
+    PackageFormatError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    SourceError,
+)
 from .manifest import MANIFEST, read_manifest
 from .source import Source, is_repo_id, read_name
 
@@ -186,8 +194,8 @@ def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, 
     ``asked`` is the revision the caller named when ``revision`` is the commit it resolved to;
     ``plain``: see `download`.
     """
-    from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hf
+    from huggingface_hub import hf_hub_download
 
     shown = asked if asked is not None else revision
     where = f"{repo_id}@{shown or 'main'}"

@@ -1,4 +1,5 @@
-"""`xpupack.load`: verify a package, restore weights and backends, activate (README: "Packages"; "Safety and reliability").
+"""`xpupack.load`: verify a package, restore weights and backends, activate
+(README: "Packages"; "Safety and reliability").
 
 Everything that can be checked is checked before the model is touched. For
 the changes that follow (weights, device, backends, activation) a `ModelEdit`
@@ -10,9 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -21,18 +22,34 @@ from . import _background, _device, _hooks, _inference, devices, distributed, pa
 from ._model_edit import ModelEdit, edits_model, named_tensors
 from .backends.base import Backend, ModuleSpec, Target, backend_from_json, check_against_original
 from .environment import environment
-from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
-                     PackageFormatError, UnknownConfigError, XpupackError)
-from .limits import LoadLimits, check_package as check_limits
+from .errors import (
+    BackendError,
+    IncompatiblePackageError,
+    IntegrityError,
+    ModelMismatchError,
+    PackageFormatError,
+    UnknownConfigError,
+    XpupackError,
+)
+from .hub import resolve_source
+from .limits import LoadLimits
+from .limits import check_package as check_limits
 from .manifest import check_package, listed_files, module_slot
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
 from .signature import dtype_name
-from .spec import read_module_spec
-from .hub import resolve_source
 from .source import Source
-from .tuned import (DowngradeEvent, Session, TunedModule, attach, check_model, describe_architecture, detach,
-                    find_session)
+from .spec import read_module_spec
+from .tuned import (
+    DowngradeEvent,
+    Session,
+    TunedModule,
+    attach,
+    check_model,
+    describe_architecture,
+    detach,
+    find_session,
+)
 
 log = logging.getLogger("xpupack")
 

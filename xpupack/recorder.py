@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn

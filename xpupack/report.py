@@ -22,7 +22,8 @@ from typing import Any
 from ._signature_text import describe_leaves
 from .backends._facts import describe
 from .errors import PackageFormatError, XpupackError
-from .limits import LoadLimits, check_package as check_limits
+from .limits import LoadLimits
+from .limits import check_package as check_limits
 from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
 from .source import Source
 
@@ -47,7 +48,8 @@ def _backend(name: Any, options: Any, device: Any = None) -> Any:
 
 
 def compiled_backends(manifest: dict) -> dict[str, str]:
-    """``{module path: backend name}`` for the modules whose artifacts are compiled code (README: "Safety and reliability").
+    """``{module path: backend name}`` for the modules whose artifacts are compiled code
+    (README: "Safety and reliability").
 
     The backend registry decides (``Backend.compiled_artifacts``); a backend
     this xpupack does not know is left out here and reported by `verify_package`.

@@ -134,7 +134,7 @@ def is_reference(backend: Backend) -> bool:
     return backend.name == "eager"
 
 
-def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: ModuleSpec,
+def _attempt(strategy: Strategy, backend: Backend, target: Target, spec: ModuleSpec,
              references: list[list[Any]], device: torch.device, report: list[dict],
              gate: _SpeedGate) -> tuple[Runner, dict] | None:
     """`check_candidate`, then the speed gate; returns the runner and the facts for its report entry
@@ -179,7 +179,8 @@ def _noise_note(facts: dict) -> str:
     if not facts.get("noisy"):
         return ""
     low, high = facts["speedup_interval"]
-    return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {facts['rounds']} rounds"
+    return (f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed "
+            f"over {facts['rounds']} rounds")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -305,7 +306,7 @@ class FirstWins(Strategy):
         return None
 
     def _weigh_startup(self, compiled: tuple[Backend, Runner, dict], lighter: tuple[Backend, Runner, dict],
-                       gate: "_SpeedGate", report: list[dict]) -> tuple[Backend, Runner, list[dict]]:
+                       gate: _SpeedGate, report: list[dict]) -> tuple[Backend, Runner, list[dict]]:
         """Keeps the compiled candidate only where it is `startup_margin` times as fast as the lighter one,
         both timed in alternating calls; the other is refused with both figures in its reason."""
         (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry) = compiled, lighter

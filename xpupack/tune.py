@@ -18,8 +18,16 @@ from .errors import TuningError
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
 from .strategies import Strategy, default_strategy
-from .tuned import (Session, TunedModule, attach, check_model, describe_architecture, detach, find_session,
-                    generate_compile_off)
+from .tuned import (
+    Session,
+    TunedModule,
+    attach,
+    check_model,
+    describe_architecture,
+    detach,
+    find_session,
+    generate_compile_off,
+)
 
 log = logging.getLogger("xpupack")
 

@@ -102,7 +102,8 @@ def main() -> None:
     result.update(backends=sorted({s["backend"] for s in stats.values()}),
                   fallbacks=sum(s["fallbacks"] for s in stats.values()),
                   calls=sum(s["calls"] for s in stats.values()))
-    rejected = [f"{path}: {entry['backend']}: {entry.get('reason')}" for path, tuned in session_of(model).modules.items()
+    rejected = [f"{path}: {entry['backend']}: {entry.get('reason')}"
+                for path, tuned in session_of(model).modules.items()
                 for entry in tuned.report if entry["status"] == "rejected"]
     if rejected:  # why a backend did not take a module (e.g. a device graph that cannot record a collective)
         result["rejected"] = rejected

@@ -40,11 +40,12 @@ import logging
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
 from operator import is_
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,8 +57,16 @@ from ..errors import TuningError
 from ..padding import check_output_axes, signature_batch
 from ..signature import BatchAxes, flatten, unflatten
 from ..state import state_type
-from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
-                   register_backend, changes_module)
+from .base import (
+    Backend,
+    ComposedBackend,
+    ModuleSpec,
+    Runner,
+    Target,
+    changes_module,
+    check_against_original,
+    register_backend,
+)
 
 log = logging.getLogger(__name__)
 

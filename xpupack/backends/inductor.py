@@ -49,8 +49,7 @@ from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable, flatten
 from ..state import scratch_copy
-from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
-                   register_backend)
+from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original, register_backend
 
 log = logging.getLogger(__name__)
 

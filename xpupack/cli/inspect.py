@@ -47,7 +47,8 @@ def print_report(report: dict, out) -> None:
         candidates = "\n".join(
             f"{c['backend']}: {c['status']}" + (f" — {c['reason']}" if c.get("reason") else "")
             + (f" ({c['median_us']} µs)" if "median_us" in c else "")
-            + (f" [{c['speedup']}x eager" + (", {}-{}x".format(*c["speedup_interval"]) if "speedup_interval" in c else "")
+            + (f" [{c['speedup']}x eager"
+               + (", {}-{}x".format(*c["speedup_interval"]) if "speedup_interval" in c else "")
                + "]" if "speedup" in c and c["status"] != "rejected" else "")
             for c in module["candidates"])
         signatures = "\n".join(module["signatures"]) or "—"
