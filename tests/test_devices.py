@@ -13,12 +13,12 @@ from click.testing import CliRunner
 import xpupack
 from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, rewrite_manifest, snapshot
+from support.strategies import EAGER
 from xpupack.cli import main
 from xpupack.errors import DeviceMapError, DeviceUnavailableError, PackageFormatError
 from xpupack.manifest import MANIFEST
 from xpupack.tuned import session_of
 
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 X = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
 
 

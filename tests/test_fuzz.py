@@ -259,6 +259,7 @@ def _copy(root):
     return Path(shutil.copytree(root, folder / "pkg"))
 
 
+@pytest.mark.slow  # hundreds of package loads
 @LOADS
 @given(kind=st.sampled_from(["eager", "counting", "graph"]), data=st.data())
 def test_loading_a_mutated_manifest(packages, fallback_calls, kind, data):
@@ -276,6 +277,7 @@ def test_loading_a_mutated_manifest(packages, fallback_calls, kind, data):
         shutil.rmtree(root.parent)
 
 
+@pytest.mark.slow  # hundreds of package loads
 @LOADS
 @given(kind=st.sampled_from(["eager", "counting", "graph"]), data=st.data())
 def test_loading_a_mutated_spec_with_matching_digests(packages, fallback_calls, kind, data):
@@ -305,6 +307,7 @@ def test_loading_a_mutated_spec_with_matching_digests(packages, fallback_calls, 
         shutil.rmtree(root.parent)
 
 
+@pytest.mark.slow  # hundreds of package loads
 @LOADS
 @given(kind=st.sampled_from(["eager", "graph"]), data=st.data())
 def test_loading_a_package_with_flipped_bits(packages, fallback_calls, kind, data):

@@ -253,13 +253,6 @@ def test_a_manifest_cannot_hand_the_loader_a_compiler():
         backend_from_json("inductor", {"compile_options": {"cpp.cxx": "/tmp/evil-cc"}})
 
 
-@pytest.fixture(scope="module")
-def eager_package(tmp_path_factory):
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
-    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
-
-
 def _as_inductor_package(root, tmp_path, compile_options):
     """``root`` with its modules handed to Inductor with ``compile_options``, as a package's author could write it."""
     copy = copy_package(root, tmp_path / "pkg")

@@ -14,7 +14,6 @@ import torch
 import xpupack
 from support.emulated_graph import TracedGraphs
 from support.language_models import (
-    GRAPH,
     NEW_TOKENS,
     decode_loop,
     generate,
@@ -29,6 +28,7 @@ from support.language_models import (
     whole,
 )
 from support.models import Accumulator, RunningCache, make_stack
+from support.strategies import GRAPH
 from xpupack import _device
 from xpupack.manifest import read_manifest
 from xpupack.signature import Signature, StateLeaf, Unsynthesizable

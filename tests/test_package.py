@@ -8,11 +8,10 @@ from safetensors import safe_open
 import xpupack
 from support.backends import CountingBackend
 from support.models import make_stack, stack_samples
+from support.strategies import EAGER
 from xpupack.errors import DestinationExistsError, SaveError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 from xpupack.manifest import check_files, read_manifest, validate
-
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Padding a smaller batch up to a recorded one (issue 11 B), through the emulated graph and Inductor."""
+"""Padding a smaller batch up to a recorded one (README: "Calls, fit and fallback"), through the emulated graph
+and Inductor."""
 
 import copy
 import json
@@ -12,12 +13,11 @@ import xpupack
 from support.backends import PaddingCountingBackend
 from support.models import make_stack
 from support.package_tools import rewrite_json
+from support.strategies import GRAPH
 from xpupack.cli import main
 from xpupack.errors import PackageFormatError
 
 LADDER = (1, 2, 4, 8)
-#: the emulated graph is slower than eager by construction: the speed gate is off for it
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def ladder_samples():
@@ -209,7 +209,7 @@ def test_batches_between_recorded_ones_are_padded_up_through_inductor(fallback_c
     assert (stats["backend"], stats["padded"], stats["fallbacks"]) == ("inductor", 3, 1)
 
 
-# -- batch_sizes: a ladder of recorded batches from the samples (issue 11 C) --------------------------
+# -- batch_sizes: a ladder of recorded batches from the samples (README: "Tuning") -------------------
 
 def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls):
     model = make_stack()
@@ -247,7 +247,7 @@ def test_batch_sizes_must_be_positive_integers(sizes):
         xpupack.tune(make_stack(), [torch.randn(2, 8)], modules=["layers.0.mlp"], batch_sizes=sizes)
 
 
-# -- recording memory and GraphBackend(max_memory=...) (issue 11 D) ----------------------------------
+# -- recording memory and GraphBackend(max_memory=...) (README: "Device graphs") ---------------------
 # The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
 # inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
 

@@ -1,5 +1,5 @@
 """`verify` and `inspect` say what `load` does: every backend × mismatch × on_mismatch × trust the suite can
-make on a CPU (issue 12, item 4).
+make on a CPU (README: "Safety and reliability").
 
 One planner (`xpupack.plan`) decides; this checks that its two users agree. For each combination the
 verdict of `package_report` / `verify_package` (per module: which backend runs, whether it uses the

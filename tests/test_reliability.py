@@ -1,4 +1,4 @@
-"""Hostile and broken packages, no pickle, wrong models, the load-time check (issue 6).
+"""Hostile and broken packages, no pickle, wrong models, the load-time check (README: "Safety and reliability").
 
 Every damaged package must raise a specific `XpupackError` whose message
 names the file and the fix, and leave the model exactly as it was.
@@ -29,6 +29,7 @@ from support.package_tools import (
     rewrite_manifest,
     snapshot,
 )
+from support.strategies import EAGER
 from xpupack.errors import (
     BackendError,
     IntegrityError,
@@ -41,7 +42,6 @@ from xpupack.errors import (
 from xpupack.manifest import MANIFEST
 from xpupack.source import Source
 
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 FIXES = ("rebuild", "re-download", "remove it")
 
 
@@ -184,7 +184,7 @@ def _ignoring_unlisted(monkeypatch, root):
 @pytest.mark.parametrize("kind", ["artifact", "torchao"])
 def test_files_the_manifest_does_not_list_are_never_read(kind, tmp_path, monkeypatch):
     """Where unlisted files are ignored (Hub snapshots), a backend config still cannot name one: only listed,
-    digest-checked files are handed out (issue 10, item 6)."""
+    digest-checked files are handed out."""
     if kind == "artifact":
         root = build(tmp_path, xpupack.Only(ArtifactBackend()))
         planted = root / "modules/layers.0.mlp/artifact/planted.json"
@@ -383,7 +383,7 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_packag
 
 def test_a_missing_kernel_midway_gives_back_the_earlier_tuning(inductor_package, tmp_path):
     """A kernel the manifest does not list is refused (before anything changes, by `check_package`; the
-    shared artifacts' restore checks again): the earlier tuning stays active and counting (issue 10, item 4)."""
+    shared artifacts' restore checks again): the earlier tuning stays active and counting."""
     model = xpupack.load(make_stack(seed=5), inductor_package[1], defer_compile=False)
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -509,8 +509,7 @@ def test_trusted_compiled_artifacts_are_used(inductor_package, tmp_path, monkeyp
 def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(inductor_package, tmp_path, monkeypatch,
                                                                            caplog, mode):
     """PyTorch's loader raises whatever it meets in a malformed (but listed and digest-checked) cache.bin,
-    e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here (issue 10,
-    item 8)."""
+    e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
 
     def malformed(blob):

@@ -149,7 +149,7 @@ def test_fastest_times_every_passing_candidate_and_keeps_one():
     assert chosen.get("speedup", 1.0) == max(e.get("speedup", 1.0) for e in timed)
 
 
-# -- the speed gate: never slower than eager (issue 11) -----------------------------------------------
+# -- the speed gate: never slower than eager (README: "Tuning") --------------------------------------
 
 @pytest.mark.parametrize("kind", [xpupack.FirstWins, xpupack.Fastest])
 def test_a_candidate_slower_than_eager_is_rejected_with_its_speedup(kind, tmp_path):

@@ -14,9 +14,8 @@ import torch
 
 import xpupack
 from support.models import make_stack, stack_samples
+from support.strategies import GRAPH
 
-#: the emulated graph is slower than eager by construction: the speed gate is off for it
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 #: how long a paused thread waits for the other one before it goes on (the fix makes the other one wait)
 PAUSE_S = 1.0
 
