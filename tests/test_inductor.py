@@ -132,7 +132,7 @@ def _forbid_artifacts(monkeypatch):
 def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog):
     _, root = inductor_package
     _forbid_artifacts(monkeypatch)
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
     model = xpupack.load(make_stack(), "org/name")
     tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]

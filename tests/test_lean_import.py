@@ -38,13 +38,24 @@ def test_import_xpupack_imports_no_torch(run_python):
     assert output.strip() == xpupack.__version__
 
 
-def test_public_names_resolve_and_stay_functions_after_their_submodules_are_imported(run_python):
+def test_no_submodule_is_named_like_a_public_name():
+    """Importing a submodule sets the package attribute of its name: a module ``xpupack/load.py`` would
+    replace the function ``xpupack.load`` once anything imported it."""
+    import pkgutil
+
+    submodules = {info.name for info in pkgutil.iter_modules(xpupack.__path__)}
+    assert submodules & set(xpupack.__all__) == set()
+
+
+def test_public_names_resolve_and_stay_functions_after_every_submodule_is_imported(run_python):
     run_python("""
-        import inspect
+        import importlib, inspect, pkgutil
         import xpupack
-        import xpupack.load, xpupack.tune   # the submodules named like the functions
-        from xpupack.load import load
-        from xpupack.tune import tune
+        for info in pkgutil.walk_packages(xpupack.__path__, "xpupack."):
+            if info.name != "xpupack.__main__":
+                importlib.import_module(info.name)
+        from xpupack.loading import load
+        from xpupack.tuning import tune
         assert xpupack.load is load and xpupack.tune is tune
         for name in xpupack.__all__:
             assert getattr(xpupack, name) is not None, name

@@ -120,7 +120,7 @@ def test_other_dtype_is_a_mismatch(package):
 def test_failure_during_restore_rolls_everything_back(package, monkeypatch):
     model = make_stack(seed=5).train()
     before = snapshot(model)
-    load_module = importlib.import_module("xpupack.load")  # the module, not the function of the same name
+    load_module = importlib.import_module("xpupack.loading")
 
     def explode(*args, **kwargs):
         raise RuntimeError("restore exploded")

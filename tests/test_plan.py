@@ -36,7 +36,7 @@ def untrusted(root: Path) -> Source:
 
 def load_from(monkeypatch, source: Source, **kwargs):
     """`xpupack.load` of ``source`` as if it came from the Hub (the loader sees ``source`` as resolved)."""
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source", lambda *a, **k: source)
     return xpupack.load(make_stack(seed=4), "org/name", **kwargs)
 
 

@@ -108,7 +108,7 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
     said = _verdicts(source, on_mismatch)
 
     # what load does: the restores it ran (the last one per module is what serves it), the cache it unpickled
-    load_module = importlib.import_module("xpupack.load")
+    load_module = importlib.import_module("xpupack.loading")
     restored, blobs = {}, []
     real_restore = load_module._restore
 

@@ -177,7 +177,7 @@ def _ignoring_unlisted(monkeypatch, root):
     """Loads of ``root`` see it as a Hub snapshot does (a trusted pin): unlisted files are not refused."""
     source = Source(root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash",
                     ignore_unlisted=True)
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source", lambda *a, **k: source)
     return "org/name"
 
 
@@ -480,7 +480,7 @@ def test_untrusted_compiled_artifacts_are_only_hashed(inductor_package, tmp_path
     """From an unpinned Hub revision, Inductor compiles here: the package's artifacts are read once, for
     their digest, and never handed to the loader that unpickles them."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
 
     def forbidden(blob):
@@ -724,7 +724,7 @@ def test_verify_reports_as_damaged_what_load_refuses(damage, kind, error, words,
     for trusted in (True, False):
         source = Source(root, trusted=trusted, description="pkg", trust_reason="test")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+            patch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                           lambda *a, **k: source)  # noqa: B023 (used within this iteration)
             assert words in str(refused(root, error))
 

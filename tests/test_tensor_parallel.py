@@ -153,7 +153,7 @@ def test_the_loader_decides_whether_a_package_records_collectives(graphs_without
     for name, load in {"local": {}, "local, refused": {"record_collectives": False}}.items():
         backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), root, **load))[
             "layers.0"]["backend"]
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
     for name, load in {"hub": {}, "hub, taken": {"record_collectives": True}}.items():
         backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), "org/name", **load))[

@@ -107,7 +107,7 @@ def test_two_threads_loading_into_one_model_leave_it_running_the_load_that_came_
     roots = [xpupack.save(xpupack.tune(make_stack(seed=seed), stack_samples(), modules=["layers.*.mlp"],
                                        strategy=eager), tmp_path / f"pkg{seed}") for seed in (0, 1)]
     model = make_stack(seed=5)
-    load_module = importlib.import_module("xpupack.load")
+    load_module = importlib.import_module("xpupack.loading")
     attach, attached, second_done = load_module.attach, threading.Event(), threading.Event()
 
     def pausing_attach(model_, session):

@@ -398,7 +398,7 @@ def test_failed_load_puts_the_original_parameters_back(tmp_path, monkeypatch):
     def explode(*args, **kwargs):
         raise RuntimeError("attach exploded")
 
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "attach", explode)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "attach", explode)
     with pytest.raises(RuntimeError, match="attach exploded"):
         xpupack.load(model, root)
     assert_unchanged(model, before)

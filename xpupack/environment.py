@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import DeviceUnavailableError
+from .errors import DeviceUnavailableError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -200,7 +200,7 @@ def resolve_device(device: str | torch.device | None, *, default: torch.device |
     try:
         resolved = _device.resolve(device, default=default)
     except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # how torch says "no such device"
-        raise refuse(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
+        raise refuse(first_line(exc)) from None
     if resolved.type not in DEVICE_TYPES:  # mps, hpu, meta...: torch names them, xpupack does not run there
         raise refuse(f"xpupack runs on {', '.join(DEVICE_TYPES)}, not on {resolved.type}")
     if resolved.type == "cpu":

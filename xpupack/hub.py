@@ -31,6 +31,8 @@ from .errors import (
     RepoNotFoundError,
     RevisionNotFoundError,
     SourceError,
+    error_line,
+    first_line,
 )
 from .manifest import MANIFEST, read_manifest
 from .source import Source, is_repo_id, read_name
@@ -312,8 +314,5 @@ def _check_reachable(hub: HubSettings, repo_id: str, revision: str | None, token
         return  # the Hub answered: `_fetch` says what the answer means
     except Exception as exc:  # no answer at all: refused, unresolvable, timed out
         raise _not_cached(hub, repo_id, revision, MANIFEST, plain=True,
-                          why=f"{type(exc).__name__}: {first_line(exc)}") from None
+                          why=error_line(exc)) from None
 
-
-def first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

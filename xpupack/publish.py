@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .card import package_card
-from .errors import HubError, SourceError
-from .hub import COMMIT_HASH, first_line, hub_api, hub_settings
+from .errors import HubError, SourceError, first_line
+from .hub import COMMIT_HASH, hub_api, hub_settings
 from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package
 from .source import HUB_PREFIX, is_repo_id, local_folder
 

@@ -15,7 +15,7 @@ import torch
 
 from . import _timing
 from .backends.base import Backend, ModuleSpec, Runner, Target, changes_module
-from .errors import NoCandidateError
+from .errors import NoCandidateError, error_line
 from .recorder import snapshot
 from .signature import flatten
 
@@ -38,7 +38,7 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
     try:
         runner = backend.build(target, spec, device)
     except Exception as exc:
-        raise Rejected(f"build failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise Rejected(f"build failed: {error_line(exc)}") from exc
     try:
         _check_outputs(backend, runner, spec, references)
     except Rejected:
@@ -64,8 +64,7 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
                 try:
                     actual = spec.observe(index, args, kwargs, runner.run(index, args, kwargs, leaves))
                 except Exception as exc:
-                    raise Rejected(f"running {spec.signatures[index].describe()} failed: "
-                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                    raise Rejected(f"running {spec.signatures[index].describe()} failed: {error_line(exc)}") from exc
             problem = backend.compare(actual, references[index][number])
             if problem:
                 raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
@@ -181,11 +180,6 @@ def _noise_note(facts: dict) -> str:
     low, high = facts["speedup_interval"]
     return (f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed "
             f"over {facts['rounds']} rounds")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 class Strategy:
