@@ -1,4 +1,4 @@
-"""Device slots (`xpupack.devices`): the manifest's slots, ``load(device_map=...)`` and its errors, inputs on
+"""Device slots (`xpupack.device_slots`): the manifest's slots, ``load(device_map=...)`` and its errors, inputs on
 another device. A CPU has one device: a second slot is made by relabelling a tuned module's device as ``meta``
 before saving; the runs over two real devices are in tests/test_multi_gpu.py."""
 

@@ -112,9 +112,9 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
     restored, blobs = {}, []
     real_restore = load_module._restore
 
-    def watching(plan, context):
-        restored[plan.path] = plan.choice.use_artifacts
-        return real_restore(plan, context)
+    def watching(job, context):
+        restored[job.path] = job.choice.use_artifacts
+        return real_restore(job, context)
 
     monkeypatch.setattr(load_module, "_restore", watching)
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", blobs.append)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from . import _fsutil, devices, distributed
+from . import _fsutil, device_slots, distributed
 from ._version import __version__
 from .card import model_card
 from .errors import SaveError, XpupackError
@@ -98,7 +98,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
                   str(staging / WEIGHTS), metadata={"format": "pt"})
 
-    slots = devices.slot_order(session.device_of(path) for path in session.modules)
+    slots = device_slots.slot_order(session.device_of(path) for path in session.modules)
     modules: list[dict] = []
     used_backends: dict[str, Any] = {}
     runners: dict[str, list] = {}

@@ -62,10 +62,10 @@ class Choice:
 
     path: str
     #: the package's backend, the start of the chain this choice was made from
-    built: Backend
-    #: what runs: ``built``, one of its bases, or `EagerBackend` (the original module)
+    package_backend: Backend
+    #: what runs: ``package_backend``, one of its bases, or `EagerBackend` (the original module)
     backend: Backend
-    #: how many ``base`` levels below ``built`` the backend is (None for the original module)
+    #: how many ``base`` levels below ``package_backend`` the backend is (None for the original module)
     depth: int | None
     use_artifacts: bool
     owned: tuple[str, ...] = ()
@@ -85,7 +85,7 @@ class Choice:
         """The chosen backend's config and folder, given the package's backend's."""
         if self.depth is None:
             return {}, folder
-        backend = self.built
+        backend = self.package_backend
         for _ in range(self.depth):
             # depth counts base levels, so each backend passed here is a composed one, with a base
             config, folder, backend = config.get("base", {}), folder / backend.base.name, backend.base  # type: ignore[attr-defined]
@@ -103,9 +103,9 @@ class Choice:
         """
         if self.depth is None:
             raise ValueError("the original module has nothing to fall back to")
-        step = _Step(f"{self.backend.name} -> {_next_name(self.built, self.depth)} (restore failed: {why})",
-                     f"restore failed ({why}): runs {_next_label(self.built, self.depth)}")
-        return choose(self.path, self.built, context, owned=self.owned, start=self.depth + 1,
+        step = _Step(f"{self.backend.name} -> {_next_name(self.package_backend, self.depth)} (restore failed: {why})",
+                     f"restore failed ({why}): runs {_next_label(self.package_backend, self.depth)}")
+        return choose(self.path, self.package_backend, context, owned=self.owned, start=self.depth + 1,
                       steps=(*self.steps, step))
 
 

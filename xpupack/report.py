@@ -265,7 +265,7 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
 def _check_build_device(manifest: dict, root: Path) -> None:
     """`devices.manifest_devices`'s check where torch is loaded; without torch, that the names look like devices."""
     if "torch" in sys.modules:
-        from .devices import manifest_devices
+        from .device_slots import manifest_devices
 
         manifest_devices(manifest, root)
         return

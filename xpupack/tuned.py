@@ -377,7 +377,7 @@ class Session:
     modules: dict[str, TunedModule]
     device: torch.device
     active: bool = False
-    #: module path -> the device it runs on (`xpupack.devices`); a module missing here runs on ``device``
+    #: module path -> the device it runs on (`xpupack.device_slots`); a module missing here runs on ``device``
     devices: dict[str, torch.device] = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     strategy: str = ""

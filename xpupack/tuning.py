@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device, _hooks, _inference, devices, distributed, padding
+from . import _device, _hooks, _inference, device_slots, distributed, padding
 from ._model_edit import edits_model
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
@@ -113,7 +113,7 @@ def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str]
     selected = select_modules(model, modules)
     placed = {path: _device.model_device(module, device) for path, module in selected.items()}
     if in_place:  # the session's device: slot 0's
-        device = devices.slot_order(placed.values())[0]
+        device = device_slots.slot_order(placed.values())[0]
     strategy = strategy or default_strategy(device)
     distributed.check_strategy(selected, strategy)
     with generate_compile_off(model):
