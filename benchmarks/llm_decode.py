@@ -191,6 +191,7 @@ def decode_logits(model, ids, new_tokens: int, cache, forced=None):
         position first).
     """
     import torch
+
     from support.language_models import cache_argument
 
     name = cache_argument(model)
@@ -328,9 +329,9 @@ def tune_arguments(name: str, settings: Settings, tune) -> tuple[dict | None, st
 
 def step_tune(name: str, settings: Settings) -> None:
     import torch
-    from support.language_models import decode_loop
 
     import xpupack
+    from support.language_models import decode_loop
 
     kwargs, how = tune_arguments(name, settings, xpupack.tune)
     emit(api=how, search_available="search" in inspect.signature(xpupack.tune).parameters,
@@ -456,9 +457,10 @@ def step_profile(model, settings: Settings, batch: int, step_us: float | None = 
     steps, none of them profiled)."""
     import torch
     from _step_profile import summarize
-    from support.language_models import cache_argument
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from support.language_models import cache_argument
 
     device = settings.device
     cache, ids = settings.cache(model), settings.ids(batch)
@@ -516,6 +518,7 @@ def hand_graph(model, settings: Settings, compiled: bool):
     """A CUDA graph captured by hand around one decode step (Inductor-compiled or eager) on a fixed cache;
     returns ``step(cache, batch)``, the decode loop through it."""
     import torch
+
     from support.language_models import cache_argument
 
     device, new_tokens = settings.device, settings.new_tokens

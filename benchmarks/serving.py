@@ -1,4 +1,4 @@
-"""Serving a stream of batch sizes: eager, exact recordings, and a ladder with padding (issue 11).
+"""Serving a stream of batch sizes: eager, exact recordings, and a ladder with padding (README: "Benchmarks").
 
 A seeded stream of calls with batch sizes drawn uniformly from 1 to
 ``--max-batch`` (fixed sequence length ``--seq``) runs through the demo
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = {"eager": eager, "exact": exact, "ladder": loaded}
 
     latencies: dict[str, list[float]] = {name: [] for name in models}
-    for name, model in models.items():  # warm-up: every distinct batch once, untimed
+    for model in models.values():  # warm-up: every distinct batch once, untimed
         run_chunk(model, [next(ids for ids in inputs if ids.shape[0] == b) for b in distinct], device, [])
     warm = {name: counters(model) for name, model in models.items() if name != "eager"}
     for start in range(0, len(inputs), args.chunk):

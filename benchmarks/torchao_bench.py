@@ -73,8 +73,8 @@ def import_torchao() -> float:
     """Imports what both ways of loading need (torchao pulls in torch._dynamo); returns the seconds."""
     start = time.perf_counter()
     import safetensors.torch  # noqa: F401
-    import torchao.quantization  # noqa: F401
     import torchao.prototype.safetensors.safetensors_support  # noqa: F401
+    import torchao.quantization  # noqa: F401
 
     return time.perf_counter() - start
 

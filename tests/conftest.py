@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from support.emulated_graph import EmulatedGraphs
 from support.hub_server import OlahHub
 from support.models import make_stack, stack_samples
 from xpupack import _device
+from xpupack.examples import tiny_transformer, tiny_transformer_samples
 
 
 def _graph_device() -> str | None:
@@ -55,6 +57,26 @@ def inductor_package(tmp_path_factory, _inductor_cache):
                          strategy=xpupack.Only(xpupack.InductorBackend()))
     root = xpupack.save(model, tmp_path_factory.mktemp("inductor") / "pkg")
     return model, root
+
+
+@pytest.fixture(scope="session")
+def eager_package(tmp_path_factory) -> Path:
+    """The package of the stack's MLPs tuned with eager (`inductor_package`'s modules, without compiled code).
+
+    Tests must not change the package; copy it first.
+    """
+    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
+                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
+
+
+@pytest.fixture(scope="session")
+def demo_eager_package(tmp_path_factory) -> Path:
+    """The package of the demo transformer (`xpupack.examples`, seed 0) with its MLPs tuned with eager, as a
+    user's first package is: it builds in a second. Tests must not change the package; copy it first."""
+    model = xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.*.mlp"], device="cpu",
+                         strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
+    return xpupack.save(model, tmp_path_factory.mktemp("demo-eager") / "pkg")
 
 
 @pytest.fixture(scope="session")

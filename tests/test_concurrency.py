@@ -129,7 +129,7 @@ def test_two_processes_load_one_hub_revision_over_http_at_once(pinned, hub, tmp_
 
 
 def test_loading_while_another_process_saves_gives_one_package_or_a_clean_error(tmp_path):
-    """Not a promise of the issue, but what happens: a load racing a save of the same path gets one of the
+    """Not a documented promise, but what happens: a load racing a save of the same path gets one of the
     two complete packages (or an XpupackError to retry), never another model's answers."""
     root = _tuned_package(tmp_path, xpupack.Only(xpupack.EagerBackend()), seed=0)
     loader = _start([root, "--repeat", 40])

@@ -1,4 +1,4 @@
-"""Device slots (`xpupack.devices`): the manifest's slots, ``load(device_map=...)`` and its errors, inputs on
+"""Device slots (`xpupack.device_slots`): the manifest's slots, ``load(device_map=...)`` and its errors, inputs on
 another device. A CPU has one device: a second slot is made by relabelling a tuned module's device as ``meta``
 before saving; the runs over two real devices are in tests/test_multi_gpu.py."""
 
@@ -13,12 +13,12 @@ from click.testing import CliRunner
 import xpupack
 from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, rewrite_manifest, snapshot
+from support.strategies import EAGER
 from xpupack.cli import main
 from xpupack.errors import DeviceMapError, DeviceUnavailableError, PackageFormatError
 from xpupack.manifest import MANIFEST
 from xpupack.tuned import session_of
 
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 X = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
 
 
@@ -137,5 +137,6 @@ def test_an_input_on_another_device_falls_back_and_is_never_copied(fallback_call
     assert [event.path for event in fallback_calls] == ["layers.0.mlp"]
     assert fallback_calls[0].reason == "an input on meta, but the recordings take cpu: (float32[4, 8]@meta)"
     with torch.no_grad():
-        mlp(torch.randn(5, 8), scale=1.0)  # a batch larger than any recorded, on the module's device: an ordinary fallback
+        # a batch larger than any recorded, on the module's device: an ordinary fallback
+        mlp(torch.randn(5, 8), scale=1.0)
     assert xpupack.stats(model)["layers.0.mlp"]["fallback_reasons"] == {"device": 1, "signature": 1}

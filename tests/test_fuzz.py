@@ -37,10 +37,10 @@ from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, snapshot
 from xpupack import _device
 from xpupack.errors import IntegrityError, XpupackError
-from xpupack.spec import read_module_spec
 from xpupack.manifest import MANIFEST, read_manifest
 from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature
+from xpupack.spec import read_module_spec
 
 SCALE = int(os.environ.get("XPUPACK_FUZZ_SCALE", "1"))
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -259,6 +259,7 @@ def _copy(root):
     return Path(shutil.copytree(root, folder / "pkg"))
 
 
+@pytest.mark.slow  # hundreds of package loads
 @LOADS
 @given(kind=st.sampled_from(["eager", "counting", "graph"]), data=st.data())
 def test_loading_a_mutated_manifest(packages, fallback_calls, kind, data):
@@ -276,6 +277,7 @@ def test_loading_a_mutated_manifest(packages, fallback_calls, kind, data):
         shutil.rmtree(root.parent)
 
 
+@pytest.mark.slow  # hundreds of package loads
 @LOADS
 @given(kind=st.sampled_from(["eager", "counting", "graph"]), data=st.data())
 def test_loading_a_mutated_spec_with_matching_digests(packages, fallback_calls, kind, data):
@@ -305,6 +307,7 @@ def test_loading_a_mutated_spec_with_matching_digests(packages, fallback_calls, 
         shutil.rmtree(root.parent)
 
 
+@pytest.mark.slow  # hundreds of package loads
 @LOADS
 @given(kind=st.sampled_from(["eager", "graph"]), data=st.data())
 def test_loading_a_package_with_flipped_bits(packages, fallback_calls, kind, data):

@@ -11,13 +11,12 @@ from torch import nn
 import xpupack
 from conftest import GRAPH_DEVICE
 from support.models import make_stack
+from support.strategies import GRAPH
 from xpupack import _device
 from xpupack.examples import tiny_transformer
 
 pytestmark = pytest.mark.requires_graph_device
 
-#: these tests are about the graph's logic, not its speed on small modules: the speed gate is off
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def device_samples(batches=(1, 2)):

@@ -9,11 +9,8 @@ from torch import nn
 import xpupack
 from support.backends import CountingBackend, PaddingCountingBackend
 from support.models import make_stack, stack_samples
+from support.strategies import GRAPH
 from xpupack.manifest import read_manifest
-
-#: the emulated graph re-runs the module on every replay, so it is slower than eager by construction:
-#: these tests, about the graph's logic, switch the speed gate off
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def tune_stack(strategy=GRAPH, samples=None):

@@ -34,19 +34,13 @@ def _build(tmp_path_factory, name: str, strategy, *, seed: int = 0, modules=("la
 
 
 @pytest.fixture(scope="session")
-def eager_package(tmp_path_factory) -> Path:
-    """The demo transformer (seed 0), MLPs tuned with eager: a package that builds in a second."""
-    return _build(tmp_path_factory, "eager", xpupack.FirstWins([xpupack.EagerBackend()]))
-
-
-@pytest.fixture(scope="session")
-def eager_package_v2(tmp_path_factory) -> Path:
-    """The same architecture with other weights (seed 7), for revision tests."""
+def demo_eager_package_v2(tmp_path_factory) -> Path:
+    """`demo_eager_package`'s architecture with other weights (seed 7), for revision tests."""
     return _build(tmp_path_factory, "eager-v2", xpupack.FirstWins([xpupack.EagerBackend()]), seed=7)
 
 
 @pytest.fixture(scope="session")
-def inductor_package(tmp_path_factory) -> Path:
+def demo_inductor_package(tmp_path_factory) -> Path:
     """One MLP compiled with Inductor: a package with compiled artifacts (built once, ~20 s on CI)."""
     root = _build(tmp_path_factory, "inductor", xpupack.Only(xpupack.InductorBackend()),
                   modules=("layers.0.mlp",))
@@ -70,8 +64,8 @@ def snapshot_files(source) -> set[str]:
 # ---------------------------------------------------------------- load by repo id
 
 
-def test_load_by_repo_id_installs_the_package(hub, eager_package):
-    hub.publish(eager_package, "xpupack-tests/load")
+def test_load_by_repo_id_installs_the_package(hub, demo_eager_package):
+    hub.publish(demo_eager_package, "xpupack-tests/load")
     model = xpupack.load(tiny_transformer(99), "xpupack-tests/load")
     torch.testing.assert_close(logits(model), reference(0))  # weights came from the package, not seed 99
     stats = xpupack.stats(model)
@@ -79,8 +73,8 @@ def test_load_by_repo_id_installs_the_package(hub, eager_package):
     assert all(s["calls"] == 1 and s["fallbacks"] == 0 for s in stats.values())
 
 
-def test_downloads_only_the_files_the_manifest_lists(hub, eager_package):
-    hub.publish(eager_package, "xpupack-tests/only-listed", extra={"notes/large.bin": b"\0" * 200_000})
+def test_downloads_only_the_files_the_manifest_lists(hub, demo_eager_package):
+    hub.publish(demo_eager_package, "xpupack-tests/only-listed", extra={"notes/large.bin": b"\0" * 200_000})
     before = len(hub.requests())
     source = download("xpupack-tests/only-listed")
     manifest = read_manifest(source.root)
@@ -90,8 +84,8 @@ def test_downloads_only_the_files_the_manifest_lists(hub, eager_package):
     assert not any("README.md" in r or "notes/large.bin" in r for r in fetched)
 
 
-def test_second_load_of_a_branch_downloads_nothing(hub, eager_package):
-    hub.publish(eager_package, "xpupack-tests/twice")
+def test_second_load_of_a_branch_downloads_nothing(hub, demo_eager_package):
+    hub.publish(demo_eager_package, "xpupack-tests/twice")
     xpupack.load(tiny_transformer(), "xpupack-tests/twice")
     before = len(hub.requests())
     model = xpupack.load(tiny_transformer(99), "xpupack-tests/twice")
@@ -100,16 +94,16 @@ def test_second_load_of_a_branch_downloads_nothing(hub, eager_package):
     torch.testing.assert_close(logits(model), reference(0))
 
 
-def test_second_load_of_a_pinned_commit_sends_no_request(hub, eager_package):
-    commit = hub.publish(eager_package, "xpupack-tests/pinned-twice")
+def test_second_load_of_a_pinned_commit_sends_no_request(hub, demo_eager_package):
+    commit = hub.publish(demo_eager_package, "xpupack-tests/pinned-twice")
     xpupack.load(tiny_transformer(), "xpupack-tests/pinned-twice", revision=commit)
     before = len(hub.requests())
     xpupack.load(tiny_transformer(), "xpupack-tests/pinned-twice", revision=commit)
     assert hub.requests()[before:] == []
 
 
-def test_offline_loads_and_inspects_from_the_cache(hub, eager_package, monkeypatch):
-    hub.publish(eager_package, "xpupack-tests/offline")
+def test_offline_loads_and_inspects_from_the_cache(hub, demo_eager_package, monkeypatch):
+    hub.publish(demo_eager_package, "xpupack-tests/offline")
     xpupack.load(tiny_transformer(), "xpupack-tests/offline")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = len(hub.requests())
@@ -121,8 +115,8 @@ def test_offline_loads_and_inspects_from_the_cache(hub, eager_package, monkeypat
     assert json.loads(result.stdout)["modules"][0]["path"] == "layers.0.mlp"
 
 
-def test_offline_with_nothing_cached_says_what_to_do(hub, eager_package, monkeypatch):
-    hub.publish(eager_package, "xpupack-tests/offline-empty")
+def test_offline_with_nothing_cached_says_what_to_do(hub, demo_eager_package, monkeypatch):
+    hub.publish(demo_eager_package, "xpupack-tests/offline-empty")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tiny_transformer(99)
     with pytest.raises(xpupack.OfflineNotCachedError, match="HF_HUB_OFFLINE is set") as caught:
@@ -131,20 +125,20 @@ def test_offline_with_nothing_cached_says_what_to_do(hub, eager_package, monkeyp
     torch.testing.assert_close(logits(model), reference(99))  # untouched
 
 
-def test_branches_tags_and_commits_select_the_package(hub, eager_package, eager_package_v2):
+def test_branches_tags_and_commits_select_the_package(hub, demo_eager_package, demo_eager_package_v2):
     repo = "xpupack-tests/revisions"
-    first = hub.publish(eager_package, repo, message="v1")
+    first = hub.publish(demo_eager_package, repo, message="v1")
     hub.tag(repo, "v1", first)
-    hub.publish(eager_package_v2, repo, message="v2")
-    hub.publish(eager_package, repo, branch="stable", message="stable")
+    hub.publish(demo_eager_package_v2, repo, message="v2")
+    hub.publish(demo_eager_package, repo, branch="stable", message="stable")
     cases = {None: 7, first: 0, "v1": 0, "stable": 0, "main": 7}
     for revision, seed in cases.items():
         model = xpupack.load(tiny_transformer(99), repo, revision=revision)
         torch.testing.assert_close(logits(model), reference(seed), msg=f"revision {revision}")
 
 
-def test_corrupted_file_on_the_hub_is_refused(hub, eager_package, tmp_path):
-    damaged = shutil.copytree(eager_package, tmp_path / "damaged")
+def test_corrupted_file_on_the_hub_is_refused(hub, demo_eager_package, tmp_path):
+    damaged = shutil.copytree(demo_eager_package, tmp_path / "damaged")
     weights = damaged / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF  # same size, another sha256
@@ -156,15 +150,15 @@ def test_corrupted_file_on_the_hub_is_refused(hub, eager_package, tmp_path):
     torch.testing.assert_close(logits(model), reference(99))
 
 
-def test_a_repo_named_hf_colon_loads_from_the_hub_untrusted_beside_a_folder_of_its_name(hub, eager_package,
-                                                                                       eager_package_v2, tmp_path,
+def test_a_repo_named_hf_colon_loads_from_the_hub_untrusted_beside_a_folder_of_its_name(hub, demo_eager_package,
+                                                                                       demo_eager_package_v2, tmp_path,
                                                                                        monkeypatch):
     """`hf download org/name --local-dir org/name` puts a folder of the repo's name in the working directory:
     a plain "org/name" is then refused (tests/test_source.py), "hf://org/name" is the repo (README: "Naming a
     package")."""
-    hub.publish(eager_package, "xpupack-tests/shadowed")
+    hub.publish(demo_eager_package, "xpupack-tests/shadowed")
     monkeypatch.chdir(tmp_path)
-    shutil.copytree(eager_package_v2, tmp_path / "xpupack-tests" / "shadowed")
+    shutil.copytree(demo_eager_package_v2, tmp_path / "xpupack-tests" / "shadowed")
     with pytest.raises(xpupack.AmbiguousSourceError):
         xpupack.load(tiny_transformer(99), "xpupack-tests/shadowed")
     model = xpupack.load(tiny_transformer(99), "hf://xpupack-tests/shadowed")
@@ -184,8 +178,8 @@ def test_repo_not_found(hub):
     assert "no folder" in str(caught.value) and "token" in str(caught.value)
 
 
-def test_revision_not_found_lists_the_revisions(hub, eager_package):
-    hub.publish(eager_package, "xpupack-tests/no-such-revision")
+def test_revision_not_found_lists_the_revisions(hub, demo_eager_package):
+    hub.publish(demo_eager_package, "xpupack-tests/no-such-revision")
     with pytest.raises(xpupack.RevisionNotFoundError, match="no revision 'nope'.*main") as caught:
         xpupack.load(tiny_transformer(), "xpupack-tests/no-such-revision", revision="nope")
     assert caught.value.available == ["main"]
@@ -197,8 +191,8 @@ def test_repo_without_manifest_is_not_a_package(hub):
         xpupack.load(tiny_transformer(), "xpupack-tests/not-a-package")
 
 
-def test_repo_lacking_a_listed_file_is_incomplete(hub, eager_package, tmp_path):
-    partial = shutil.copytree(eager_package, tmp_path / "partial")
+def test_repo_lacking_a_listed_file_is_incomplete(hub, demo_eager_package, tmp_path):
+    partial = shutil.copytree(demo_eager_package, tmp_path / "partial")
     (partial / "modules" / "layers.1.mlp" / "spec.json").unlink()
     hub.publish(partial, "xpupack-tests/partial")
     with pytest.raises(xpupack.IntegrityError, match="lacks modules/layers.1.mlp/spec.json"):
@@ -215,9 +209,9 @@ def test_cli_reports_hub_errors_in_one_line(hub):
 # ---------------------------------------------------------------- trust (README: "Safety and reliability")
 
 
-def test_only_a_commit_hash_or_trust_compiled_is_trusted(hub, eager_package):
+def test_only_a_commit_hash_or_trust_compiled_is_trusted(hub, demo_eager_package):
     repo = "xpupack-tests/trust"
-    commit = hub.publish(eager_package, repo)
+    commit = hub.publish(demo_eager_package, repo)
     hub.tag(repo, "v1", commit)
     assert download(repo, revision=commit).trusted
     assert download(repo, trust_compiled=True).trusted
@@ -227,9 +221,9 @@ def test_only_a_commit_hash_or_trust_compiled_is_trusted(hub, eager_package):
         assert f"(commit {commit}) is not pinned" in source.trust_reason  # tells the user which commit to pin
 
 
-def test_inspect_and_verify_by_repo_id_show_trust(hub, eager_package):
+def test_inspect_and_verify_by_repo_id_show_trust(hub, demo_eager_package):
     repo = "xpupack-tests/inspect"
-    commit = hub.publish(eager_package, repo)
+    commit = hub.publish(demo_eager_package, repo)
     runner = CliRunner()
     unpinned = json.loads(runner.invoke(main, ["inspect", repo, "--json"]).stdout)
     pinned = json.loads(runner.invoke(main, ["inspect", repo, "--revision", commit, "--json"]).stdout)
@@ -243,8 +237,8 @@ def test_inspect_and_verify_by_repo_id_show_trust(hub, eager_package):
 
 
 @pytest.mark.slow
-def test_unpinned_inductor_package_is_compiled_here(hub, inductor_package, caplog):
-    hub.publish(inductor_package, "xpupack-tests/inductor-unpinned")
+def test_unpinned_inductor_package_is_compiled_here(hub, demo_inductor_package, caplog):
+    hub.publish(demo_inductor_package, "xpupack-tests/inductor-unpinned")
     with caplog.at_level(logging.INFO, logger="xpupack"):
         model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-unpinned")
     assert "is not pinned by commit hash" in caplog.text
@@ -261,10 +255,11 @@ def test_unpinned_inductor_package_is_compiled_here(hub, inductor_package, caplo
 
 
 @pytest.mark.slow
-def test_pinned_inductor_package_runs_its_compiled_artifacts(hub, inductor_package, caplog):
-    commit = hub.publish(inductor_package, "xpupack-tests/inductor-pinned")
+def test_pinned_inductor_package_runs_its_compiled_artifacts(hub, demo_inductor_package, caplog):
+    commit = hub.publish(demo_inductor_package, "xpupack-tests/inductor-pinned")
     with caplog.at_level(logging.INFO, logger="xpupack"):
-        model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit, defer_compile=False)
+        model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit,
+                             defer_compile=False)
     assert "loaded Inductor cache artifacts" in caplog.text
     assert "not pinned" not in caplog.text
     assert session_of(model).modules["layers.0.mlp"].report[0].reason == "from package"
@@ -283,7 +278,7 @@ class FakeHfApi:
         self.existing = existing or []
         self.refuse = refuse
 
-    def install(self, monkeypatch) -> "FakeHfApi":
+    def install(self, monkeypatch) -> FakeHfApi:
         for name in ("create_repo", "create_branch", "list_repo_files", "create_commit"):
             fake = getattr(self, "_" + name)
             # a plain function on the class, so that each HfApi instance passes itself as `api`
@@ -318,16 +313,16 @@ class FakeHfApi:
                           commit_description="", oid=oid, _endpoint=api.endpoint)
 
 
-def test_push_uploads_the_verified_package_and_a_card_in_one_commit(eager_package, monkeypatch):
+def test_push_uploads_the_verified_package_and_a_card_in_one_commit(demo_eager_package, monkeypatch):
     fake = FakeHfApi(existing=[".gitattributes"]).install(monkeypatch)
-    url = xpupack.push(eager_package, "org/tiny")
+    url = xpupack.push(demo_eager_package, "org/tiny")
     assert [name for name, _ in fake.calls] == ["create_repo", "list_repo_files", "create_commit"]
     assert fake.calls[0][1] == {"repo_id": "org/tiny", "private": None, "exist_ok": True}
     (commit,) = fake.commits
-    manifest = read_manifest(eager_package)
+    manifest = read_manifest(demo_eager_package)
     assert set(commit["added"]) == {"xpupack.json", "README.md", *manifest["files"]}
     for name in ("xpupack.json", *manifest["files"]):
-        assert commit["added"][name] == (eager_package / name).read_bytes(), name
+        assert commit["added"][name] == (demo_eager_package / name).read_bytes(), name
     assert commit["deleted"] == [] and commit["revision"] is None
     assert commit["commit_message"].startswith("xpupack package: 2 module(s) (eager)")
     card = commit["added"]["README.md"].decode()
@@ -336,21 +331,21 @@ def test_push_uploads_the_verified_package_and_a_card_in_one_commit(eager_packag
     assert url == url.commit_url and url.commit_url.endswith(f"/org/tiny/commit/{url.oid}")
 
 
-def test_push_refuses_a_damaged_package(eager_package, tmp_path, monkeypatch):
+def test_push_refuses_a_damaged_package(demo_eager_package, tmp_path, monkeypatch):
     fake = FakeHfApi().install(monkeypatch)
-    damaged = shutil.copytree(eager_package, tmp_path / "damaged")
+    damaged = shutil.copytree(demo_eager_package, tmp_path / "damaged")
     (damaged / "modules" / "layers.0.mlp" / "spec.json").write_text("{}")
     with pytest.raises(xpupack.IntegrityError, match="spec.json"):
         xpupack.push(damaged, "org/tiny")
     assert fake.calls == []
 
 
-def test_push_to_a_branch_replaces_an_earlier_package(eager_package, monkeypatch):
-    """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (issue 10, item 2's class)."""
+def test_push_to_a_branch_replaces_an_earlier_package(demo_eager_package, monkeypatch):
+    """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (README: "Hugging Face Hub")."""
     old_files = [".gitattributes", "README.md", "xpupack.json", "modules/old/spec.json", "model.safetensors",
                  "backends/inductor/cache.bin", "LICENSE", "docs/usage.md"]
     fake = FakeHfApi(existing=old_files).install(monkeypatch)
-    xpupack.push(eager_package, "org/tiny", revision="candidate", private=True)
+    xpupack.push(demo_eager_package, "org/tiny", revision="candidate", private=True)
     assert fake.calls[0][1]["private"] is True
     assert fake.calls[1] == ("create_branch", {"repo_id": "org/tiny", "branch": "candidate", "exist_ok": True})
     (commit,) = fake.commits
@@ -359,15 +354,15 @@ def test_push_to_a_branch_replaces_an_earlier_package(eager_package, monkeypatch
     assert 'xpupack.load(model, "org/tiny", revision="candidate")' in commit["added"]["README.md"].decode()
 
 
-def test_push_without_write_access_says_how_to_log_in(eager_package, monkeypatch):
+def test_push_without_write_access_says_how_to_log_in(demo_eager_package, monkeypatch):
     FakeHfApi(refuse=403).install(monkeypatch)
     with pytest.raises(xpupack.HubError, match="refused to write to org/tiny.*hf auth login"):
-        xpupack.push(eager_package, "org/tiny")
+        xpupack.push(demo_eager_package, "org/tiny")
 
 
-def test_pushed_package_loads_by_repo_id(hub, eager_package, monkeypatch, tmp_path):
+def test_pushed_package_loads_by_repo_id(hub, demo_eager_package, monkeypatch, tmp_path):
     fake = FakeHfApi().install(monkeypatch)
-    xpupack.push(eager_package, "xpupack-tests/pushed")
+    xpupack.push(demo_eager_package, "xpupack-tests/pushed")
     uploaded = tmp_path / "uploaded"
     for name, data in fake.commits[0]["added"].items():
         (uploaded / name).parent.mkdir(parents=True, exist_ok=True)
@@ -377,9 +372,9 @@ def test_pushed_package_loads_by_repo_id(hub, eager_package, monkeypatch, tmp_pa
     torch.testing.assert_close(logits(model), reference(0))
 
 
-def test_cli_push_prints_the_commit_url(eager_package, monkeypatch):
+def test_cli_push_prints_the_commit_url(demo_eager_package, monkeypatch):
     FakeHfApi().install(monkeypatch)
-    result = CliRunner().invoke(main, ["push", str(eager_package), "org/tiny", "--private"])
+    result = CliRunner().invoke(main, ["push", str(demo_eager_package), "org/tiny", "--private"])
     assert result.exit_code == 0, result.output
     assert result.stdout.strip().endswith("/org/tiny/commit/" + "0" * 39 + "1")
     assert 'revision="' + "0" * 39 + '1"' in result.stderr
@@ -405,48 +400,48 @@ def closed_port() -> int:
         return probe.getsockname()[1]  # nothing listens there once the socket is closed
 
 
-def test_push_dry_run_shows_the_repo_files_sizes_and_message_and_contacts_nothing(eager_package, monkeypatch,
+def test_push_dry_run_shows_the_repo_files_sizes_and_message_and_contacts_nothing(demo_eager_package, monkeypatch,
                                                                                  listening_port):
     port = listening_port.getsockname()[1]
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    result = CliRunner().invoke(main, ["push", str(eager_package), "org/tiny", "--revision", "candidate",
+    result = CliRunner().invoke(main, ["push", str(demo_eager_package), "org/tiny", "--revision", "candidate",
                                        "--dry-run"])
     assert result.exit_code == 0, result.output
     with pytest.raises(BlockingIOError):
         listening_port.accept()  # no connection was ever made
     out = result.output
-    manifest = read_manifest(eager_package)
+    manifest = read_manifest(demo_eager_package)
     assert f"repo: org/tiny, branch candidate, on http://127.0.0.1:{port}" in out
     for name in ("xpupack.json", *manifest["files"]):
-        size = (eager_package / name).stat().st_size
+        size = (demo_eager_package / name).stat().st_size
         assert any(line.split() [:2] == [name, str(size)] for line in out.splitlines()), name
     assert "README.md" in out and "(model card)" in out
     assert "commit message: xpupack package: 2 module(s) (eager)" in out
     assert "dry run: nothing was uploaded" in out
 
 
-def test_push_plan_is_what_push_commits(eager_package, monkeypatch):
+def test_push_plan_is_what_push_commits(demo_eager_package, monkeypatch):
     from xpupack.publish import plan_push
 
-    plan = plan_push(eager_package, "org/tiny")
+    plan = plan_push(demo_eager_package, "org/tiny")
     fake = FakeHfApi().install(monkeypatch)
-    xpupack.push(eager_package, "org/tiny")
+    xpupack.push(demo_eager_package, "org/tiny")
     (commit,) = fake.commits
     assert {name: len(data) for name, data in commit["added"].items()} == dict(plan.files)
     assert commit["commit_message"] == plan.commit_message
 
 
-def test_push_that_cannot_reach_the_hub_names_the_endpoint_it_tried(eager_package, monkeypatch):
+def test_push_that_cannot_reach_the_hub_names_the_endpoint_it_tried(demo_eager_package, monkeypatch):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(xpupack.HubError, match=f"cannot reach the Hub at {endpoint}.*HF_ENDPOINT") as caught:
-        xpupack.push(eager_package, "org/tiny")
+        xpupack.push(demo_eager_package, "org/tiny")
     assert caught.value.repo_id == "org/tiny"
-    result = CliRunner().invoke(main, ["push", str(eager_package), "org/tiny"])
+    result = CliRunner().invoke(main, ["push", str(demo_eager_package), "org/tiny"])
     assert result.exit_code == 1 and f"error: cannot reach the Hub at {endpoint}" in result.output
     assert "Traceback" not in result.output
 
@@ -454,9 +449,9 @@ def test_push_that_cannot_reach_the_hub_names_the_endpoint_it_tried(eager_packag
 # ---------------------------------------------------------------- model card
 
 
-def test_model_card_describes_modules_environment_and_loading(eager_package):
-    manifest = read_manifest(eager_package)
-    card = package_card(eager_package, manifest, "org/tiny")
+def test_model_card_describes_modules_environment_and_loading(demo_eager_package):
+    manifest = read_manifest(demo_eager_package)
+    card = package_card(demo_eager_package, manifest, "org/tiny")
     assert "| `layers.0.mlp` | eager | `(f32[1,16,64])`<br>`(f32[2,16,64])` |" in card
     assert f"| torch | {manifest['environment']['torch']} |" in card
     assert f"| python | {manifest['environment']['python']} |" in card
@@ -464,22 +459,22 @@ def test_model_card_describes_modules_environment_and_loading(eager_package):
     assert "Compiled artifacts" not in card  # eager has none
 
 
-def test_model_card_explains_the_trust_rule_for_compiled_artifacts(inductor_package):
-    card = package_card(inductor_package, read_manifest(inductor_package), "org/fast")
+def test_model_card_explains_the_trust_rule_for_compiled_artifacts(demo_inductor_package):
+    card = package_card(demo_inductor_package, read_manifest(demo_inductor_package), "org/fast")
     assert "- inductor" in card.split("---")[1]
     assert "Compiled artifacts (`layers.0.mlp` (inductor))" in card
     assert "trust_compiled=True" in card
 
 
-# ---------------------------------------------------------------- issue 10: pins, extra files
+# ---------------------------------------------------------------- pins, extra files (README: "Hugging Face Hub")
 
 
-def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(eager_package, tmp_path, monkeypatch):
+def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(demo_eager_package, tmp_path, monkeypatch):
     """Trust needs the commit the Hub resolved, not a revision that merely looks like one: a branch or a tag
     can be named with 40 hex digits and moved. (olah cannot serve such a branch, so the Hub client's answer
     is stood in for: the snapshot folder of the commit it resolved.)"""
     lookalike, resolved = "c0ffee" * 6 + "c0ff", "1" * 40
-    snapshot = shutil.copytree(eager_package, tmp_path / "snapshots" / resolved)
+    snapshot = shutil.copytree(demo_eager_package, tmp_path / "snapshots" / resolved)
     asked = []
 
     def fetch(hub, repo_id, filename, revision, token, **kwargs):
@@ -494,15 +489,15 @@ def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(eager_packag
     assert download("org/name", revision=resolved).trusted
 
 
-def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, eager_package):
+def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, demo_eager_package):
     """`hf download` (snapshot_download) puts the repo's other files in the cache too: they are ignored,
-    never read, as for a fresh cache that never fetched them (issue 10, item 6)."""
+    never read, as for a fresh cache that never fetched them (README: "Hugging Face Hub")."""
     from huggingface_hub import snapshot_download
 
     from xpupack.hub import hub_settings
 
     repo = "xpupack-tests/with-license"
-    commit = hub.publish(eager_package, repo, extra={"LICENSE": b"Apache-2.0\n", "docs/usage.md": b"# usage\n"})
+    commit = hub.publish(demo_eager_package, repo, extra={"LICENSE": b"Apache-2.0\n", "docs/usage.md": b"# usage\n"})
     snapshot = Path(snapshot_download(repo, cache_dir=hub_settings().cache_dir, endpoint=hub.endpoint))
     assert (snapshot / "LICENSE").exists() and (snapshot / "README.md").exists()
     for revision in (None, commit):

@@ -98,7 +98,7 @@ def test_the_graph_sees_known_imports():
     """The parser finds what the modules plainly import (else the tests below could not fail)."""
     top, deferred = import_graphs()
     assert "xpupack.manifest" in top["xpupack.hub"]
-    assert "xpupack._device" in top["xpupack.load"]  # ``from . import _device``
+    assert "xpupack._device" in top["xpupack.loading"]  # ``from . import _device``
     assert "xpupack.backends.base" in top["xpupack.backends.torchao"]  # ``from .base import ...``
     assert "xpupack.publish" in deferred["xpupack"]  # ``xpupack.push`` imports it when called
     assert "xpupack.backends.base" not in top["xpupack.plan"]  # under TYPE_CHECKING only

@@ -132,7 +132,7 @@ def _forbid_artifacts(monkeypatch):
 def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog):
     _, root = inductor_package
     _forbid_artifacts(monkeypatch)
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
     model = xpupack.load(make_stack(), "org/name")
     tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]
@@ -251,13 +251,6 @@ def test_a_manifest_cannot_hand_the_loader_a_compiler():
 
     with pytest.raises(UnknownConfigError, match="only change speed"):
         backend_from_json("inductor", {"compile_options": {"cpp.cxx": "/tmp/evil-cc"}})
-
-
-@pytest.fixture(scope="module")
-def eager_package(tmp_path_factory):
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
-    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
 
 
 def _as_inductor_package(root, tmp_path, compile_options):

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import xpupack
-from support.language_models import GRAPH, prompt, tiny_llama
+from support.language_models import prompt, tiny_llama
 from support.models import Accumulator, RunningCache, make_stack, stack_samples
+from support.strategies import GRAPH
 
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "neither": contextlib.nullcontext}
 TOKENS = 5

@@ -14,9 +14,9 @@ import torch
 
 import xpupack
 from support.models import make_stack, stack_samples
+from support.strategies import EAGER
 from xpupack.errors import PackageFormatError, SaveError
 
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 TESTS = os.path.dirname(__file__)
 
 

@@ -1,5 +1,5 @@
-"""Lean import (issue 12.1, 12.2): ``import xpupack``, ``inspect``, ``verify`` and the pytest plugin
-import no torch, and importing xpupack installs nothing process-wide."""
+"""Lean import: ``import xpupack``, ``inspect``, ``verify`` and the pytest plugin import no torch, and importing
+xpupack installs nothing process-wide (README: "Command line"; "Deploy-after-load tests")."""
 
 from __future__ import annotations
 
@@ -15,19 +15,11 @@ import pytest
 import torch
 
 import xpupack
-from support.models import make_stack, stack_samples
 from xpupack.backends._facts import describe
 from xpupack.backends.base import BACKENDS, backend_from_json
-from xpupack.environment import CPU, _cpu_capability_without_torch, device_here
+from xpupack.environment import CPU, _cpu_capability_without_torch
 
 NO_TORCH = "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
-
-
-@pytest.fixture(scope="module")
-def eager_package(tmp_path_factory):
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
-    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
 
 
 def test_import_xpupack_imports_no_torch(run_python):
@@ -46,13 +38,24 @@ def test_import_xpupack_imports_no_torch(run_python):
     assert output.strip() == xpupack.__version__
 
 
-def test_public_names_resolve_and_stay_functions_after_their_submodules_are_imported(run_python):
+def test_no_submodule_is_named_like_a_public_name():
+    """Importing a submodule sets the package attribute of its name: a module ``xpupack/load.py`` would
+    replace the function ``xpupack.load`` once anything imported it."""
+    import pkgutil
+
+    submodules = {info.name for info in pkgutil.iter_modules(xpupack.__path__)}
+    assert submodules & set(xpupack.__all__) == set()
+
+
+def test_public_names_resolve_and_stay_functions_after_every_submodule_is_imported(run_python):
     run_python("""
-        import inspect
+        import importlib, inspect, pkgutil
         import xpupack
-        import xpupack.load, xpupack.tune   # the submodules named like the functions
-        from xpupack.load import load
-        from xpupack.tune import tune
+        for info in pkgutil.walk_packages(xpupack.__path__, "xpupack."):
+            if info.name != "xpupack.__main__":
+                importlib.import_module(info.name)
+        from xpupack.loading import load
+        from xpupack.tuning import tune
         assert xpupack.load is load and xpupack.tune is tune
         for name in xpupack.__all__:
             assert getattr(xpupack, name) is not None, name
@@ -234,7 +237,7 @@ def test_describe_leaves_other_devices_to_torch():
 
 
 def test_importing_everything_installs_nothing_process_wide(run_python):
-    """Issue 12.2: no hooks, handlers, registrations or option changes at import."""
+    """Importing xpupack installs nothing process-wide: no hooks, handlers, registrations or option changes."""
     run_python("""
         import copy, logging, sys, warnings
         import torch

@@ -13,9 +13,22 @@ import torch
 
 import xpupack
 from support.emulated_graph import TracedGraphs
-from support.language_models import (GRAPH, NEW_TOKENS, decode_loop, generate, prompt, static_cache, tiny_gemma2,
-                                     tiny_gemma3, tiny_gpt2, tiny_llama, tiny_mistral, tune_llm, whole)
+from support.language_models import (
+    NEW_TOKENS,
+    decode_loop,
+    generate,
+    prompt,
+    static_cache,
+    tiny_gemma2,
+    tiny_gemma3,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_mistral,
+    tune_llm,
+    whole,
+)
 from support.models import Accumulator, RunningCache, make_stack
+from support.strategies import GRAPH
 from xpupack import _device
 from xpupack.manifest import read_manifest
 from xpupack.signature import Signature, StateLeaf, Unsynthesizable

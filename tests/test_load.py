@@ -6,10 +6,9 @@ import torch
 import xpupack
 from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, rewrite_manifest, snapshot
+from support.strategies import EAGER
 from xpupack.errors import IntegrityError, ModelMismatchError, PackageFormatError, UnknownConfigError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
-
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 
 
 @pytest.fixture
@@ -121,7 +120,7 @@ def test_other_dtype_is_a_mismatch(package):
 def test_failure_during_restore_rolls_everything_back(package, monkeypatch):
     model = make_stack(seed=5).train()
     before = snapshot(model)
-    load_module = importlib.import_module("xpupack.load")  # the module, not the function of the same name
+    load_module = importlib.import_module("xpupack.loading")
 
     def explode(*args, **kwargs):
         raise RuntimeError("restore exploded")
@@ -150,7 +149,7 @@ def _serve(model):
 @pytest.mark.parametrize("failure", [RuntimeError("progress display broke"), KeyboardInterrupt()])
 @pytest.mark.parametrize("kind", ["eager", "graph"])
 def test_a_load_that_fails_midway_gives_back_the_earlier_tuning(tmp_path, request, kind, failure):
-    """Active, counting, its recordings intact: the earlier tuning is exactly as it was (issue 10, item 4)."""
+    """Active, counting, its recordings intact: the earlier tuning is exactly as it was."""
     if kind == "graph":
         emulated = request.getfixturevalue("emulated_graphs")
     strategy = EAGER if kind == "eager" else xpupack.Only(xpupack.GraphBackend())

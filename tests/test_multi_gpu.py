@@ -13,6 +13,7 @@ import torch
 import xpupack
 from support.models import make_stack, stack_samples
 from support.split_models import chain_samples, make_chain
+from support.strategies import ONLY_GRAPH
 from support.torchrun import run_ranks
 from xpupack.manifest import read_manifest
 from xpupack.tuned import session_of
@@ -21,7 +22,6 @@ pytestmark = [pytest.mark.requires_cuda,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 TWO = ("cuda:0", "cuda:1")
-GRAPH = xpupack.Only(xpupack.GraphBackend())
 
 
 def _outputs_match(model, reference, x):
@@ -34,7 +34,7 @@ def _layer_devices(model):
 
 
 def test_a_split_model_records_graphs_on_both_devices_and_loads_in_a_fresh_process(tmp_path, run_python):
-    model = xpupack.tune(make_chain(devices=TWO), chain_samples("cuda:0"), modules=["layers.*"], strategy=GRAPH)
+    model = xpupack.tune(make_chain(devices=TWO), chain_samples("cuda:0"), modules=["layers.*"], strategy=ONLY_GRAPH)
     assert _layer_devices(model) == {"layers.0": "cuda:0", "layers.1": "cuda:0",
                                      "layers.2": "cuda:1", "layers.3": "cuda:1"}
     assert [p.device.type + ":" + str(p.device.index) for p in (model.layers[0].up.weight, model.layers[3].up.weight)] \
@@ -73,7 +73,7 @@ def test_a_split_model_records_graphs_on_both_devices_and_loads_in_a_fresh_proce
 
 
 def test_an_input_on_the_other_device_is_a_counted_fallback_never_a_copy(fallback_calls):
-    model = xpupack.tune(make_chain(devices=TWO), chain_samples("cuda:0"), modules=["layers.*"], strategy=GRAPH)
+    model = xpupack.tune(make_chain(devices=TWO), chain_samples("cuda:0"), modules=["layers.*"], strategy=ONLY_GRAPH)
     with pytest.raises(RuntimeError, match="device"), torch.no_grad():
         model.layers[3](chain_samples("cuda:0")[0])  # layers.3 is on cuda:1
     assert xpupack.stats(model)["layers.3"]["fallback_reasons"] == {"device": 1}
@@ -88,7 +88,7 @@ def test_a_model_dispatched_by_accelerate_replays_behind_its_hooks(tmp_path):
     def dispatched(seed):
         return big_modeling.dispatch_model(make_chain(seed=seed, move_inputs=False), device_map=device_map)
 
-    model = xpupack.tune(dispatched(0), chain_samples("cuda:0"), modules=["layers.*"], strategy=GRAPH)
+    model = xpupack.tune(dispatched(0), chain_samples("cuda:0"), modules=["layers.*"], strategy=ONLY_GRAPH)
     x = chain_samples("cuda:0")[1]
     _outputs_match(model, make_chain(devices=TWO), x)
     assert all(s["backend"] == "graph" and s["fallbacks"] == 0 for s in xpupack.stats(model).values())
@@ -102,7 +102,7 @@ def test_a_model_dispatched_by_accelerate_replays_behind_its_hooks(tmp_path):
 
 def test_torchrun_ranks_load_one_package_each_on_its_gpu(tmp_path):
     model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], device="cuda:0",
-                         strategy=GRAPH)
+                         strategy=ONLY_GRAPH)
     root = xpupack.save(model, tmp_path / "pkg")
     results = run_ranks("rank_loader.py", root, "--device", "cuda", out=tmp_path / "out")
     assert results == [{"seeds": [0], "fallbacks": 0, "backends": ["graph"], "devices": [f"cuda:{rank}"]}

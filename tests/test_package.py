@@ -8,11 +8,10 @@ from safetensors import safe_open
 import xpupack
 from support.backends import CountingBackend
 from support.models import make_stack, stack_samples
+from support.strategies import EAGER
 from xpupack.errors import DestinationExistsError, SaveError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 from xpupack.manifest import check_files, read_manifest, validate
-
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 
 
 @pytest.fixture
@@ -59,7 +58,7 @@ def test_tied_weights_are_stored_once(tmp_path):
     manifest = read_manifest(root)
     assert manifest["model"]["aliases"] == {"head.weight": "embed.weight"}
     with safe_open(str(root / "model.safetensors"), "pt") as weights:
-        assert "head.weight" not in weights.keys() and "embed.weight" in weights.keys()
+        assert "head.weight" not in weights.keys() and "embed.weight" in weights.keys()  # noqa: SIM118 (safe_open is no dict)
 
 
 def test_without_weights(tuned_stack, tmp_path):

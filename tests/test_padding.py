@@ -1,4 +1,5 @@
-"""Padding a smaller batch up to a recorded one (issue 11 B), through the emulated graph and Inductor."""
+"""Padding a smaller batch up to a recorded one (README: "Calls, fit and fallback"), through the emulated graph
+and Inductor."""
 
 import copy
 import json
@@ -12,12 +13,11 @@ import xpupack
 from support.backends import PaddingCountingBackend
 from support.models import make_stack
 from support.package_tools import rewrite_json
+from support.strategies import GRAPH
 from xpupack.cli import main
 from xpupack.errors import PackageFormatError
 
 LADDER = (1, 2, 4, 8)
-#: the emulated graph is slower than eager by construction: the speed gate is off for it
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def ladder_samples():
@@ -209,7 +209,7 @@ def test_batches_between_recorded_ones_are_padded_up_through_inductor(fallback_c
     assert (stats["backend"], stats["padded"], stats["fallbacks"]) == ("inductor", 3, 1)
 
 
-# -- batch_sizes: a ladder of recorded batches from the samples (issue 11 C) --------------------------
+# -- batch_sizes: a ladder of recorded batches from the samples (README: "Tuning") -------------------
 
 def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls):
     model = make_stack()
@@ -247,7 +247,7 @@ def test_batch_sizes_must_be_positive_integers(sizes):
         xpupack.tune(make_stack(), [torch.randn(2, 8)], modules=["layers.0.mlp"], batch_sizes=sizes)
 
 
-# -- recording memory and GraphBackend(max_memory=...) (issue 11 D) ----------------------------------
+# -- recording memory and GraphBackend(max_memory=...) (README: "Device graphs") ---------------------
 # The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
 # inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
 
@@ -329,8 +329,8 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
     text = CliRunner().invoke(main, ["inspect", str(root)]).output
     assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
 
-    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu", "--iterations", "1",
-                                        "--json"])
+    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu",
+                                        "--iterations", "1", "--json"])
     assert benched.exit_code == 0, benched.output
     assert json.loads(benched.output)["recording_memory"] == {
         "modules": {"layers.0.mlp": 768, "layers.1.mlp": 768}, "total_bytes": 1536,
@@ -415,7 +415,8 @@ def test_batch_axis_errors_say_what_to_pass(kwargs, message):
 
 def test_build_records_a_ladder_from_the_command_line(tmp_path):
     out = tmp_path / "pkg"
-    result = CliRunner().invoke(main, ["build", "support.models:make_stack", "--samples", "support.models:stack_samples",
+    result = CliRunner().invoke(main, ["build", "support.models:make_stack",
+                                       "--samples", "support.models:stack_samples",
                                        "--modules", "layers.0.mlp", "--backends", "eager", "--batch-sizes", "1,8",
                                        "--batch-axis", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output

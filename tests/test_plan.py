@@ -1,5 +1,4 @@
-"""What runs each module here, and whether its compiled artifacts may (issue 10, item 1;
-README: "Safety and reliability").
+"""What runs each module here, and whether its compiled artifacts may (README: "Safety and reliability").
 
 The trust rule applies to whatever actually runs: the package's backend, the
 base it falls back to where it cannot run (``graph+inductor`` on a CPU runs
@@ -18,11 +17,11 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
-from xpupack import _background
 from support.backends import ArtifactBackend
 from support.emulated_graph import EmulatedGraphs
 from support.models import make_stack, stack_samples
 from support.package_tools import copy_package, redigest, rewrite_manifest
+from xpupack import _background
 from xpupack.cli import main
 from xpupack.errors import IncompatiblePackageError
 from xpupack.report import package_report, verify_package
@@ -37,7 +36,7 @@ def untrusted(root: Path) -> Source:
 
 def load_from(monkeypatch, source: Source, **kwargs):
     """`xpupack.load` of ``source`` as if it came from the Hub (the loader sees ``source`` as resolved)."""
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source", lambda *a, **k: source)
     return xpupack.load(make_stack(seed=4), "org/name", **kwargs)
 
 

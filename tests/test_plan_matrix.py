@@ -1,5 +1,5 @@
 """`verify` and `inspect` say what `load` does: every backend × mismatch × on_mismatch × trust the suite can
-make on a CPU (issue 12, item 4).
+make on a CPU (README: "Safety and reliability").
 
 One planner (`xpupack.plan`) decides; this checks that its two users agree. For each combination the
 verdict of `package_report` / `verify_package` (per module: which backend runs, whether it uses the
@@ -59,7 +59,8 @@ def packages(tmp_path_factory, inductor_package, graph_inductor_package):
 
 
 def _name(label: str) -> str:
-    """The backend name `xpupack.stats` reports for a runs_here label (``torchao:int8-weight-only``, ``graph+inductor``)."""
+    """The backend name `xpupack.stats` reports for a runs_here label (``torchao:int8-weight-only``,
+    ``graph+inductor``)."""
     return label.split("+")[0].split(":")[0]
 
 
@@ -107,13 +108,13 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
     said = _verdicts(source, on_mismatch)
 
     # what load does: the restores it ran (the last one per module is what serves it), the cache it unpickled
-    load_module = importlib.import_module("xpupack.load")
+    load_module = importlib.import_module("xpupack.loading")
     restored, blobs = {}, []
     real_restore = load_module._restore
 
-    def watching(plan, context):
-        restored[plan.path] = plan.choice.use_artifacts
-        return real_restore(plan, context)
+    def watching(job, context):
+        restored[job.path] = job.choice.use_artifacts
+        return real_restore(job, context)
 
     monkeypatch.setattr(load_module, "_restore", watching)
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", blobs.append)

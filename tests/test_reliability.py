@@ -1,4 +1,4 @@
-"""Hostile and broken packages, no pickle, wrong models, the load-time check (issue 6).
+"""Hostile and broken packages, no pickle, wrong models, the load-time check (README: "Safety and reliability").
 
 Every damaged package must raise a specific `XpupackError` whose message
 names the file and the fix, and leave the model exactly as it was.
@@ -20,14 +20,28 @@ from torch import nn
 import xpupack
 from support.backends import ArtifactBackend, CountingBackend
 from support.models import Stack, make_stack, stack_samples
-from support.package_tools import (assert_unchanged, copy_package, listed_files, redigest, rewrite_json,
-                                   rewrite_manifest, snapshot)
-from xpupack.errors import (BackendError, IntegrityError, ModelMismatchError, OutputMismatchError,
-                            PackageFormatError, UnknownConfigError, XpupackError)
+from support.package_tools import (
+    assert_unchanged,
+    copy_package,
+    listed_files,
+    redigest,
+    rewrite_json,
+    rewrite_manifest,
+    snapshot,
+)
+from support.strategies import EAGER
+from xpupack.errors import (
+    BackendError,
+    IntegrityError,
+    ModelMismatchError,
+    OutputMismatchError,
+    PackageFormatError,
+    UnknownConfigError,
+    XpupackError,
+)
 from xpupack.manifest import MANIFEST
 from xpupack.source import Source
 
-EAGER = xpupack.FirstWins([xpupack.EagerBackend()])
 FIXES = ("rebuild", "re-download", "remove it")
 
 
@@ -51,7 +65,8 @@ def any_package(request, tmp_path):
         return build(tmp_path, xpupack.Only(xpupack.GraphBackend()))
     if request.param == "torchao":  # quantized weights in modules/*/torchao/; TorchAO wants real sizes
         model = xpupack.tune(make_stack(width=128), [torch.randn(batch, 128) for batch in (2, 4)],
-                             modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+                             modules=["layers.*.mlp"],
+                             strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
         return xpupack.save(model, tmp_path / "pkg")
     return copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg")
 
@@ -162,14 +177,14 @@ def _ignoring_unlisted(monkeypatch, root):
     """Loads of ``root`` see it as a Hub snapshot does (a trusted pin): unlisted files are not refused."""
     source = Source(root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash",
                     ignore_unlisted=True)
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source", lambda *a, **k: source)
     return "org/name"
 
 
 @pytest.mark.parametrize("kind", ["artifact", "torchao"])
 def test_files_the_manifest_does_not_list_are_never_read(kind, tmp_path, monkeypatch):
     """Where unlisted files are ignored (Hub snapshots), a backend config still cannot name one: only listed,
-    digest-checked files are handed out (issue 10, item 6)."""
+    digest-checked files are handed out."""
     if kind == "artifact":
         root = build(tmp_path, xpupack.Only(ArtifactBackend()))
         planted = root / "modules/layers.0.mlp/artifact/planted.json"
@@ -343,7 +358,7 @@ def test_inductor_cache_path_cannot_leave_the_package(inductor_package, tmp_path
     for bad, error in [(str(elsewhere), PackageFormatError), ("../../../elsewhere.bin", PackageFormatError),
                        (7, PackageFormatError), (".", PackageFormatError), ("missing.bin", IntegrityError)]:
         root = copy_package(inductor_package[1], tmp_path / f"pkg-{len(loaded)}-{abs(hash(str(bad)))}")
-        rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"].update(cache=bad))
+        rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"].update(cache=bad))  # noqa: B023 (called now)
         caught = refused(root, error)
         assert "backend config" in str(caught) and "rebuild" in str(caught)
     assert loaded == []
@@ -368,7 +383,7 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_packag
 
 def test_a_missing_kernel_midway_gives_back_the_earlier_tuning(inductor_package, tmp_path):
     """A kernel the manifest does not list is refused (before anything changes, by `check_package`; the
-    shared artifacts' restore checks again): the earlier tuning stays active and counting (issue 10, item 4)."""
+    shared artifacts' restore checks again): the earlier tuning stays active and counting."""
     model = xpupack.load(make_stack(seed=5), inductor_package[1], defer_compile=False)
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -465,7 +480,7 @@ def test_untrusted_compiled_artifacts_are_only_hashed(inductor_package, tmp_path
     """From an unpinned Hub revision, Inductor compiles here: the package's artifacts are read once, for
     their digest, and never handed to the loader that unpickles them."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
 
     def forbidden(blob):
@@ -494,8 +509,7 @@ def test_trusted_compiled_artifacts_are_used(inductor_package, tmp_path, monkeyp
 def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(inductor_package, tmp_path, monkeypatch,
                                                                            caplog, mode):
     """PyTorch's loader raises whatever it meets in a malformed (but listed and digest-checked) cache.bin,
-    e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here (issue 10,
-    item 8)."""
+    e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
 
     def malformed(blob):
@@ -710,7 +724,8 @@ def test_verify_reports_as_damaged_what_load_refuses(damage, kind, error, words,
     for trusted in (True, False):
         source = Source(root, trusted=trusted, description="pkg", trust_reason="test")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(importlib.import_module("xpupack.load"), "resolve_source", lambda *a, **k: source)
+            patch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
+                          lambda *a, **k: source)  # noqa: B023 (used within this iteration)
             assert words in str(refused(root, error))
 
 

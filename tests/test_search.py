@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 from click.testing import CliRunner
+
+import xpupack
 from support.backends import (
     CountingBackend,
     CountingRunner,
@@ -17,8 +19,6 @@ from support.backends import (
     ShortcutBackend,
 )
 from support.models import SlowEager, make_stack, stack_samples
-
-import xpupack
 from xpupack.backends.base import Backend, register_backend
 from xpupack.candidate import Candidate
 from xpupack.cli import main

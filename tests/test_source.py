@@ -14,26 +14,19 @@ from click.testing import CliRunner
 
 import xpupack
 from xpupack.cli import main
-from xpupack.examples import tiny_transformer, tiny_transformer_samples
+from xpupack.examples import tiny_transformer
 from xpupack.hub import resolve_source
 from xpupack.source import local_folder, read_name
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(scope="session")
-def eager_package(tmp_path_factory) -> Path:
-    model = xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.*.mlp"], device="cpu",
-                         strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
-    return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
-
-
 @pytest.fixture
-def shadowing_folder(eager_package, tmp_path, monkeypatch) -> Path:
+def shadowing_folder(demo_eager_package, tmp_path, monkeypatch) -> Path:
     """A package at ./org/name in the working directory, as `hf download org/name --local-dir org/name` or a
     git clone puts it."""
     monkeypatch.chdir(tmp_path)
-    return shutil.copytree(eager_package, tmp_path / "org" / "name")
+    return shutil.copytree(demo_eager_package, tmp_path / "org" / "name")
 
 
 @pytest.mark.parametrize("name, folder, repo_id", [
@@ -116,9 +109,9 @@ def test_a_plain_repo_id_with_no_folder_and_no_hub_answers_at_once_naming_both(t
     assert time.monotonic() - started < 10  # not a timing threshold on speed: the retries alone take 23 s
 
 
-def test_revision_for_a_folder_is_a_value_error_with_a_fix(eager_package):
+def test_revision_for_a_folder_is_a_value_error_with_a_fix(demo_eager_package):
     with pytest.raises(xpupack.SourceError, match="revision='main' selects a version of a Hub repo") as caught:
-        xpupack.load(tiny_transformer(), eager_package, revision="main")
+        xpupack.load(tiny_transformer(), demo_eager_package, revision="main")
     assert isinstance(caught.value, ValueError)
 
 

@@ -2,8 +2,14 @@ import pytest
 import torch
 
 import xpupack
-from support.backends import (ArtifactBackend, CountingBackend, CpuOnlyNever, DelayBackend, FastArtifactBackend,
-                              ShortcutBackend, TransformingCountingBackend)
+from support.backends import (
+    ArtifactBackend,
+    CountingBackend,
+    CpuOnlyNever,
+    DelayBackend,
+    FastArtifactBackend,
+    ShortcutBackend,
+)
 from support.models import Accumulator, RunningCache, SlowEager, make_stack, stack_samples
 from xpupack.errors import NoCandidateError
 
@@ -123,7 +129,8 @@ def test_only_raises_when_its_backend_can_take_none_of_the_calls():
 def test_only_eager_keeps_a_module_whose_calls_cannot_be_recorded():
     model = _UsesCache().eval()
     cache = _UnregisteredCache()
-    xpupack.tune(model, [torch.randn(1, 8)], run=lambda m, x: m(x, cache), strategy=xpupack.Only(xpupack.EagerBackend()))
+    xpupack.tune(model, [torch.randn(1, 8)], run=lambda m, x: m(x, cache),
+                 strategy=xpupack.Only(xpupack.EagerBackend()))
     assert xpupack.stats(model)[""]["backend"] == "eager"
 
 
@@ -143,7 +150,7 @@ def test_fastest_times_every_passing_candidate_and_keeps_one():
     assert chosen.get("speedup", 1.0) == max(e.get("speedup", 1.0) for e in timed)
 
 
-# -- the speed gate: never slower than eager (issue 11) -----------------------------------------------
+# -- the speed gate: never slower than eager (README: "Tuning") --------------------------------------
 
 @pytest.mark.parametrize("kind", [xpupack.FirstWins, xpupack.Fastest])
 def test_a_candidate_slower_than_eager_is_rejected_with_its_speedup(kind, tmp_path):
@@ -158,6 +165,7 @@ def test_a_candidate_slower_than_eager_is_rejected_with_its_speedup(kind, tmp_pa
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"eager"}
     # the package keeps the reason and the speedup, and inspect shows them
     from click.testing import CliRunner
+
     from xpupack.cli import main
     from xpupack.manifest import read_manifest
 
@@ -214,7 +222,8 @@ def test_timing_is_weighted_by_how_often_each_signature_was_called(tmp_path):
     import json
 
     samples = [torch.randn(2, 8), torch.randn(4, 8), torch.randn(2, 8), torch.randn(2, 8)]
-    model = xpupack.tune(make_stack(), samples, modules=["layers.0.mlp"], strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
+    model = xpupack.tune(make_stack(), samples, modules=["layers.0.mlp"],
+                         strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
     spec = xpupack.tuned.session_of(model).modules["layers.0.mlp"].spec
     assert spec.signature_calls == [3, 1]
     root = xpupack.save(model, tmp_path / "pkg")
@@ -355,6 +364,7 @@ def test_timings_that_cannot_tell_keep_eager_and_say_they_were_noisy(monkeypatch
     the extra rounds the interval still holds min_speedup, so the candidate is kept out (a tuned module
     must never be slower than eager), and its reason, the package and `inspect` say the timings were noisy."""
     from click.testing import CliRunner
+
     from support.clock import FakeClock, scattered
     from xpupack.cli import main
 

@@ -23,7 +23,8 @@ def test_a_tensor_parallel_model_is_tuned_saved_once_and_loaded_into_shards(back
     flags = ["--backend", backend, *(["--emulated-graphs"] if backend == "graph" else [])]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
     tuned = run_ranks("tp_worker.py", package, "tune", *flags, out=tmp_path / "tune", env=env)
-    assert [{k: v for k, v in r.items() if k != "speed_gated"} for r in tuned] == [{**EXPECTED, "backends": [backend]}] * 2
+    without_gate = [{k: v for k, v in r.items() if k != "speed_gated"} for r in tuned]
+    assert without_gate == [{**EXPECTED, "backends": [backend]}] * 2
     assert all("pass strategy=xpupack.Only(backend)" in r["speed_gated"] for r in tuned)
 
     # the full, unsharded weights, once: what the model was before parallelize_module
@@ -64,7 +65,8 @@ def test_dtensor_arguments_are_never_recorded(emulated_graphs, fallback_calls):
     assert stats["backend"] == "eager" and stats["signatures"] == 0
     x = distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])
     with torch.no_grad():
-        torch.testing.assert_close(torch.as_tensor(block(model, x)), block(make_blocks(seed=0, depth=1), x.full_tensor()))
+        torch.testing.assert_close(torch.as_tensor(block(model, x)),
+                                   block(make_blocks(seed=0, depth=1), x.full_tensor()))
     assert fallback_calls == []  # an eager module runs every call itself: none is a fallback
 
 
@@ -151,7 +153,7 @@ def test_the_loader_decides_whether_a_package_records_collectives(graphs_without
     for name, load in {"local": {}, "local, refused": {"record_collectives": False}}.items():
         backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), root, **load))[
             "layers.0"]["backend"]
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "resolve_source",
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
                         lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
     for name, load in {"hub": {}, "hub, taken": {"record_collectives": True}}.items():
         backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), "org/name", **load))[

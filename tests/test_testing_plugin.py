@@ -7,7 +7,7 @@ pytest_plugins = ["pytester"]
 # Resolved before any in-process pytester run: a run drops the modules first imported inside it, while
 # `xpupack` keeps the public names it resolved, which would then belong to dropped modules (a later run's
 # `save` would not see the sessions its `tune` made).
-xpupack.tune, xpupack.save, xpupack.load
+xpupack.tune, xpupack.save, xpupack.load  # noqa: B018 (resolving them is the point)
 
 CONFTEST = """
 import sys

@@ -14,9 +14,8 @@ import torch
 
 import xpupack
 from support.models import make_stack, stack_samples
+from support.strategies import GRAPH
 
-#: the emulated graph is slower than eager by construction: the speed gate is off for it
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 #: how long a paused thread waits for the other one before it goes on (the fix makes the other one wait)
 PAUSE_S = 1.0
 
@@ -108,7 +107,7 @@ def test_two_threads_loading_into_one_model_leave_it_running_the_load_that_came_
     roots = [xpupack.save(xpupack.tune(make_stack(seed=seed), stack_samples(), modules=["layers.*.mlp"],
                                        strategy=eager), tmp_path / f"pkg{seed}") for seed in (0, 1)]
     model = make_stack(seed=5)
-    load_module = importlib.import_module("xpupack.load")
+    load_module = importlib.import_module("xpupack.loading")
     attach, attached, second_done = load_module.attach, threading.Event(), threading.Event()
 
     def pausing_attach(model_, session):

@@ -261,7 +261,7 @@ def _rewrite_header(root, change):
 @pytest.mark.parametrize("depth", [5000, 400])
 def test_a_weights_header_nested_too_deep_is_a_format_error(tmp_path, depth):
     """Deep JSON fails fast with an xpupack error, whether the JSON parser or the type check would recurse
-    (issue 10, item 8)."""
+    (README: "Safety and reliability")."""
     root = xpupack.save(tune_quantized(), tmp_path / "pkg")
 
     def deepen(metadata):
@@ -398,7 +398,7 @@ def test_failed_load_puts_the_original_parameters_back(tmp_path, monkeypatch):
     def explode(*args, **kwargs):
         raise RuntimeError("attach exploded")
 
-    monkeypatch.setattr(importlib.import_module("xpupack.load"), "attach", explode)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "attach", explode)
     with pytest.raises(RuntimeError, match="attach exploded"):
         xpupack.load(model, root)
     assert_unchanged(model, before)

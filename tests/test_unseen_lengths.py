@@ -10,9 +10,9 @@ import torch
 
 import xpupack
 from support.backends import PreparingBackend
-from support.language_models import (GRAPH, NEW_TOKENS, generate, prompt, static_cache, tiny_llama, tune_llm,
-                                     whole)
+from support.language_models import NEW_TOKENS, generate, prompt, static_cache, tiny_llama, tune_llm, whole
 from support.models import Accumulator, RunningCache
+from support.strategies import GRAPH
 from xpupack import _background
 from xpupack.manifest import read_manifest
 from xpupack.state import scratch_copy, state_type

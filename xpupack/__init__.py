@@ -16,17 +16,37 @@ Example:
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import (AmbiguousSourceError, BackendError, BackendUnavailableError, BenchmarkError,
-                     DestinationExistsError, DeviceMapError, DeviceUnavailableError, HubError,
-                     IncompatiblePackageError, IntegrityError, ModelMismatchError, NoCandidateError, NotTunedError,
-                     OfflineNotCachedError, OutputMismatchError, PackageFormatError, PackageLimitError, RepoNotFoundError,
-                     RevisionNotFoundError, SaveError, SourceError, TuningError, UnknownConfigError, XpupackError)
-from .errors import NotAModelError, SampleError
+from .errors import (
+    AmbiguousSourceError,
+    BackendError,
+    BackendUnavailableError,
+    BenchmarkError,
+    DestinationExistsError,
+    DeviceMapError,
+    DeviceUnavailableError,
+    HubError,
+    IncompatiblePackageError,
+    IntegrityError,
+    ModelMismatchError,
+    NoCandidateError,
+    NotAModelError,
+    NotTunedError,
+    OfflineNotCachedError,
+    OutputMismatchError,
+    PackageFormatError,
+    PackageLimitError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    SampleError,
+    SaveError,
+    SourceError,
+    TuningError,
+    UnknownConfigError,
+    XpupackError,
+)
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from .backends.eager import EagerBackend
@@ -34,12 +54,12 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from .backends.inductor import InductorBackend
     from .backends.torchao import TorchAOBackend
     from .limits import LoadLimits
-    from .load import load
+    from .loading import load
     from .package import save
     from .state import register_state
     from .strategies import Fastest, FirstWins, Only, Strategy
-    from .tune import tune
     from .tuned import activate, deactivate, stats
+    from .tuning import tune
 
 #: public name -> the submodule defining it (imported, with torch, on first access)
 _LAZY = {
@@ -48,11 +68,11 @@ _LAZY = {
     "InductorBackend": ".backends.inductor",
     "TorchAOBackend": ".backends.torchao",
     "LoadLimits": ".limits",
-    "load": ".load",
+    "load": ".loading",
     "save": ".package",
     "register_state": ".state",
     "Fastest": ".strategies", "FirstWins": ".strategies", "Only": ".strategies", "Strategy": ".strategies",
-    "tune": ".tune",
+    "tune": ".tuning",
     "activate": ".tuned", "deactivate": ".tuned", "stats": ".tuned",
 }
 
@@ -69,21 +89,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-class _Package(types.ModuleType):
-    """Keeps ``xpupack.load`` and ``xpupack.tune`` the functions once their submodules are imported.
-
-    Importing the submodule ``xpupack.load`` sets the package attribute ``load`` to that module;
-    an eager ``from .load import load`` used to bind it back to the function, a lazy name cannot.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}" and name in _LAZY:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 def push(path, repo_id, revision=None, private=None, token=None):

@@ -58,7 +58,7 @@ def submit(job: Callable[[], Any], future: Future | None = None, *,
             _worker = threading.Thread(target=_work, name="xpupack-background")
             _worker.start()
             # called as the interpreter exits, before it waits for threads like this one
-            threading._register_atexit(_stop)
+            threading._register_atexit(_stop)  # type: ignore[attr-defined]
     return future
 
 

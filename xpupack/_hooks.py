@@ -12,7 +12,8 @@ are on the module's device. accelerate is not imported (nor needed) here.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 

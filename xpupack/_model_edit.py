@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from .backends.base import Runner
 
 
-_model_locks: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_model_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _model_locks_guard = threading.Lock()
 
 
@@ -59,7 +60,8 @@ class ModelEdit:
 
     def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
                     device: torch.device | None) -> None:
-        """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter objects."""
+        """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter
+        objects."""
         for module, state_name, name, tensor in named_tensors(model):
             new = weights.get(state_name, tensor) if weights is not None else tensor
             if device is not None and new.device != device:
@@ -69,10 +71,10 @@ class ModelEdit:
             if name in module._parameters:
                 old = tensor.data
                 tensor.data = new
-                self._undo.append(lambda p=tensor, old=old: setattr(p, "data", old))
+                self._undo.append(functools.partial(setattr, tensor, "data", old))
             else:
                 module._buffers[name] = new
-                self._undo.append(lambda m=module, n=name, old=tensor: m._buffers.__setitem__(n, old))
+                self._undo.append(functools.partial(module._buffers.__setitem__, name, tensor))
 
     def copy_into(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
         """Writes ``values`` into ``tensor`` in place (a DTensor's local shard, whose Parameter cannot take
@@ -98,7 +100,11 @@ class ModelEdit:
     def set_eval(self, model: nn.Module) -> None:
         flags = [(m, m.training) for m in model.modules()]
         model.eval()
-        self._undo.append(lambda: [setattr(m, "training", flag) for m, flag in flags])
+
+        def undo() -> None:
+            for module, flag in flags:
+                module.training = flag
+        self._undo.append(undo)
 
     def rollback(self) -> None:
         for undo in reversed(self._undo):
@@ -109,7 +115,7 @@ class ModelEdit:
             for table, saved in ((module._parameters, parameters), (module._buffers, buffers),
                                  (module._modules, submodules)):
                 table.clear()
-                table.update(saved)
+                table.update(saved)  # type: ignore[arg-type]  # each table gets its own saved copy
 
 
 def named_tensors(model: nn.Module):

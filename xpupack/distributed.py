@@ -58,14 +58,16 @@ def check_strategy(selected: dict[str, nn.Module], strategy: Any) -> None:
 
 def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered into the full tensor (a collective: call it on every rank)."""
-    return {name: tensor.full_tensor() if is_dtensor(tensor) else tensor for name, tensor in state.items()}
+    return {name: tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+            for name, tensor in state.items()}
 
 
 def local_shard(sharded: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full`` laid out as the DTensor ``sharded`` is (no communication)."""
     from torch.distributed.tensor import distribute_tensor
 
-    placed = distribute_tensor(full.to(sharded.device), sharded.device_mesh, sharded.placements, src_data_rank=None)
+    placed = distribute_tensor(full.to(sharded.device), sharded.device_mesh,  # type: ignore[attr-defined]
+                               sharded.placements, src_data_rank=None)  # type: ignore[attr-defined]
     return placed.to_local()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .errors import DeviceUnavailableError
+from .errors import DeviceUnavailableError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,7 @@ def _torch_build() -> dict[str, Any]:
     for node in tree.body:
         target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
             node.target if isinstance(node, ast.AnnAssign) else None
-        if isinstance(target, ast.Name) and node.value is not None:
+        if isinstance(target, ast.Name) and isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             try:
                 facts[target.id] = ast.literal_eval(node.value)
             except ValueError:
@@ -146,6 +146,8 @@ def environment(device: torch.device | CPU) -> dict:
 
     from . import _device
 
+    assert isinstance(device, torch.device)  # only a CPU comes as `CPU`
+
     env["device_name"] = _device.device_name(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -198,7 +200,7 @@ def resolve_device(device: str | torch.device | None, *, default: torch.device |
     try:
         resolved = _device.resolve(device, default=default)
     except (RuntimeError, AssertionError, ValueError, TypeError) as exc:  # how torch says "no such device"
-        raise refuse(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
+        raise refuse(first_line(exc)) from None
     if resolved.type not in DEVICE_TYPES:  # mps, hpu, meta...: torch names them, xpupack does not run there
         raise refuse(f"xpupack runs on {', '.join(DEVICE_TYPES)}, not on {resolved.type}")
     if resolved.type == "cpu":

@@ -6,6 +6,22 @@ what went wrong, where, and what to do next.
 
 from __future__ import annotations
 
+#: the most of a wrapped error's message that a one-line message quotes
+_QUOTED_CHARACTERS = 300
+
+
+def first_line(exc: BaseException) -> str:
+    """What a one-line message quotes of an error it reports: the first line of ``exc``'s message (at most 300
+    characters; torch's can run to pages), or the error type's name where the message is empty."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:_QUOTED_CHARACTERS] if lines else type(exc).__name__
+
+
+def error_line(exc: BaseException) -> str:
+    """``exc`` as ``"TypeName: first line of its message"`` (`first_line`), or ``"TypeName"`` alone."""
+    line = first_line(exc)
+    return line if line == type(exc).__name__ else f"{type(exc).__name__}: {line}"
+
 
 class XpupackError(Exception):
     """Base class of every error xpupack raises on purpose."""

@@ -22,8 +22,18 @@ from pathlib import Path
 
 from ._fsutil import moved_aside
 from ._version import __version__
-from .errors import (AmbiguousSourceError, HubError, IntegrityError, OfflineNotCachedError, PackageFormatError,
-                     RepoNotFoundError, RevisionNotFoundError, SourceError)
+from .errors import (
+    AmbiguousSourceError,
+    HubError,
+    IntegrityError,
+    OfflineNotCachedError,
+    PackageFormatError,
+    RepoNotFoundError,
+    RevisionNotFoundError,
+    SourceError,
+    error_line,
+    first_line,
+)
 from .manifest import MANIFEST, read_manifest
 from .source import Source, is_repo_id, read_name
 
@@ -186,8 +196,8 @@ def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, 
     ``asked`` is the revision the caller named when ``revision`` is the commit it resolved to;
     ``plain``: see `download`.
     """
-    from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hf
+    from huggingface_hub import hf_hub_download
 
     shown = asked if asked is not None else revision
     where = f"{repo_id}@{shown or 'main'}"
@@ -304,8 +314,5 @@ def _check_reachable(hub: HubSettings, repo_id: str, revision: str | None, token
         return  # the Hub answered: `_fetch` says what the answer means
     except Exception as exc:  # no answer at all: refused, unresolvable, timed out
         raise _not_cached(hub, repo_id, revision, MANIFEST, plain=True,
-                          why=f"{type(exc).__name__}: {first_line(exc)}") from None
+                          why=error_line(exc)) from None
 
-
-def first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

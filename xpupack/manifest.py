@@ -299,7 +299,7 @@ def read_spec(root: Path, entry: dict) -> dict:
                                  f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
                                  "rebuild it", path=entry["spec"])
     try:
-        for index, signature in enumerate(data["signatures"]):
+        for signature in data["signatures"]:
             check_tree(signature["tree"])
         _check_batch_axes(data)
     except ValueError as exc:

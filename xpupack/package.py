@@ -5,17 +5,28 @@ from __future__ import annotations
 import datetime
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from . import _fsutil, devices, distributed
-from .card import model_card
+from . import _fsutil, device_slots, distributed
 from ._version import __version__
+from .card import model_card
 from .errors import SaveError, XpupackError
-from .manifest import (FORMAT_VERSION, MANIFEST, MODEL_CARD, WEIGHTS, check_destination, describe_files, destination,
-                       module_folder, validate, write_json)
+from .manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    MODEL_CARD,
+    WEIGHTS,
+    check_destination,
+    describe_files,
+    destination,
+    module_folder,
+    validate,
+    write_json,
+)
 from .spec import spec_to_json
 from .tuned import session_of
 
@@ -81,14 +92,16 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
 def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], staging: Path, weights: bool) -> dict:
     owned = {f"{path}.{name}" if path else name
              for path, tuned in session.modules.items() for name in tuned.runner.owned_tensors()}
-    aliases = {}
+    aliases: dict[str, str] = {}
     if weights:
         unique, aliases = _deduplicate({k: v for k, v in state.items() if k not in owned})
         save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
                   str(staging / WEIGHTS), metadata={"format": "pt"})
 
-    slots = devices.slot_order(session.device_of(path) for path in session.modules)
-    modules, used_backends, runners = [], {}, {}
+    slots = device_slots.slot_order(session.device_of(path) for path in session.modules)
+    modules: list[dict] = []
+    used_backends: dict[str, Any] = {}
+    runners: dict[str, list] = {}
     for path, tuned in session.modules.items():
         folder = module_folder(path)
         (staging / folder).mkdir(parents=True)
@@ -118,7 +131,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
     manifest = {
         "format_version": FORMAT_VERSION,
         "xpupack_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "environment": session.environment,
         "device": str(slots[0] if slots else session.device),
         **({"devices": [str(device) for device in slots]} if len(slots) > 1 else {}),
@@ -136,7 +149,9 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
 
 def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Stores tensors that are views of the same memory (tied weights) once; the rest become aliases."""
-    unique, aliases, seen = {}, {}, {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[Any, str] = {}
     for name, tensor in state.items():
         key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
                tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)

@@ -195,7 +195,7 @@ def _loaded_axes_problem(spec: ModuleSpec, forward: Callable[..., Any], trusted:
         _, batch = signature_batch(signature, axes)
         if batch < 2:
             continue  # nothing is padded up to one row
-        if not trusted and not any(axis is not None and leaf.dtype.is_floating_point
+        if not trusted and not any(axis is not None and leaf.dtype.is_floating_point  # type: ignore[union-attr]
                                    for axis, leaf in zip(axes.inputs, signature.leaves)):
             return (f"the loader cannot check that the rows of {signature.describe()} do not mix (no floating "
                     "input varies along the batch) and the source is not trusted")
@@ -268,8 +268,9 @@ def batch_ladder(samples: list, sizes: list[int], axis: int = 0) -> list:
         for size in sizes:
             if size != batch:
                 rows = torch.arange(size, device=tensors[0].device) % batch
-                ladder.append(map_tensors(lambda x: x.index_select(axis, rows.to(x.device))
-                                          if x.dim() > axis and x.shape[axis] == batch else x, sample))
+                # map_tensors calls the lambda right away, so it sees this iteration's rows and batch
+                ladder.append(map_tensors(lambda x: x.index_select(axis, rows.to(x.device))  # noqa: B023
+                                          if x.dim() > axis and x.shape[axis] == batch else x, sample))  # noqa: B023
     return ladder
 
 

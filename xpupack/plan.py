@@ -1,4 +1,5 @@
-"""What runs each module of a package here, and whether its compiled artifacts may run (README: "Safety and reliability").
+"""What runs each module of a package here, and whether its compiled artifacts may run
+(README: "Safety and reliability").
 
 One decision, made here, that `load` acts on and `verify` and `inspect` report:
 
@@ -61,10 +62,10 @@ class Choice:
 
     path: str
     #: the package's backend, the start of the chain this choice was made from
-    built: Backend
-    #: what runs: ``built``, one of its bases, or `EagerBackend` (the original module)
+    package_backend: Backend
+    #: what runs: ``package_backend``, one of its bases, or `EagerBackend` (the original module)
     backend: Backend
-    #: how many ``base`` levels below ``built`` the backend is (None for the original module)
+    #: how many ``base`` levels below ``package_backend`` the backend is (None for the original module)
     depth: int | None
     use_artifacts: bool
     owned: tuple[str, ...] = ()
@@ -84,9 +85,10 @@ class Choice:
         """The chosen backend's config and folder, given the package's backend's."""
         if self.depth is None:
             return {}, folder
-        backend = self.built
+        backend = self.package_backend
         for _ in range(self.depth):
-            config, folder, backend = config.get("base", {}), folder / backend.base.name, backend.base
+            # depth counts base levels, so each backend passed here is a composed one, with a base
+            config, folder, backend = config.get("base", {}), folder / backend.base.name, backend.base  # type: ignore[attr-defined]
         return config, folder
 
     def without_artifacts(self, why: str) -> Choice:
@@ -101,9 +103,9 @@ class Choice:
         """
         if self.depth is None:
             raise ValueError("the original module has nothing to fall back to")
-        step = _Step(f"{self.backend.name} -> {_next_name(self.built, self.depth)} (restore failed: {why})",
-                     f"restore failed ({why}): runs {_next_label(self.built, self.depth)}")
-        return choose(self.path, self.built, context, owned=self.owned, start=self.depth + 1,
+        step = _Step(f"{self.backend.name} -> {_next_name(self.package_backend, self.depth)} (restore failed: {why})",
+                     f"restore failed ({why}): runs {_next_label(self.package_backend, self.depth)}")
+        return choose(self.path, self.package_backend, context, owned=self.owned, start=self.depth + 1,
                       steps=(*self.steps, step))
 
 
@@ -163,7 +165,8 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
             f"{', '.join(owned[:3])} only in that backend's form, so the original module cannot take "
             "over — load on a device where it runs, or rebuild the package here from the original weights",
             differences=differences(context.built, context.here, backend.depends_on))
-    return Choice(path, backend, _original_module(backend), None, False, owned, steps)
+    # a report plans with BackendFacts where a load has Backends: both answer what Choice reads
+    return Choice(path, backend, _original_module(backend), None, False, owned, steps)  # type: ignore[arg-type]
 
 
 def options_here(name: str, options: dict, context: Context, *, compile_options: dict | None = None,
@@ -179,7 +182,7 @@ def options_here(name: str, options: dict, context: Context, *, compile_options:
     """
     if not isinstance(options, dict):
         return options, ()  # the backend refuses it with its own message
-    adjusted, steps = dict(options), ()
+    adjusted, steps = dict(options), tuple[_Step, ...]()
     base = options.get("base")
     if isinstance(base, dict) and isinstance(base.get("options"), dict):
         inner, steps = options_here(base.get("name"), base["options"], context, compile_options=compile_options,
@@ -222,7 +225,7 @@ def _chain(backend: Backend) -> list[Backend]:
     """The backend, its base, its base's base..."""
     chain = [backend]
     while getattr(chain[-1], "base", None) is not None:
-        chain.append(chain[-1].base)
+        chain.append(chain[-1].base)  # type: ignore[attr-defined]
     return chain
 
 

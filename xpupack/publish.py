@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .card import package_card
-from .errors import HubError, SourceError
-from .hub import COMMIT_HASH, first_line, hub_api, hub_settings
+from .errors import HubError, SourceError, first_line
+from .hub import COMMIT_HASH, hub_api, hub_settings
 from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package
 from .source import HUB_PREFIX, is_repo_id, local_folder
 
@@ -110,7 +110,8 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         stale = [name for name in api.list_repo_files(repo_id, revision=revision)
                  if name not in listed and _package_owned(name)]
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
+        operations: list[CommitOperationAdd | CommitOperationDelete] = [
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
         operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=plan.card))
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
         info = api.create_commit(repo_id, operations, commit_message=plan.commit_message, revision=revision)

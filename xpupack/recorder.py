@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import difflib
 import fnmatch
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -182,7 +182,9 @@ def observe_calls(forward: Callable[..., Any], module: nn.Module, spec: ModuleSp
             buffers.restore()
 
 
-class _Recording:
+class _SampledCalls:
+    """One module's calls as tuning samples them: their signatures, counts and a few copies of each (its spec)."""
+
     def __init__(self):
         self.index: dict[Signature, int] = {}
         self.spec = ModuleSpec(signatures=[], samples=[])
@@ -220,8 +222,8 @@ def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[An
            mode: Callable[[], Any] = torch.no_grad) -> dict[str, ModuleSpec]:
     """Runs ``samples`` through ``model`` under ``mode`` (`torch.no_grad`, or `torch.inference_mode` where the
     caller runs in it) and returns each selected module's recorded spec."""
-    recordings = {path: _Recording() for path in modules}
-    handles = [_hooks.observe(module, recordings[path].add) for path, module in modules.items()]
+    sampled = {path: _SampledCalls() for path in modules}
+    handles = [_hooks.observe(module, sampled[path].add) for path, module in modules.items()]
     count = 0
     try:
         with mode():
@@ -242,7 +244,7 @@ def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[An
             handle.remove()
     if count == 0:
         raise TuningError("samples is empty; pass at least one input the model is called with")
-    return {path: rec.spec for path, rec in recordings.items()}
+    return {path: calls.spec for path, calls in sampled.items()}
 
 
 def describe_sample(sample: Any) -> str:

@@ -23,7 +23,8 @@ from ._signature_text import describe_leaves
 from .backends._facts import describe
 from .candidate import Candidate
 from .errors import PackageFormatError, XpupackError
-from .limits import LoadLimits, check_package as check_limits
+from .limits import LoadLimits
+from .limits import check_package as check_limits
 from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
 from .source import Source
 
@@ -48,7 +49,8 @@ def _backend(name: Any, options: Any, device: Any = None) -> Any:
 
 
 def compiled_backends(manifest: dict) -> dict[str, str]:
-    """``{module path: backend name}`` for the modules whose artifacts are compiled code (README: "Safety and reliability").
+    """``{module path: backend name}`` for the modules whose artifacts are compiled code
+    (README: "Safety and reliability").
 
     The backend registry decides (``Backend.compiled_artifacts``); a backend
     this xpupack does not know is left out here and reported by `verify_package`.
@@ -265,7 +267,7 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
 def _check_build_device(manifest: dict, root: Path) -> None:
     """`devices.manifest_devices`'s check where torch is loaded; without torch, that the names look like devices."""
     if "torch" in sys.modules:
-        from .devices import manifest_devices
+        from .device_slots import manifest_devices
 
         manifest_devices(manifest, root)
         return

@@ -13,9 +13,10 @@ same information, never the tensor values.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, cast
 
 import torch
 import torch.utils._cxx_pytree as pytree
@@ -157,7 +158,7 @@ class StateLeaf:
                 "tensors": [{"shape": list(shape), "stride": list(stride), "dtype": dtype_name(dtype),
                              "device": str(device)} for shape, stride, dtype, device in self.tensors]}
 
-    def on_device(self, mapping: dict[torch.device, torch.device]) -> "StateLeaf":
+    def on_device(self, mapping: dict[torch.device, torch.device]) -> StateLeaf:
         return StateLeaf(self.type_name, tuple((shape, stride, dtype, mapping.get(device, device))
                                                for shape, stride, dtype, device in self.tensors))
 
@@ -178,7 +179,7 @@ class Signature:
     leaves: tuple[TensorLeaf | ConstantLeaf | StateLeaf, ...]
 
     @classmethod
-    def of_call(cls, args: tuple, kwargs: dict) -> "Signature":
+    def of_call(cls, args: tuple, kwargs: dict) -> Signature:
         """The signature of a call. Raises `Unrecordable` for opaque leaves (e.g. a KV cache object)."""
         leaves, spec = flatten(args, kwargs)
         return cls(spec, tuple(_leaf_of(x) for x in leaves))
@@ -246,7 +247,7 @@ class Signature:
         """A short human-readable form, e.g. ``(f32[2,16,64], 2.0)`` (`xpupack._signature_text`)."""
         return describe_leaves([leaf.to_json() for leaf in self.leaves])
 
-    def on_device(self, mapping: dict[torch.device, torch.device]) -> "Signature":
+    def on_device(self, mapping: dict[torch.device, torch.device]) -> Signature:
         """The same signature with tensor leaves moved according to ``mapping``."""
         leaves = tuple(TensorLeaf(leaf.shape, leaf.dtype, mapping.get(leaf.device, leaf.device))
                        if isinstance(leaf, TensorLeaf) else leaf.on_device(mapping) if isinstance(leaf, StateLeaf)
@@ -264,7 +265,7 @@ class Signature:
             raise Unsynthesizable(f"{self.describe()} holds a state object; only a real call can bring one")
         generator = torch.Generator().manual_seed(seed)
         values = []
-        for leaf in self.leaves:
+        for leaf in cast(tuple[TensorLeaf | ConstantLeaf, ...], self.leaves):  # no state leaf, as checked above
             if isinstance(leaf, ConstantLeaf):
                 values.append(leaf.value)
             elif leaf.dtype.is_floating_point or leaf.dtype.is_complex:
@@ -278,7 +279,7 @@ class Signature:
         return {"tree": pytree.treespec_dumps(self.spec), "leaves": [x.to_json() for x in self.leaves]}
 
     @classmethod
-    def from_json(cls, data: Any) -> "Signature":
+    def from_json(cls, data: Any) -> Signature:
         """Parses `to_json`'s output. Raises ``ValueError`` on anything malformed.
 
         The input may come from a hostile package: the tree is checked before
@@ -426,7 +427,7 @@ class BatchAxes:
         return {"inputs": list(self.inputs), "outputs": list(self.outputs)}
 
     @classmethod
-    def from_json(cls, data: Any) -> "BatchAxes":
+    def from_json(cls, data: Any) -> BatchAxes:
         """Parses `to_json`'s output; raises ``ValueError`` on anything else."""
         if not isinstance(data, dict) or set(data) != {"inputs", "outputs"}:
             raise ValueError(f"batch axes must be an object with 'inputs' and 'outputs', not {str(data)[:80]}")

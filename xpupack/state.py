@@ -48,7 +48,7 @@ class StateType:
     name: str
     tensors: Callable[[Any], list[torch.Tensor]]
     #: the Python-side counters its objects keep beside their tensors (built-in types only), or None
-    counters: "SlidingWindowCounters | None" = None
+    counters: SlidingWindowCounters | None = None
 
     def state_tensors(self, obj: Any) -> list[torch.Tensor]:
         """The object's state tensors; raises `StateNotReady` when there are none to record yet."""
@@ -248,7 +248,7 @@ class SlidingWindowCounters:
 
 
 #: sliding layer -> xpupack's count tensor for it once its window is full (dropped with the layer)
-_FULL_COUNTS: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_FULL_COUNTS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 def _full_count(layer: Any) -> torch.Tensor:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from . import _timing
-from .backends.base import Backend, ModuleSpec, Runner, Target, changes_module
+from .backends.base import Backend, ComposedBackend, ModuleSpec, Runner, Target, changes_module
 from .candidate import Candidate
-from .errors import NoCandidateError
+from .errors import NoCandidateError, error_line
 from .recorder import snapshot
 from .signature import flatten
 
@@ -35,7 +35,7 @@ def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
     try:
         runner = backend.build(target, spec, device)
     except Exception as exc:
-        raise Rejected(f"build failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise Rejected(f"build failed: {error_line(exc)}") from exc
     try:
         _check_outputs(backend, runner, spec, references)
     except Rejected:
@@ -61,8 +61,7 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
                 try:
                     actual = spec.observe(index, args, kwargs, runner.run(index, args, kwargs, leaves))
                 except Exception as exc:
-                    raise Rejected(f"running {spec.signatures[index].describe()} failed: "
-                                   f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                    raise Rejected(f"running {spec.signatures[index].describe()} failed: {error_line(exc)}") from exc
             problem = backend.compare(actual, references[index][number])
             if problem:
                 raise Rejected(f"{spec.signatures[index].describe()}: {problem}")
@@ -134,7 +133,7 @@ def is_reference(backend: Backend) -> bool:
     return backend.name == "eager"
 
 
-def _attempt(strategy: "Strategy", backend: Backend, target: Target, spec: ModuleSpec,
+def _attempt(strategy: Strategy, backend: Backend, target: Target, spec: ModuleSpec,
              references: list[list[Any]], device: torch.device, report: list[Candidate],
              gate: _SpeedGate) -> tuple[Runner, Candidate] | None:
     """`check_candidate`, then the speed gate; returns the runner and its ``"accepted"`` entry (with
@@ -183,9 +182,6 @@ def _noise_note(entry: Candidate) -> str:
     return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {entry.rounds} rounds"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 class Strategy:
@@ -608,14 +604,14 @@ def thorough_backends(device: torch.device | None = None,
     return [GraphBackend(), *compiled, *quantized, *(backend.base for backend in quantized), EagerBackend()]
 
 
-def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Backend]) -> list[Backend]:
+def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Backend]) -> list[ComposedBackend]:
     """Each TorchAO configuration of ``quantize`` compiled by Inductor: with coordinate descent on a GPU,
     without which Inductor's int8 weight-only kernels are slower than bfloat16 (README: "Language models")."""
     from .backends.inductor import InductorBackend
 
-    options = {"compile_options": dict(COORDINATE_DESCENT)} if device is not None and device.type in _GRAPH_DEVICES \
-        else {}
-    return [InductorBackend(base=backend, **options) for backend in quantized_backends(quantize)]
+    on_gpu = device is not None and device.type in _GRAPH_DEVICES
+    return [InductorBackend(base=backend, compile_options=dict(COORDINATE_DESCENT) if on_gpu else None)
+            for backend in quantized_backends(quantize)]
 
 
 def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend]:
@@ -630,7 +626,7 @@ def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend
     if quantize is False or quantize is None:
         return []
     items = QUANTIZE_CONFIGS if quantize is True else [quantize] if isinstance(quantize, (str, Backend)) else quantize
-    backends = []
+    backends: list[Backend] = []
     for item in items:
         backend = TorchAOBackend(item) if isinstance(item, str) else item
         if not isinstance(backend, TorchAOBackend):

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from . import _hooks
-from ._model_edit import edits_model
-from ._listeners import add_fallback_listener, fallback_listeners as _fallback_listeners  # noqa: F401 (the plugin's)
+from ._listeners import add_fallback_listener  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
+from ._listeners import fallback_listeners as _fallback_listeners
+from ._model_edit import edits_model
 from .backends.base import Backend, ModuleSpec, Runner, Target
 from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
@@ -377,14 +378,14 @@ class Session:
     modules: dict[str, TunedModule]
     device: torch.device
     active: bool = False
-    #: module path -> the device it runs on (`xpupack.devices`); a module missing here runs on ``device``
+    #: module path -> the device it runs on (`xpupack.device_slots`); a module missing here runs on ``device``
     devices: dict[str, torch.device] = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
     strategy: str = ""
     #: state-dict name -> {"shape", "dtype"} of the model as built, before any backend changed it
     architecture: dict = field(default_factory=dict)
     #: the model this session tunes (`attach` sets it)
-    owner: "weakref.ref[nn.Module] | None" = None
+    owner: weakref.ref[nn.Module] | None = None
     #: where a load's time went, seconds per phase (verify, weights, shared_artifacts, modules, activate);
     #: empty for a session tuned here
     load_seconds: dict[str, float] = field(default_factory=dict)
@@ -447,9 +448,9 @@ def generate_compile_off(model: nn.Module):
         config.disable_compile = previous
 
 
-_sessions: "weakref.WeakKeyDictionary[nn.Module, Session]" = weakref.WeakKeyDictionary()
+_sessions: weakref.WeakKeyDictionary[nn.Module, Session] = weakref.WeakKeyDictionary()
 #: model -> its ``generation_config.disable_compile`` from before any of its sessions was active
-_generate_compile_before: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+_generate_compile_before: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def describe_architecture(model: nn.Module) -> dict[str, dict]:

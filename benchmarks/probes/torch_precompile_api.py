@@ -17,7 +17,8 @@ try:
     from torch._dynamo import aot_compile
 
     report["aot_compile_fullgraph"] = str(inspect.signature(aot_compile.aot_compile_fullgraph))
-    report["AOTCompiledFunction"] = [name for name in vars(aot_compile.AOTCompiledFunction) if not name.startswith("__")]
+    report["AOTCompiledFunction"] = [name for name in vars(aot_compile.AOTCompiledFunction)
+                                     if not name.startswith("__")]
 except Exception as exc:  # noqa: BLE001 - a probe reports whatever is missing
     report["aot_compile_module"] = f"{type(exc).__name__}: {exc}"
 report["aoti"] = [name for name in ("aoti_compile_and_package", "aoti_load_package") if hasattr(torch._inductor, name)]

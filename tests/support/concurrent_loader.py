@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import xpupack
-import xpupack.load  # noqa: F401 (patched below through sys.modules; `import xpupack` imports it lazily)
+import xpupack.loading  # noqa: F401 (patched below through sys.modules; `import xpupack` imports it lazily)
 from support.models import make_stack
 from xpupack.source import Source
 
@@ -38,7 +38,7 @@ def main() -> None:
 
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
     if options.hub_cache:  # what xpupack.hub resolves a pinned revision to: a snapshot linking into blobs/
-        importlib.import_module("xpupack.load").resolve_source = lambda *a, **k: Source(
+        importlib.import_module("xpupack.loading").resolve_source = lambda *a, **k: Source(
             Path(options.package), trusted=True, links_within=Path(options.hub_cache), description="org/name@pinned")
     references = {seed: make_stack(seed=seed) for seed in (0, 1)}
     x = torch.randn(4, 8)

@@ -10,7 +10,8 @@ signature-dispatch, aliasing and invalidation logic runs exactly as on a GPU.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -8,6 +8,7 @@ Its access log (uvicorn's, on stdout) lets a test count the requests a load made
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -108,10 +109,8 @@ class OlahHub:
     def requests(self) -> list[str]:
         """Every request served so far, as ``"METHOD /path"``, oldest first."""
         marker = f"/__xpupack_sync__/{uuid.uuid4().hex}"
-        try:
+        with contextlib.suppress(urllib.error.HTTPError):  # 404 is the expected answer: it only has to reach the log
             urllib.request.urlopen(self.endpoint + marker, timeout=10)
-        except urllib.error.HTTPError:
-            pass  # 404 is the expected answer: the request only has to reach the log
         deadline = time.monotonic() + 10
         while marker not in self.log.read_text(errors="replace"):
             if time.monotonic() > deadline:

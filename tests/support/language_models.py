@@ -8,12 +8,11 @@ import inspect
 import torch
 
 import xpupack
+from support.strategies import GRAPH
 
 VOCAB = 128
 #: new tokens of the generate() that tunes a tiny model (`tune_llm`)
 NEW_TOKENS = 6
-#: device graphs where they record, eager elsewhere, never timed (tiny models are noise to a speed gate)
-GRAPH = xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], min_speedup=None)
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):

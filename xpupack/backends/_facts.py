@@ -16,10 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: environment keys the Inductor backend's artifacts depend on (`InductorBackend.depends_on`)
+# The backends' defaults that a package's options are read against, here so that the backends and the
+# torch-free answers below read the same values.
+#: environment keys the Inductor backend's own artifacts depend on (`InductorBackend.depends_on`)
 INDUCTOR_DEPENDS_ON = ("torch", "triton", "python", "device_type", "device_name", "architecture")
-#: the modes `InductorBackend.options` writes (None is written as no "mode" at all)
-_INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")
+#: the modes `InductorBackend` takes besides None (written as no "mode" at all); any other would record CUDA graphs
+INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")
+#: recordings per module that `GraphBackend` keeps unless given ``max_recordings`` (not written to a package)
+GRAPH_MAX_RECORDINGS = 16
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,8 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
         copies = rest.pop("copy_outputs", None)
         budget = rest.pop("max_memory", None)
         collectives = rest.pop("record_collectives", None)
-        if rest or (recordings is not None and (type(recordings) is not int or recordings < 1 or recordings == 16)) \
+        if rest or (recordings is not None and (type(recordings) is not int or recordings < 1
+                                           or recordings == GRAPH_MAX_RECORDINGS)) \
                 or (copies is not None and copies is not False) \
                 or (collectives is not None and collectives is not True) \
                 or (budget is not None and (type(budget) is not int or budget < 1)):
@@ -98,7 +103,7 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
         return BackendFacts("graph", inner, inner.depends_on if inner else (),
                             bool(inner and inner.compiled_artifacts), runs_on=("cuda", "xpu"), pads_calls=True)
     if name == "inductor":
-        if set(options) - {"mode"} or ("mode" in options and options["mode"] not in _INDUCTOR_MODES):
+        if set(options) - {"mode"} or ("mode" in options and options["mode"] not in INDUCTOR_MODES):
             return None  # a base (torchao), or an option the real backend refuses or would not write
         return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True, pads_calls=True,
                             settings=settings_tag(options))

@@ -9,10 +9,11 @@ whose signature it recorded.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -127,7 +128,7 @@ class ModuleSpec:
         self.samples, self.states, self.counts = [], [], []
 
 
-def check_against_original(target: Target, spec: ModuleSpec, backend: "Backend", runner: "Runner", *,
+def check_against_original(target: Target, spec: ModuleSpec, backend: Backend, runner: Runner, *,
                            reset: Callable[[], object] = lambda: None) -> None:
     """Runs every restored signature once through ``runner`` and once through the original module; raises
     `OutputMismatchError` where ``backend.compare`` finds them apart. ``reset`` runs before each run (a
@@ -362,7 +363,8 @@ class ComposedBackend(Backend):
     def save(self, runner: Runner, folder: Path) -> dict:
         if self.base is None:
             return {}
-        return {"base": self.base.save(runner.base_runner, folder / self.base.name)}
+        # a composed backend's runner holds its base's runner whenever the backend has a base
+        return {"base": self.base.save(runner.base_runner, folder / self.base.name)}  # type: ignore[arg-type]
 
     def _build_base(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner | None:
         return self.base.build(target, spec, device) if self.base else None

@@ -41,11 +41,12 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
 from operator import is_
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,12 +54,21 @@ from torch import nn
 from .. import _background, _device
 from .._inference import own_copy
 from ..distributed import is_dtensor, is_sharded
-from ..errors import TuningError
+from ..errors import TuningError, error_line
 from ..padding import check_output_axes, signature_batch
 from ..signature import BatchAxes, flatten, unflatten
 from ..state import state_type
-from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
-                   register_backend, changes_module)
+from ._facts import GRAPH_MAX_RECORDINGS
+from .base import (
+    Backend,
+    ComposedBackend,
+    ModuleSpec,
+    Runner,
+    Target,
+    changes_module,
+    check_against_original,
+    register_backend,
+)
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +294,7 @@ class GraphRunner(Runner):
                 with _background.device_work:  # waits for a compile on another thread (at load, after .to())
                     recording = self.record(index, args, kwargs)
             except Exception as exc:
-                reason = _reason(exc)
+                reason = error_line(exc)
                 if strict:
                     raise RuntimeError(f"recording {self.spec.signatures[index].describe()} failed: {reason}") from exc
                 self.failures[index] = reason
@@ -413,7 +423,7 @@ class GraphRunner(Runner):
             try:
                 base = future.result()
             except Exception as exc:
-                self._keep_original(f"restoring the compiled module failed: {_reason(exc)}")
+                self._keep_original(f"restoring the compiled module failed: {error_line(exc)}")
                 return
             self.base_runner, self.function = base, base.run
             self._base_ready = {i for i, slots in enumerate(self.state_slots) if not slots}
@@ -454,7 +464,7 @@ class GraphRunner(Runner):
         if future.exception() is not None:
             log.warning("%s: the compiled module could not take %s (%s); the original module's recordings "
                         "serve it", self.target.path or "<model>", self.spec.signatures[index].describe(),
-                        _reason(future.exception()))
+                        error_line(future.exception()))
             self._base_refused.add(index)  # never asked again
             return
         self._base_ready.add(index)
@@ -652,11 +662,6 @@ def _sum(counts: tuple, added: tuple) -> tuple:
     return tuple(count + adds for count, adds in zip(counts, added))
 
 
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
 def _refuse_unsafe_collectives(target: Target, device: torch.device, opted_in: bool) -> None:
     """A sharded (DTensor) module calls collectives. Unless the device's graphs are known to record them,
     or the caller opted in, it is refused before anything is captured: a failed capture of a collective
@@ -710,7 +715,7 @@ class GraphBackend(ComposedBackend):
     name = "graph"
     pads_calls = True
 
-    def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = 16,
+    def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = GRAPH_MAX_RECORDINGS,
                  copy_outputs: bool = True, max_memory: int | None = None, record_collectives: bool = False):
         self._set_base(base)
         if isinstance(self.base, GraphBackend):
@@ -740,7 +745,7 @@ class GraphBackend(ComposedBackend):
 
     def options(self) -> dict:
         options = self._base_options()
-        if self.max_recordings != 16:
+        if self.max_recordings != GRAPH_MAX_RECORDINGS:
             options["max_recordings"] = self.max_recordings
         if not self.copy_outputs:
             options["copy_outputs"] = False

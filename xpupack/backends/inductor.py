@@ -49,9 +49,8 @@ from ..errors import PackageFormatError
 from ..manifest import artifact_file
 from ..signature import Unsynthesizable, flatten
 from ..state import scratch_copy
-from ._facts import settings_tag
-from .base import (Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original,
-                   register_backend)
+from ._facts import INDUCTOR_DEPENDS_ON, INDUCTOR_MODES, settings_tag
+from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original, register_backend
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +398,7 @@ class InductorBackend(ComposedBackend):
 
     def __init__(self, mode: str | None = None, *, base: Backend | dict | None = None,
                  compile_options: dict[str, Any] | None = None):
-        if mode not in (None, "default", "max-autotune-no-cudagraphs"):
+        if mode is not None and mode not in INDUCTOR_MODES:
             raise ValueError(f"InductorBackend(mode={mode!r}) would record CUDA graphs; "
                              "use GraphBackend for that, or mode='max-autotune-no-cudagraphs'")
         self._set_base(base)
@@ -411,7 +410,7 @@ class InductorBackend(ComposedBackend):
 
     @property
     def depends_on(self) -> tuple[str, ...]:
-        own = ("torch", "triton", "python", "device_type", "device_name", "architecture")
+        own = INDUCTOR_DEPENDS_ON
         return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
 
     def options(self) -> dict:

@@ -24,8 +24,9 @@ the elementwise tolerances of the exact backends.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,8 +36,16 @@ from ..errors import BackendError, PackageFormatError, UnknownConfigError
 from ..manifest import artifact_file, check_depth
 from ..signature import dtype_name
 from .base import Backend, ModuleSpec, Runner, Target, register_backend
-from .torchao_configs import (CONFIG_CLASSES, NAMED_CONFIGS, NamedConfig, check_types, config_from_json, config_to_json,
-                              require_torchao, torchao_missing)
+from .torchao_configs import (
+    CONFIG_CLASSES,
+    NAMED_CONFIGS,
+    NamedConfig,
+    check_types,
+    config_from_json,
+    config_to_json,
+    require_torchao,
+    torchao_missing,
+)
 
 WEIGHTS_FILE = "weights.safetensors"
 #: torchao's flattening splits names at the last dot, so names in the file get a root segment
@@ -301,7 +310,7 @@ def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), framework="pt", device=str(device)) as handle:
             metadata = handle.metadata() or {}
-            data = {key: handle.get_tensor(key) for key in handle.keys()}
+            data = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
     except (SafetensorError, OSError, ValueError) as exc:
         raise PackageFormatError(f"{path} is not a readable safetensors file ({exc}); rebuild the package",
                                  path=str(path)) from None
@@ -337,7 +346,7 @@ def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
 def _parameter_table(module: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Parameter]]:
     """State-dict name (relative to ``module``) -> ``(owning module, attribute, parameter)``."""
-    table = {}
+    table: dict[str, tuple[nn.Module, str, nn.Parameter]] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for attribute, parameter in owner._parameters.items():
             if parameter is not None:

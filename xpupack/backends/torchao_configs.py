@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -141,7 +142,8 @@ def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> No
                 try:
                     dtype_from_name(str(tree.get("_data")))
                 except ValueError:
-                    raise UnknownConfigError(f"{where} names {tree.get('_data')!r}, which is not a torch dtype") from None
+                    raise UnknownConfigError(f"{where} names {tree.get('_data')!r}, "
+                                             "which is not a torch dtype") from None
         for value in tree.values():
             check_types(value, allowed, where)
     elif isinstance(tree, list):

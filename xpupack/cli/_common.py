@@ -8,8 +8,9 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -74,7 +75,7 @@ def import_object(reference: str, what: str, *, package: str | Path | None = Non
     return value
 
 
-def byte_size(n: int) -> str:
+def byte_size(n: float) -> str:
     """``1.5 MiB``: a byte count for people."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

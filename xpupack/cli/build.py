@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from ..source import read_name
-
 from ._common import console, handle_errors, import_object
 
 if TYPE_CHECKING:
@@ -222,8 +221,8 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
         progress(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights)
 
-    from .inspect import print_report
     from ..report import package_report
+    from .inspect import print_report
 
     print_report(package_report(Path(out), device), out_console)
     out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"

@@ -26,7 +26,8 @@ def push(package, repo_id, revision, private, token, dry_run):
     Prints the commit URL. Load the package pinned to that commit (the hash at the end of the URL) so
     that its compiled artifacts run: xpupack.load(model, "ORG/NAME", revision="<commit hash>").
     """
-    from ..publish import plan_push, push as push_package
+    from ..publish import plan_push
+    from ..publish import push as push_package
 
     if dry_run:
         _print_plan(plan_push(package, repo_id, revision=revision))
@@ -44,7 +45,8 @@ def _print_plan(plan) -> None:
     click.echo(f"files ({len(plan.files)}, {byte_size(sum(size for _, size in plan.files))} in all):")
     width = max(len(name) for name, _ in plan.files)
     for name, size in plan.files:
-        click.echo(f"  {name:<{width}}  {size:>10}  {byte_size(size)}" + ("  (model card)" if name == MODEL_CARD else ""))
+        card = "  (model card)" if name == MODEL_CARD else ""
+        click.echo(f"  {name:<{width}}  {size:>10}  {byte_size(size)}{card}")
     click.echo(f"commit message: {plan.commit_message}")
     click.echo("files of an earlier package in the repo that this one lacks are deleted in the same commit")
     click.echo("dry run: nothing was uploaded, and the Hub was not contacted")

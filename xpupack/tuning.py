@@ -9,18 +9,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _device, _hooks, _inference, devices, distributed, padding
+from . import _device, _hooks, _inference, device_slots, distributed, padding
 from ._model_edit import edits_model
 from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
+from .candidate import Candidate
 from .environment import environment, resolve_device
 from .errors import TuningError
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
-from .candidate import Candidate
 from .strategies import SEARCHES, Strategy, quantized_backends, search_strategy
-from .tuned import (Session, TunedModule, attach, check_model, describe_architecture, detach, find_session,
-                    generate_compile_off)
+from .tuned import (
+    Session,
+    TunedModule,
+    attach,
+    check_model,
+    describe_architecture,
+    detach,
+    find_session,
+    generate_compile_off,
+)
 
 log = logging.getLogger("xpupack")
 
@@ -116,7 +124,7 @@ def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str]
     selected = select_modules(model, modules)
     placed = {path: _device.model_device(module, device) for path, module in selected.items()}
     if in_place:  # the session's device: slot 0's
-        device = devices.slot_order(placed.values())[0]
+        device = device_slots.slot_order(placed.values())[0]
     if strategy is None:
         strategy = search_strategy(search, device, quantize)
     distributed.check_strategy(selected, strategy)

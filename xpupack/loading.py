@@ -1,4 +1,5 @@
-"""`xpupack.load`: verify a package, restore weights and backends, activate (README: "Packages"; "Safety and reliability").
+"""`xpupack.load`: verify a package, restore weights and backends, activate
+(README: "Packages"; "Safety and reliability").
 
 Everything that can be checked is checked before the model is touched. For
 the changes that follow (weights, device, backends, activation) a `ModelEdit`
@@ -10,43 +11,61 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
-from . import _background, _device, _hooks, _inference, devices, distributed, padding
+from . import _background, _device, _hooks, _inference, device_slots, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
 from .backends.base import Backend, ModuleSpec, Target, backend_from_json, check_against_original
 from .candidate import Candidate
 from .environment import environment
-from .errors import (BackendError, IncompatiblePackageError, IntegrityError, ModelMismatchError,
-                     PackageFormatError, UnknownConfigError, XpupackError)
-from .limits import LoadLimits, check_package as check_limits
+from .errors import (
+    BackendError,
+    IncompatiblePackageError,
+    IntegrityError,
+    ModelMismatchError,
+    PackageFormatError,
+    UnknownConfigError,
+    XpupackError,
+)
+from .hub import resolve_source
+from .limits import LoadLimits
+from .limits import check_package as check_limits
 from .manifest import check_package, listed_files, module_slot
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
 from .signature import dtype_name
-from .spec import read_module_spec
-from .hub import resolve_source
 from .source import Source
-from .tuned import (DowngradeEvent, Session, TunedModule, attach, check_model, describe_architecture, detach,
-                    find_session)
+from .spec import read_module_spec
+from .tuned import (
+    DowngradeEvent,
+    Session,
+    TunedModule,
+    attach,
+    check_model,
+    describe_architecture,
+    detach,
+    find_session,
+)
 
 log = logging.getLogger("xpupack")
 
 
 @dataclass
-class _ModulePlan:
+class _ModuleLoad:
+    """One module's share of a load: the module, its spec, and what restores it."""
+
     module: nn.Module
     spec: ModuleSpec
     #: what runs (`xpupack.plan`), and the package's config and folder of the package's backend
     choice: Choice
     package_config: dict
     package_folder: Path
-    #: the load's context with this module's device (`xpupack.devices`)
+    #: the load's context with this module's device (`xpupack.device_slots`)
     context: Context
 
     @property
@@ -152,16 +171,16 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     manifest = check_package(source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted)
     check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
     check_architecture(model, manifest, source.root)
-    placement = devices.resolve_placement(model, manifest, device=device, device_map=device_map,
-                                          default=_device.model_device(model))
+    placement = device_slots.resolve_placement(model, manifest, device=device, device_map=device_map,
+                                               default=_device.model_device(model))
     device = placement.first
     here = environment(device)
-    build_devices = devices.manifest_devices(manifest, source.root)
+    build_devices = device_slots.manifest_devices(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
     overrides = {"compile_options": compile_options, "record_collectives": record_collectives}
-    plans = [_plan(model, module, source, build_devices, placement, context, overrides)
-             for module in manifest["modules"]]
-    weights = _read_weights(source.root, manifest, devices.read_device(model, placement))
+    jobs = [_module_load(model, module, source, build_devices, placement, context, overrides)
+            for module in manifest["modules"]]
+    weights = _read_weights(source.root, manifest, device_slots.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
 
@@ -181,17 +200,17 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         # backends read no file the manifest does not list; with defer_compile, compiled code is restored
         # off the caller's path while recordings of the original modules serve
         with listed_files(source.root, manifest), _background.deferring(defer_compile and on_mismatch != "error"):
-            _restore_shared(manifest, source, plans, context)
+            _restore_shared(manifest, source, jobs, context)
             clock.lap("shared_artifacts")
             modules = {}
-            for number, plan in enumerate(plans, 1):
+            for number, job in enumerate(jobs, 1):
                 if progress:
-                    progress(f"restoring {plan.path or '<model>'} ({number}/{len(plans)}, {plan.backend.name})")
+                    progress(f"restoring {job.path or '<model>'} ({number}/{len(jobs)}, {job.backend.name})")
                 # the load's own runs of the module (checks, recordings) leave its buffers as the package has them
-                with _device.on_device(plan.context.device), BufferWatch(plan.module).kept():
-                    modules[plan.path] = _restore(plan, plan.context)
-                modules[plan.path].load_s = clock.lap("modules")
-                edit.keep_runner(modules[plan.path].runner)
+                with _device.on_device(job.context.device), BufferWatch(job.module).kept():
+                    modules[job.path] = _restore(job, job.context)
+                modules[job.path].load_s = clock.lap("modules")
+                edit.keep_runner(modules[job.path].runner)
         session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
                           architecture=manifest["model"]["tensors"], devices=placement.modules)
         attach(model, session)
@@ -268,8 +287,8 @@ def _check_options(compile_options: dict | None, record_collectives: bool | None
         InductorBackend(compile_options=compile_options)  # raises ValueError naming a setting it refuses
 
 
-def _plan(model: nn.Module, entry: dict, source: Source, build_devices: list[torch.device],
-          placement: devices.Placement, context: Context, overrides: dict) -> _ModulePlan:
+def _module_load(model: nn.Module, entry: dict, source: Source, build_devices: list[torch.device],
+                 placement: device_slots.Placement, context: Context, overrides: dict) -> _ModuleLoad:
     spec = read_module_spec(source.root, entry)
     mapping = placement.spec_map(build_devices, entry["path"], module_slot(entry))
     spec.signatures = [signature.on_device(mapping) for signature in spec.signatures]
@@ -282,7 +301,7 @@ def _plan(model: nn.Module, entry: dict, source: Source, build_devices: list[tor
     choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())), steps=steps)
     if choice.note:
         log.warning("%s: %s", choice.path or "<model>", choice.note)
-    return _ModulePlan(model.get_submodule(entry["path"]), spec, choice, entry["backend"]["config"],
+    return _ModuleLoad(model.get_submodule(entry["path"]), spec, choice, entry["backend"]["config"],
                        source.root / entry["folder"] / backend.name, context)
 
 
@@ -329,7 +348,7 @@ def _check_ties(model: nn.Module, weights: dict[str, torch.Tensor], manifest: di
                     expected="untied", actual="tied")
 
 
-def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], context: Context) -> None:
+def _restore_shared(manifest: dict, source: Source, jobs: list[_ModuleLoad], context: Context) -> None:
     """Artifacts that a backend saved once for all its modules (Inductor's cache), for what runs them now.
 
     The entry named ``name`` was written by the package's backend ``name``; it is restored by the
@@ -338,11 +357,11 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
     """
     for name, shared in manifest["backends"].items():
         # the modules that run a backend of the package's chain (not the original module)
-        users = [plan for plan in plans if plan.choice.built.name == name and plan.choice.depth is not None]
+        users = [job for job in jobs if job.choice.package_backend.name == name and job.choice.depth is not None]
         if not users:
             continue
         folder = source.root / shared["folder"]
-        use_artifacts = all(plan.choice.use_artifacts for plan in users)
+        use_artifacts = all(job.choice.use_artifacts for job in users)
         try:
             users[0].backend.restore_shared(shared["config"], folder, use_artifacts=use_artifacts)
         except XpupackError:
@@ -354,32 +373,32 @@ def _restore_shared(manifest: dict, source: Source, plans: list[_ModulePlan], co
                 raise BackendError(f"{why}; rebuild the package on this machine, or load with "
                                    "on_mismatch='rebuild' to compile here instead") from exc
             log.warning("%s; compiling those modules here", why)
-            for plan in users:
-                plan.choice = plan.choice.without_artifacts(why)
+            for job in users:
+                job.choice = job.choice.without_artifacts(why)
 
 
-def _restore(plan: _ModulePlan, context: Context) -> TunedModule:
-    target = Target(plan.path, plan.module, _hooks.original_forward(plan.module))
-    report = [Candidate(plan.backend.name, "chosen", plan.choice.note or "from package")]
+def _restore(job: _ModuleLoad, context: Context) -> TunedModule:
+    target = Target(job.path, job.module, _hooks.original_forward(job.module))
+    report = [Candidate(job.backend.name, "chosen", job.choice.note or "from package")]
     try:
-        if plan.backend.pads_calls:
-            _check_claims(target, plan.spec, context)
-        runner = plan.backend.restore(target, plan.spec, plan.config, plan.folder, context.device,
-                                      use_artifacts=plan.choice.use_artifacts)
+        if job.backend.pads_calls:
+            _check_claims(target, job.spec, context)
+        runner = job.backend.restore(target, job.spec, job.config, job.folder, context.device,
+                                     use_artifacts=job.choice.use_artifacts)
     except Exception as exc:  # a failed restore has undone its own changes to the module
-        return _restore_failed(plan, context, exc)
+        return _restore_failed(job, context, exc)
     try:
         # eager, and a backend that transforms the module in place (TorchAO), run the module's own
         # forward: there is no other original to compare with
-        if plan.backend.name != "eager" and not plan.backend.transforms_module and not runner.checked_where_compiled:
+        if job.backend.name != "eager" and not job.backend.transforms_module and not runner.checked_where_compiled:
             # both runs of each check start from the same buffers (running statistics...)
-            check_against_original(target, plan.spec, plan.backend, runner, reset=BufferWatch(target.module).restore)
+            check_against_original(target, job.spec, job.backend, runner, reset=BufferWatch(target.module).restore)
     except Exception as exc:
         runner.undo()
-        return _restore_failed(plan, context, exc)
-    promised, running = plan.choice.built.label, plan.backend.label
-    downgrade = DowngradeEvent(plan.path, promised, running, plan.choice.note) if running != promised else None
-    return TunedModule(target, plan.spec, plan.backend, runner, report, downgrade=downgrade)
+        return _restore_failed(job, context, exc)
+    promised, running = job.choice.package_backend.label, job.backend.label
+    downgrade = DowngradeEvent(job.path, promised, running, job.choice.note) if running != promised else None
+    return TunedModule(target, job.spec, job.backend, runner, report, downgrade=downgrade)
 
 
 def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
@@ -395,33 +414,33 @@ def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
                     "module: %s", target.path or "<model>", spec.padding_refused)
 
 
-def _restore_failed(plan: _ModulePlan, context: Context, exc: Exception) -> TunedModule:
+def _restore_failed(job: _ModuleLoad, context: Context, exc: Exception) -> TunedModule:
     """What runs a module whose backend failed to restore or answers differently from the original module.
 
     A damaged package (a file or config that is not what the manifest promises) is refused, never served.
     """
-    if (context.on_mismatch == "error" or plan.choice.depth is None
+    if (context.on_mismatch == "error" or job.choice.depth is None
             or isinstance(exc, (PackageFormatError, IntegrityError, UnknownConfigError))):
         if isinstance(exc, XpupackError):
             raise exc
-        raise BackendError(f"{plan.path or '<model>'}: restoring the {plan.backend.name} backend failed "
+        raise BackendError(f"{job.path or '<model>'}: restoring the {job.backend.name} backend failed "
                            f"({type(exc).__name__}: {exc}); load with on_mismatch='fallback' to run the "
                            "original module instead, or rebuild the package on this machine") from exc
     # serving beats crashing: the original module still gives eager's answers
     try:
-        fallback = plan.choice.after_failure(str(exc), context)
+        fallback = job.choice.after_failure(str(exc), context)
     except IncompatiblePackageError:
         raise exc from None  # nothing can run this module without the backend: its own error says why
     log.warning("%s: restoring %s failed (%s: %s); %s",
-                plan.path or "<model>", plan.backend.name, type(exc).__name__, exc, fallback.note)
-    tuned = _restore(replace(plan, choice=fallback), context)
-    tuned.report.insert(0, Candidate(plan.backend.name, "rejected", f"restore failed: {exc}"))
+                job.path or "<model>", job.backend.name, type(exc).__name__, exc, fallback.note)
+    tuned = _restore(replace(job, choice=fallback), context)
+    tuned.report.insert(0, Candidate(job.backend.name, "rejected", f"restore failed: {exc}"))
     return tuned
 
 
 def _place_tensors(edit: ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None,
-                   placement: devices.Placement) -> None:
-    """Installs the package's weights, each tensor on the device the placement gives it (`xpupack.devices`):
+                   placement: device_slots.Placement) -> None:
+    """Installs the package's weights, each tensor on the device the placement gives it (`xpupack.device_slots`):
     with ``device=`` everything moves there; with ``device_map=`` each tuned module's tensors move to its
     slot's device; otherwise every tensor stays where it is. A DTensor gets its shard of the full weight."""
     paths = sorted(placement.modules, key=len, reverse=True) if placement.moves_modules else []
