@@ -123,6 +123,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         The same model object, tuned modules active.
 
     Raises:
+        ValueError: ``on_mismatch`` is not one of ``"rebuild"``, ``"fallback"``, ``"error"``.
         SourceError: no such folder, or ``revision`` for a folder (`AmbiguousSourceError`: see ``path``).
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
