@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,14 @@ def test_the_parameter_check_finds_a_parameter_the_docstring_leaves_out():
         """
 
     assert undocumented_parameters(documented) == ["device"]
+
+
+def test_no_docstring_puts_doctest_lines_under_an_example_admonition():
+    """griffe reads "Example:" as an admonition of Markdown, where ``>>>`` becomes nested block quotes (and
+    ``x["a"]["b"]`` a broken reference under ``mkdocs build --strict``); "Examples:" renders them as code."""
+    package = Path(xpupack.__file__).parent
+    offenders = [f"{path.relative_to(package.parent)}:{text[:match.start()].count(chr(10)) + 1}"
+                 for path in sorted(package.rglob("*.py"))
+                 for text in [path.read_text(encoding="utf-8")]
+                 for match in re.finditer(r"^[ \t]*Example:[ \t]*\n[ \t]*>>>", text, re.M)]
+    assert not offenders, f"title these sections Examples: {offenders}"

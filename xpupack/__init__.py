@@ -6,7 +6,7 @@ errors (``except xpupack.XpupackError``), ``xpupack inspect`` and ``xpupack
 verify`` stay light. Using ``xpupack.tune``, ``xpupack.load``, a backend and
 so on imports torch then.
 
-Example:
+Examples:
     >>> import xpupack
     >>> model = xpupack.tune(model, samples, modules=["layers.*.mlp"])
     >>> xpupack.save(model, "pkg/")
@@ -119,7 +119,7 @@ def push(path: str | os.PathLike[str], repo_id: str, revision: str | None = None
         IntegrityError: a file is missing or changed; nothing is uploaded.
         HubError: the Hub refused (no write access, offline...) or could not be reached.
 
-    Example:
+    Examples:
         >>> info = xpupack.push("./tiny-pkg", "org/tiny")
         >>> model = xpupack.load(make_model(), "org/tiny", revision=info.oid)  # pinned: trusted
     """

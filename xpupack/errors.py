@@ -8,7 +8,7 @@ command line prints an error's message on one line (a traceback only with
 
 Every class is importable from ``xpupack`` without importing torch.
 
-Example:
+Examples:
     >>> try:
     ...     xpupack.load(model, "org/name")
     ... except xpupack.IntegrityError as exc:

@@ -147,7 +147,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         PackageFormatError: the repo at that revision is not an xpupack package.
         IntegrityError: the repo lacks a file its manifest lists.
 
-    Example:
+    Examples:
         >>> source = download("org/tiny", revision="3f1c...e9")  # a commit hash: trusted
     """
     hub = hub_settings()

@@ -58,7 +58,7 @@ class LoadLimits:
     Raises:
         ValueError: a limit that is not a positive integer.
 
-    Example:
+    Examples:
         >>> xpupack.load(model, "org/name", limits=xpupack.LoadLimits(max_input_bytes=2 * 2**30))
     """
 

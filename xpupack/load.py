@@ -138,7 +138,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         BackendError: with ``on_mismatch="error"``, a backend that failed to restore
             (`OutputMismatchError`: one that answers differently from the original module).
 
-    Example:
+    Examples:
         >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
     """
     check_model(model, "load")

@@ -64,7 +64,7 @@ def plan_push(path: str | Path, repo_id: str, *, revision: str | None = None) ->
             or ``revision`` is a commit hash (push commits to a branch).
         PackageFormatError, IntegrityError: the package is damaged.
 
-    Example:
+    Examples:
         >>> plan = plan_push("./tiny-pkg", "org/tiny")
         >>> sum(size for _, size in plan.files)
         123456
@@ -112,7 +112,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         HubError: the Hub refused (no write access, offline, ...) or could not be reached (the
             message names the endpoint tried).
 
-    Example:
+    Examples:
         >>> url = xpupack.push("tiny-pkg", "org/tiny")
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete

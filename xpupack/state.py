@@ -101,7 +101,7 @@ def register_state(cls: type, tensors: Callable[[Any], list[torch.Tensor]]) -> N
     live in those tensors: a Python-side counter would be baked into a recording (README: "Language
     models").
 
-    Example:
+    Examples:
         >>> xpupack.register_state(MyCache, lambda cache: [cache.keys, cache.values, cache.length])
     """
     if not isinstance(cls, type):

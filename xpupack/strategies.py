@@ -239,7 +239,7 @@ class Strategy:
     Raises:
         ValueError: no backends, or ``min_speedup``/``iterations`` not a positive number.
 
-    Example:
+    Examples:
         >>> class PreferGraph(xpupack.Strategy):
         ...     def choose(self, target, spec, references, device):
         ...         from xpupack.strategies import Rejected, check_candidate
@@ -341,7 +341,7 @@ class FirstWins(Strategy):
     Raises:
         ValueError: an option is out of range.
 
-    Example:
+    Examples:
         >>> xpupack.FirstWins([xpupack.GraphBackend(), xpupack.InductorBackend(), xpupack.EagerBackend()])
         >>> xpupack.FirstWins([xpupack.InductorBackend(), xpupack.EagerBackend()], min_speedup=1.2)
         >>> xpupack.FirstWins([xpupack.GraphBackend(base=xpupack.InductorBackend()), xpupack.GraphBackend(),
@@ -458,7 +458,7 @@ class Fastest(Strategy):
     Raises:
         ValueError: an option is out of range.
 
-    Example:
+    Examples:
         >>> xpupack.tune(model, samples, strategy=xpupack.Fastest(
         ...     [xpupack.GraphBackend(), xpupack.InductorBackend(), xpupack.EagerBackend()]))
     """
@@ -524,7 +524,7 @@ class Only(Strategy):
     Args:
         backend: the backend every module gets.
 
-    Example:
+    Examples:
         >>> xpupack.tune(model, samples, strategy=xpupack.Only(xpupack.GraphBackend()))
     """
 
@@ -621,7 +621,7 @@ def default_strategy(device: torch.device | None = None) -> Strategy:
     Returns:
         A new `FirstWins`.
 
-    Example:
+    Examples:
         >>> default_strategy(torch.device("cuda")).backends
         [GraphBackend(base={'name': 'inductor', 'options': {}}), GraphBackend(), InductorBackend(), EagerBackend()]
     """

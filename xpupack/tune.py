@@ -64,7 +64,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
             what they must be.
         NoCandidateError: a module no backend of the strategy could tune.
 
-    Example:
+    Examples:
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
     """

@@ -599,7 +599,7 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
     Raises:
         NotTunedError: the model has no tuned modules.
 
-    Example:
+    Examples:
         >>> xpupack.stats(model)["layers.0.mlp"]
         {'backend': 'graph', 'calls': 10, 'fallbacks': 1, 'signatures': 2, ...}
         >>> xpupack.stats(model, totals=True)["totals"]["memory_bytes"]
@@ -631,7 +631,7 @@ def activate(model: nn.Module) -> nn.Module:
     Raises:
         NotTunedError: the model has no tuned modules.
 
-    Example:
+    Examples:
         >>> xpupack.deactivate(model)
         >>> model.train()  # fine-tune with the original modules...
         >>> xpupack.activate(model.eval())
@@ -655,7 +655,7 @@ def deactivate(model: nn.Module) -> nn.Module:
     Raises:
         NotTunedError: the model has no tuned modules.
 
-    Example:
+    Examples:
         >>> xpupack.deactivate(model)
         >>> reference = model(x)  # the original modules, untouched by xpupack
     """

@@ -264,7 +264,7 @@ class Runner:
                 answer wrongly: the dispatcher then runs the original module for this call and every
                 later call of the signature (a ``"backend error"`` fallback in `xpupack.stats`).
 
-        Example:
+        Examples:
             >>> class Forwarding(Runner):
             ...     def __init__(self, forward, supported):
             ...         super().__init__(supported)
@@ -356,7 +356,7 @@ class CallableRunner(Runner):
         function: called as ``function(*args, **kwargs)`` for every call.
         supported: the signatures it takes.
 
-    Example:
+    Examples:
         >>> runner = CallableRunner(target.forward, set(range(len(spec.signatures))))
     """
 
@@ -386,7 +386,7 @@ class Backend:
     it has artifacts), and registers with `register_backend` so that a manifest can name it. The class
     attributes below tell the loader and the dispatcher what the backend can do.
 
-    Example:
+    Examples:
         >>> @register_backend
         ... class ChannelsLast(Backend):
         ...     name = "channels-last"
@@ -678,7 +678,7 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     Returns:
         ``cls`` itself.
 
-    Example:
+    Examples:
         >>> @register_backend
         ... class MyBackend(Backend):
         ...     name = "mine"

@@ -14,7 +14,7 @@ class EagerBackend(Backend):
     The reference every candidate is compared with, and the last resort of a strategy: with it in
     the list, a module no other backend can take stays untuned instead of failing `xpupack.tune`.
 
-    Example:
+    Examples:
         >>> xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()])
     """
 

@@ -757,7 +757,7 @@ class GraphBackend(ComposedBackend):
         ValueError: ``base`` is a `GraphBackend`, or an option is out of range (`TuningError`, a
             ``ValueError``, for ``max_memory``).
 
-    Example:
+    Examples:
         >>> xpupack.GraphBackend(max_memory=2 * 2**30)  # at most 2 GiB of recordings per module
     """
 

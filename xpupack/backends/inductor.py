@@ -435,7 +435,7 @@ class InductorBackend(ComposedBackend):
             compile option that is not an Inductor setting, does more than change speed, or has a value
             of the wrong kind.
 
-    Example:
+    Examples:
         >>> xpupack.InductorBackend(mode="max-autotune-no-cudagraphs")
         >>> xpupack.GraphBackend(base=xpupack.InductorBackend())  # compiled, then recorded as a device graph
     """

@@ -146,7 +146,7 @@ class TorchAOBackend(Backend):
     Raises:
         UnknownConfigError: an unknown config name, or a config class xpupack cannot package.
 
-    Example:
+    Examples:
         >>> xpupack.tune(model, samples, modules=["layers.*.mlp"],
         ...              strategy=xpupack.FirstWins([xpupack.TorchAOBackend("int8-weight-only")]))
     """
