@@ -6,7 +6,7 @@ errors (``except xpupack.XpupackError``), ``xpupack inspect`` and ``xpupack
 verify`` stay light. Using ``xpupack.tune``, ``xpupack.load``, a backend and
 so on imports torch then.
 
-Example:
+Examples:
     >>> import xpupack
     >>> model = xpupack.tune(model, samples, modules=["layers.*.mlp"])
     >>> xpupack.save(model, "pkg/")
@@ -49,6 +49,10 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    import os
+
+    from huggingface_hub import CommitInfo
+
     from .backends.eager import EagerBackend
     from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
@@ -78,6 +82,7 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    """Resolves a public name on first use, importing its submodule (and torch) then (PEP 562)."""
     submodule = _LAZY.get(name)
     if submodule is None:
         raise AttributeError(f"module 'xpupack' has no attribute {name!r}")
@@ -87,14 +92,41 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
+    """The module's names, the lazy ones included."""
     return sorted(set(globals()) | set(_LAZY))
 
 
 
-def push(path, repo_id, revision=None, private=None, token=None):
+def push(path: str | os.PathLike[str], repo_id: str, revision: str | None = None, private: bool | None = None,
+         token: str | bool | None = None) -> CommitInfo:
     """Verifies the package at ``path`` and uploads it to the Hub repo ``repo_id`` in one commit.
 
-    Returns the commit URL; see `xpupack.publish.push` for the details.
+    The repo is created if needed; the commit holds the package and a model card, and deletes files of an
+    earlier package that this one lacks (README: "Hugging Face Hub"). ``xpupack push --dry-run`` shows the
+    commit without making it. This does not import torch; see `xpupack.publish.push` for the details.
+
+    Args:
+        path: a package directory written by `xpupack.save` or ``xpupack build``, named as a folder
+            (``"./org/name"`` or a ``Path``; a plain ``"org/name"`` names a Hub repo).
+        repo_id: ``"org/name"`` (or ``"hf://org/name"``).
+        revision: the branch to commit to (created from ``main`` if missing); default ``main``.
+        private: visibility of a repo this call creates (an existing repo keeps its own).
+        token: a token with write access (default: ``HF_TOKEN`` or the stored login).
+
+    Returns:
+        The commit URL: a ``huggingface_hub.CommitInfo``, which is a ``str``; its ``oid`` is the commit
+        hash to pin when loading.
+
+    Raises:
+        SourceError: ``path`` names a Hub repo rather than a folder, ``repo_id`` is not ``"org/name"``, or
+            ``revision`` is a commit hash.
+        PackageFormatError: the package is damaged (bad manifest); nothing is uploaded.
+        IntegrityError: a file is missing or changed; nothing is uploaded.
+        HubError: the Hub refused (no write access, offline...) or could not be reached.
+
+    Examples:
+        >>> info = xpupack.push("./tiny-pkg", "org/tiny")
+        >>> model = xpupack.load(make_model(), "org/tiny", revision=info.oid)  # pinned: trusted
     """
     from .publish import push as _push
 

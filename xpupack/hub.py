@@ -46,13 +46,27 @@ COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 
 @dataclass(frozen=True)
 class HubSettings:
-    """Where the Hub is and where its cache lives, as the environment says now."""
+    """Where the Hub is and where its cache lives, as the environment says now.
+
+    Args:
+        endpoint: the Hub's URL (``HF_ENDPOINT``, else huggingface_hub's default).
+        cache_dir: the Hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else the default).
+        offline: ``HF_HUB_OFFLINE``.
+    """
 
     endpoint: str
     cache_dir: Path
     offline: bool
 
     def repo_cache(self, repo_id: str) -> Path:
+        """The folder of the cache that holds ``repo_id``'s files.
+
+        Args:
+            repo_id: ``"org/name"``.
+
+        Returns:
+            ``<cache_dir>/models--org--name``.
+        """
         from huggingface_hub.file_download import repo_folder_name
 
         return self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
@@ -64,6 +78,16 @@ def resolve_source(path: str | os.PathLike, *, revision: str | None = None, trus
 
     A folder is trusted (its compiled artifacts may run); a Hub repo is downloaded
     (`download`) and trusted only when pinned or with ``trust_compiled=True``.
+
+    Args:
+        path: a folder (a ``Path``, an absolute path, ``"./org/name"``...) or a Hub repo id
+            (``"org/name"``, ``"hf://org/name"``).
+        revision: a Hub revision (branch, tag or commit hash); not for a folder.
+        trust_compiled: trust a Hub revision that is not pinned by commit hash.
+        token: Hugging Face token (default: ``HF_TOKEN`` or the stored login).
+
+    Returns:
+        The `Source`: its folder on disk, and whether its compiled artifacts may run.
 
     Raises:
         AmbiguousSourceError: a plain ``"org/name"`` that is also a folder (or file) here.
@@ -133,7 +157,7 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
         PackageFormatError: the repo at that revision is not an xpupack package.
         IntegrityError: the repo lacks a file its manifest lists.
 
-    Example:
+    Examples:
         >>> source = download("org/tiny", revision="3f1c...e9")  # a commit hash: trusted
     """
     hub = hub_settings()
@@ -165,6 +189,11 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
 
 
 def hub_settings() -> HubSettings:
+    """The Hub settings the environment gives now (read at each call, not at import).
+
+    Returns:
+        Endpoint, cache folder and offline mode.
+    """
     from huggingface_hub import constants
 
     endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/") or constants.ENDPOINT
@@ -180,6 +209,15 @@ def hub_settings() -> HubSettings:
 
 
 def hub_api(hub: HubSettings, token: str | bool | None):
+    """A ``huggingface_hub.HfApi`` on ``hub``'s endpoint that names xpupack as its library.
+
+    Args:
+        hub: where the Hub is.
+        token: Hugging Face token (None: ``HF_TOKEN`` or the stored login).
+
+    Returns:
+        (huggingface_hub.HfApi): the client.
+    """
     from huggingface_hub import HfApi
 
     return HfApi(endpoint=hub.endpoint, token=token, library_name="xpupack", library_version=__version__)

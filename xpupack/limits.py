@@ -56,7 +56,10 @@ class LoadLimits:
         max_recordings: the largest ``GraphBackend(max_recordings=...)`` a package may ask for (each
             recording holds device memory; the default of the graph backend is 16). Default 256.
 
-    Example:
+    Raises:
+        ValueError: a limit that is not a positive integer.
+
+    Examples:
         >>> xpupack.load(model, "org/name", limits=xpupack.LoadLimits(max_input_bytes=2 * 2**30))
     """
 

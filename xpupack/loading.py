@@ -143,6 +143,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         The same model object, tuned modules active.
 
     Raises:
+        ValueError: ``on_mismatch`` is not one of ``"rebuild"``, ``"fallback"``, ``"error"``.
         SourceError: no such folder, or ``revision`` for a folder (`AmbiguousSourceError`: see ``path``).
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
@@ -157,7 +158,7 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         BackendError: with ``on_mismatch="error"``, a backend that failed to restore
             (`OutputMismatchError`: one that answers differently from the original module).
 
-    Example:
+    Examples:
         >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
     """
     check_model(model, "load")

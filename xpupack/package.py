@@ -57,7 +57,7 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
             directory holding anything its manifest does not list); nothing is changed.
         SaveError: writing failed; any previous package there is unchanged.
 
-    Example:
+    Examples:
         >>> xpupack.save(model, "pkg/")
     """
     session = session_of(model)

@@ -28,6 +28,15 @@ class PushPlan:
     every file it lists, then the model card (``README.md``). Files of an earlier
     package in the repo that this one lacks are deleted in the same commit; which
     ones only the Hub can say.
+
+    Args:
+        root: the package folder.
+        repo_id: ``"org/name"``.
+        revision: the branch, or None for ``main``.
+        endpoint: the Hub it would go to.
+        files: ``(path in the repo, size in bytes)`` of each file uploaded.
+        card: the model card's bytes.
+        commit_message: the commit's message.
     """
 
     root: Path
@@ -42,10 +51,23 @@ class PushPlan:
 def plan_push(path: str | Path, repo_id: str, *, revision: str | None = None) -> PushPlan:
     """Verifies the package at ``path`` and works out the commit `push` would make; contacts nothing.
 
+    Args:
+        path: the package folder (named as a folder, README: "Naming a package").
+        repo_id: ``"org/name"`` (or ``"hf://org/name"``).
+        revision: the branch to commit to; None for ``main``.
+
+    Returns:
+        The files, sizes, model card and commit message of the commit.
+
     Raises:
         SourceError: ``path`` names a Hub repo rather than a folder, ``repo_id`` is not ``"org/name"``,
             or ``revision`` is a commit hash (push commits to a branch).
         PackageFormatError, IntegrityError: the package is damaged.
+
+    Examples:
+        >>> plan = plan_push("./tiny-pkg", "org/tiny")
+        >>> sum(size for _, size in plan.files)
+        123456
     """
     root = local_folder(path)
     repo_id = _repo_id(repo_id)
@@ -90,7 +112,7 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
         HubError: the Hub refused (no write access, offline, ...) or could not be reached (the
             message names the endpoint tried).
 
-    Example:
+    Examples:
         >>> url = xpupack.push("tiny-pkg", "org/tiny")
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete

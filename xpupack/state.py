@@ -73,6 +73,14 @@ _TYPES: dict[type, StateType | None] = {}
 
 
 def type_name(cls: type) -> str:
+    """``module.QualifiedName`` of ``cls``, as a package's spec names a state type.
+
+    Args:
+        cls: a class.
+
+    Returns:
+        Its dotted name.
+    """
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -86,7 +94,14 @@ def register_state(cls: type, tensors: Callable[[Any], list[torch.Tensor]]) -> N
             (``xpupack.state.StateNotReady``) while they do not exist yet (a lazily
             allocated cache before its first call): such calls run the original module.
 
-    Example:
+    Raises:
+        TypeError: ``cls`` is not a class, or ``tensors`` is not callable.
+
+    Registering a type again replaces its function. Everything the object changes between calls must
+    live in those tensors: a Python-side counter would be baked into a recording (README: "Language
+    models").
+
+    Examples:
         >>> xpupack.register_state(MyCache, lambda cache: [cache.keys, cache.values, cache.length])
     """
     if not isinstance(cls, type):
@@ -195,9 +210,23 @@ class SlidingWindowCounters:
     """
 
     def read(self, cache: Any) -> tuple[int, ...]:
+        """The token count of each sliding-window layer of ``cache``.
+
+        Args:
+            cache: a ``StaticCache``.
+
+        Returns:
+            One count per sliding-window layer.
+        """
         return tuple(layer.cumulative_length_int for layer in _sliding_layers(cache))
 
     def write(self, cache: Any, counts: tuple[int, ...]) -> None:
+        """Sets the token count of each sliding-window layer of ``cache`` (what `read` returned).
+
+        Args:
+            cache: a ``StaticCache``.
+            counts: one count per sliding-window layer.
+        """
         for layer, count in zip(_sliding_layers(cache), counts):
             layer.cumulative_length_int = count
 

@@ -24,12 +24,33 @@ log = logging.getLogger("xpupack")
 
 
 class Rejected(Exception):
-    """A candidate backend was refused; the message is the reason."""
+    """A candidate backend was refused; the message is the reason.
+
+    Raised by `check_candidate`; a strategy turns it into a ``"rejected"`` `Candidate` entry.
+    """
 
 
 def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
                     references: list[list[Any]], device: torch.device) -> Runner:
-    """Builds ``backend`` for ``target`` and checks it against eager; raises `Rejected` with the reason."""
+    """Builds ``backend`` for ``target`` and checks it against eager; raises `Rejected` with the reason.
+
+    The building block of every `Strategy.choose`: the candidate must be available on ``device``, build,
+    and reproduce ``references`` on every recorded sample of the signatures it supports, within
+    `Backend.compare`. A refused candidate's changes to the module are taken back (`Runner.undo`).
+
+    Args:
+        backend: the candidate.
+        target: the module being tuned.
+        spec: its recorded signatures and samples.
+        references: eager's outputs, ``references[i][k]`` for sample ``k`` of signature ``i``.
+        device: the device tuned on.
+
+    Returns:
+        The candidate's runner, the module changed as the backend changes it (TorchAO).
+
+    Raises:
+        Rejected: unavailable here, the build failed, or an output differs from eager's.
+    """
     if not backend.available(device):
         raise Rejected(backend.why_unavailable(device))
     try:
@@ -129,7 +150,14 @@ class _SpeedGate:
 
 
 def is_reference(backend: Backend) -> bool:
-    """Eager is what every candidate is compared with: never gated, never timed against itself."""
+    """Whether ``backend`` is eager, what every candidate is compared with: never gated, never timed against itself.
+
+    Args:
+        backend: a candidate.
+
+    Returns:
+        True for the eager backend.
+    """
     return backend.name == "eager"
 
 
@@ -187,6 +215,8 @@ def _noise_note(entry: Candidate) -> str:
 class Strategy:
     """Base class: picks one backend per module from a list of candidates.
 
+    A strategy of your own subclasses this and implements `choose` (README: "Tuning").
+
     Args:
         backends: the candidates, in order.
         min_speedup: a candidate other than eager is rejected unless it runs the
@@ -203,6 +233,26 @@ class Strategy:
             server) and a candidate without them passes too (the plain device graph after graph over
             Inductor), the two are timed side by side and the compiled one is kept only when it runs
             the recorded calls at least ``startup_margin`` times as fast. None: no such weighing.
+
+    Raises:
+        ValueError: no backends, or ``min_speedup``/``iterations`` not a positive number.
+
+    Examples:
+        >>> class PreferGraph(xpupack.Strategy):
+        ...     def choose(self, target, spec, references, device):
+        ...         from xpupack.candidate import Candidate
+        ...         from xpupack.strategies import Rejected, check_candidate
+        ...         report = []
+        ...         for backend in self.backends:
+        ...             try:
+        ...                 runner = check_candidate(backend, target, spec, references, device)
+        ...             except Rejected as exc:
+        ...                 report.append(Candidate(backend.label, "rejected", str(exc)))
+        ...                 continue
+        ...             report.append(Candidate(backend.label, "chosen", "first to pass"))
+        ...             return backend, runner, report
+        ...         raise xpupack.NoCandidateError(f"no backend could tune {target.path}")
+        >>> xpupack.tune(model, samples, strategy=PreferGraph([xpupack.GraphBackend(), xpupack.EagerBackend()]))
     """
 
     #: whether every passing candidate is timed even with the speed gate off
@@ -230,25 +280,42 @@ class Strategy:
 
     def choose(self, target: Target, spec: ModuleSpec, references: list[list[Any]],
                device: torch.device) -> tuple[Backend, Runner, list[Candidate]]:
-        """Picks the backend for one module.
+        """Picks the backend for one module: the extension point of a strategy.
+
+        `xpupack.tune` calls it once per selected module that recorded at least one signature, after
+        running the samples through the original module. Every candidate must pass `check_candidate`
+        (it builds, and matches eager's outputs) before it can be chosen; the runners of candidates not
+        chosen must be taken back (`Runner.undo`), so that the module is as it was for the next one.
 
         Args:
-            target: the module, its object path and original forward.
-            spec: its recorded signatures and samples.
-            references: eager's outputs, ``references[signature][sample]``.
-            device: where it is tuned.
+            target: the module (its object path, the module, its original forward).
+            spec: the recorded signatures and, while tuning, their samples (``spec.samples[i]``).
+            references: eager's outputs, ``references[i][k]`` for sample ``k`` of signature ``i``
+                (for a call with state, the output and the state after it).
+            device: the device the module is tuned on.
 
         Returns:
-            The chosen backend, its runner (applied to the module), and one `Candidate` per backend tried.
+            ``(backend, runner, report)``: the chosen backend, its runner (built, checked, the module
+            changed as the backend changes it), and one `Candidate` per candidate tried (its label,
+            status ``"chosen"``, ``"rejected"`` or ``"accepted"``, the reason and any timings);
+            ``xpupack inspect`` shows them.
 
         Raises:
-            NoCandidateError: no candidate passed.
+            NoCandidateError: no candidate passed; the message lists each refusal.
         """
         raise NotImplementedError
 
     def check_unrecorded(self, target: Target, spec: ModuleSpec) -> None:
         """Called for a module the samples called but none of whose calls could be recorded (so no
-        backend can take them and it stays eager); `Only` raises there."""
+        backend can take them and it stays eager); `Only` raises there.
+
+        Args:
+            target: the module.
+            spec: what recording saw: ``spec.calls`` calls, ``spec.unrecordable`` why each kind could not be recorded.
+
+        Raises:
+            NoCandidateError: where the strategy must not keep such a module eager (`Only`).
+        """
 
     def _options(self) -> dict:
         """Options that differ from their defaults, as `__repr__` shows them."""
@@ -309,12 +376,19 @@ class FirstWins(Strategy):
     """The first backend, in order, that builds, matches eager and is faster than eager wins.
 
     Args:
-        startup_margin: when the first candidate to pass carries compiled artifacts and a later candidate
-            without them passes too, the compiled one is kept only when it is at least this much faster
-            (`Strategy`). None: the first to pass wins.
-        min_speedup, iterations: as for every `Strategy`.
+        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+            first candidate to pass carries compiled artifacts (seconds of loading on a fresh server)
+            and a later candidate without them passes too (the plain device graph after graph over
+            Inductor), the two are timed side by side and the compiled one is kept only when it runs
+            the recorded calls at least ``startup_margin`` times as fast. None: the first to pass wins.
+        backends: the candidates, in order.
+        min_speedup: as for every `Strategy`.
+        iterations: as for every `Strategy`.
 
-    Example:
+    Raises:
+        ValueError: an option is out of range.
+
+    Examples:
         >>> xpupack.FirstWins([xpupack.GraphBackend(), xpupack.InductorBackend(), xpupack.EagerBackend()])
         >>> xpupack.FirstWins([xpupack.InductorBackend(), xpupack.EagerBackend()], min_speedup=1.2)
         >>> xpupack.FirstWins([xpupack.GraphBackend(base=xpupack.InductorBackend()), xpupack.GraphBackend(),
@@ -322,6 +396,23 @@ class FirstWins(Strategy):
     """
 
     def choose(self, target, spec, references, device):
+        """The first candidate, in order, that builds, matches eager and passes the speed gate.
+
+        With ``startup_margin``, a first winner with compiled artifacts is weighed against the next
+        passing candidate without them (see the class). See `Strategy.choose`.
+
+        Args:
+            target (Target): the module.
+            spec (ModuleSpec): its recorded signatures and samples.
+            references (list[list[Any]]): eager's outputs per signature and sample.
+            device (torch.device): the device tuned on.
+
+        Returns:
+            (tuple[Backend, Runner, list[Candidate]]): the chosen backend, its runner and the report.
+
+        Raises:
+            NoCandidateError: no candidate passed.
+        """
         report: list[Candidate] = []
         gate = _SpeedGate(target, spec, device, self.iterations)
         for position, backend in enumerate(self.backends):
@@ -363,15 +454,21 @@ class Fastest(Strategy):
     Each candidate is timed in rounds alongside eager (device-synchronized), and
     the one with the highest speedup over eager wins (eager itself counts 1.0):
     ratios to eager timed at the same moments stay true under machine load,
-    where candidates' own times, taken minutes apart, would not. Every candidate
-    that passed and lost says so, with its speedup and the fastest one's.
+    where candidates' own times, taken minutes apart, would not; the two fastest
+    are then timed head to head, as eager's own time drifts with the machine's load.
+    Every candidate that passed and lost says so, with its speedup and the fastest one's.
 
     Args:
+        backends: the candidates; order only breaks ties.
         startup_margin: when the fastest carries compiled artifacts, it is weighed against the fastest
             candidate without them that passed (`Strategy`); None: the fastest wins.
-        min_speedup, iterations: as for every `Strategy`.
+        min_speedup: as for every `Strategy`.
+        iterations: as for every `Strategy`.
 
-    Example:
+    Raises:
+        ValueError: an option is out of range.
+
+    Examples:
         >>> xpupack.Fastest([xpupack.GraphBackend(base=xpupack.InductorBackend()),
         ...                  xpupack.GraphBackend(base=xpupack.InductorBackend("max-autotune-no-cudagraphs")),
         ...                  xpupack.GraphBackend(), xpupack.EagerBackend()], startup_margin=1.05)
@@ -380,6 +477,22 @@ class Fastest(Strategy):
     times_candidates = True
 
     def choose(self, target, spec, references, device):
+        """Every candidate that passes is timed against eager; the highest speedup wins.
+
+        See `Strategy.choose`.
+
+        Args:
+            target (Target): the module.
+            spec (ModuleSpec): its recorded signatures and samples.
+            references (list[list[Any]]): eager's outputs per signature and sample.
+            device (torch.device): the device tuned on.
+
+        Returns:
+            (tuple[Backend, Runner, list[Candidate]]): the fastest backend, its runner and the report.
+
+        Raises:
+            NoCandidateError: no candidate passed.
+        """
         report: list[Candidate] = []
         gate = _SpeedGate(target, spec, device, self.iterations)
         # report index -> the backend and runner of a passing candidate that may still be chosen: the
@@ -493,7 +606,14 @@ def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], An
 
 
 class Only(Strategy):
-    """Uses one backend and raises its error if it cannot tune a module; never timed against eager."""
+    """Uses one backend and raises its error if it cannot tune a module; never timed against eager.
+
+    Args:
+        backend: the backend every module gets.
+
+    Examples:
+        >>> xpupack.tune(model, samples, strategy=xpupack.Only(xpupack.GraphBackend()))
+    """
 
     def __init__(self, backend: Backend):
         super().__init__([backend], min_speedup=None)
@@ -502,6 +622,20 @@ class Only(Strategy):
         return {}
 
     def choose(self, target, spec, references, device):
+        """The one backend, if it builds and matches eager. See `Strategy.choose`.
+
+        Args:
+            target (Target): the module.
+            spec (ModuleSpec): its recorded signatures and samples.
+            references (list[list[Any]]): eager's outputs per signature and sample.
+            device (torch.device): the device tuned on.
+
+        Returns:
+            (tuple[Backend, Runner, list[dict]]): the backend, its runner and a one-entry report.
+
+        Raises:
+            NoCandidateError: the backend was refused; the message says why.
+        """
         backend = self.backends[0]
         try:
             runner = check_candidate(backend, target, spec, references, device)
@@ -510,6 +644,15 @@ class Only(Strategy):
         return backend, runner, [Candidate(backend.label, "chosen", "only candidate")]
 
     def check_unrecorded(self, target, spec):
+        """Raises unless the backend is eager or the module was never called. See `Strategy.check_unrecorded`.
+
+        Args:
+            target (Target): the module.
+            spec (ModuleSpec): what recording saw.
+
+        Raises:
+            NoCandidateError: the module was called, and none of its calls could be recorded.
+        """
         backend = self.backends[0]
         if is_reference(backend) or not spec.calls:
             return
@@ -531,7 +674,14 @@ def _explain(target: Target, report: list[Candidate]) -> str:
 def default_backends(device: torch.device | None = None) -> list[Backend]:
     """The default candidates: on a GPU the Inductor-compiled module recorded as a device graph
     first (what ``torch.compile(mode="reduce-overhead")`` does, shipped), then the plain device graph,
-    Inductor and eager; elsewhere graph, Inductor, eager (no device graphs on CPU)."""
+    Inductor and eager; elsewhere graph, Inductor, eager (no device graphs on CPU).
+
+    Args:
+        device: the device tuned on; None gives the list for a CPU.
+
+    Returns:
+        New backend objects, in the order they are tried.
+    """
     from .backends.eager import EagerBackend
     from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
@@ -548,7 +698,20 @@ DEFAULT_STARTUP_MARGIN = 1.05
 
 
 def default_strategy(device: torch.device | None = None) -> Strategy:
-    """``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``."""
+    """The strategy `xpupack.tune` uses when given none (README: "Tuning").
+
+    ``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``.
+
+    Args:
+        device: the device tuned on (decides whether graph-over-Inductor is tried first).
+
+    Returns:
+        A new `FirstWins`.
+
+    Examples:
+        >>> default_strategy(torch.device("cuda")).backends
+        [GraphBackend(base={'name': 'inductor', 'options': {}}), GraphBackend(), InductorBackend(), EagerBackend()]
+    """
     return FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)
 
 

@@ -55,6 +55,7 @@ DOWNGRADE_MARKER = "xpupack_allow_downgrades"
 
 
 def __getattr__(name: str) -> Any:
+    """``FallbackEvent`` and ``DowngradeEvent``, imported (with torch) on first use."""
     if name in ("FallbackEvent", "DowngradeEvent"):  # defined with the tuned modules, which import torch
         from . import tuned
 
@@ -63,6 +64,19 @@ def __getattr__(name: str) -> Any:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """pytest hook: declares the ini options ``xpupack_fail_on_fallback`` and ``xpupack_fail_on_downgrade``.
+
+    Both default to true; set one to false to stop failing tests on that event project-wide.
+
+    Args:
+        parser: pytest's option parser.
+
+    Example:
+        ```toml
+        [tool.pytest.ini_options]
+        xpupack_fail_on_fallback = false
+        ```
+    """
     parser.addini(INI_OPTION, type="bool", default=True,
                   help="xpupack: fail a test that does not take the fallback_calls fixture when a tuned "
                        "module falls back during it (default: true)")
@@ -72,6 +86,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """pytest hook: declares the markers ``xpupack_allow_fallbacks`` and ``xpupack_allow_downgrades``.
+
+    Declared, they work under ``--strict-markers``.
+
+    Args:
+        config: pytest's configuration.
+
+    Example:
+        ```python
+        @pytest.mark.xpupack_allow_fallbacks
+        def test_unseen_batch_sizes_still_answer(model):
+            model(torch.randn(7, 16, 64))
+        ```
+    """
     config.addinivalue_line("markers", f"{MARKER}: xpupack: let tuned modules fall back during this test "
                                        "without failing it")
     config.addinivalue_line("markers", f"{DOWNGRADE_MARKER}: xpupack: let loaded modules run another backend "
@@ -80,7 +108,22 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def fallback_calls() -> Any:
-    """The list of `FallbackEvent` recorded while the test runs."""
+    """The list of `FallbackEvent` recorded while the test runs (pytest fixture).
+
+    Each event has the tuned module's ``path`` and the ``reason`` its call ran the original module
+    (no recording fits, a backend error...). A test that takes this fixture is not failed for fallbacks:
+    it asserts on them itself.
+
+    Example:
+        ```python
+        def test_batch_8_falls_back_and_batch_1_does_not(fallback_calls):
+            model = xpupack.load(make_model(), "./pkg")
+            model(torch.zeros(1, 16, dtype=torch.long))
+            assert fallback_calls == []
+            model(torch.zeros(8, 16, dtype=torch.long))   # batch 8 was never recorded
+            assert [event.reason for event in fallback_calls]
+        ```
+    """
     events: list[FallbackEvent] = []
     remove = add_fallback_listener(events.append)
     yield events
@@ -90,7 +133,20 @@ def fallback_calls() -> Any:
 @pytest.fixture
 def backend_downgrades() -> Any:
     """The `DowngradeEvent` of each loaded module called during the test that runs another backend than its
-    package's: one per module, in the order they were first called."""
+    package's: one per module, in the order they were first called (pytest fixture).
+
+    Each event has the module's ``path``, the backend its package ``promised``, the one ``running``, and
+    the ``reason`` (no device graphs here, a restore that failed). A test that takes this fixture is
+    not failed for downgrades: it asserts on them itself.
+
+    Example:
+        ```python
+        def test_the_graph_package_runs_eager_on_a_cpu(backend_downgrades):
+            model = xpupack.load(make_model(), "./graph-pkg", device="cpu")
+            model(torch.zeros(1, 16, dtype=torch.long))
+            assert {event.running for event in backend_downgrades} == {"eager"}
+        ```
+    """
     events: list[DowngradeEvent] = []
     remove = add_downgrade_listener(_once_each(events))
     yield events

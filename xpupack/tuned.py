@@ -45,7 +45,14 @@ _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
 
 @dataclass(frozen=True)
 class FallbackEvent:
-    """One call that ran the original module instead of the tuned backend."""
+    """One call that ran the original module instead of the tuned backend.
+
+    What the ``fallback_calls`` fixture of `xpupack.testing` collects.
+
+    Args:
+        path: the tuned module's object path (``""`` for the whole model).
+        reason: why the call fell back (``"no recording fits: ..."``, ``"backend error"``...).
+    """
 
     path: str
     reason: str
@@ -53,8 +60,16 @@ class FallbackEvent:
 
 @dataclass(frozen=True)
 class DowngradeEvent:
-    """A loaded module that runs another backend than its package's (``promised``): ``running`` instead
-    (``"eager"``: the original module), and why (no device graphs here, a restore that failed...)."""
+    """A loaded module that runs another backend than its package's.
+
+    What the ``backend_downgrades`` fixture of `xpupack.testing` collects.
+
+    Args:
+        path: the module's object path.
+        promised: the backend its package chose.
+        running: the backend that runs instead (``"eager"``: the original module).
+        reason: why (no device graphs here, a restore that failed...).
+    """
 
     path: str
     promised: str
@@ -63,7 +78,18 @@ class DowngradeEvent:
 
 
 class TunedModule:
-    """The ``forward`` of a tuned module: fit check, then backend or fallback."""
+    """The ``forward`` of a tuned module: fit check, then backend or fallback.
+
+    Args:
+        target: the module.
+        spec: its signatures.
+        backend: the backend chosen for it.
+        runner: that backend's runner.
+        report: the strategy's (or the load's) report entries.
+        padding_checked: padding into the recordings was checked against the original module already
+            (at tune time); a loaded package's is checked on its first padded call.
+        downgrade: set when a loaded module runs another backend than its package's.
+    """
 
     def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
                  report: list[Candidate] | None = None, *, padding_checked: bool = False,
@@ -321,6 +347,7 @@ class TunedModule:
                             "call%s", self.target.path or "<model>", type(x).__name__, hint)
 
     def stats(self) -> dict:
+        """This module's entry of `xpupack.stats`."""
         described = self.runner.describe()
         # calls the runner served from the original module's recordings while its compiled code was not
         # ready (a load's `defer_compile`) count with those that ran the original while a compile ran
@@ -373,7 +400,19 @@ def _describe_state(x: Any) -> str:
 
 @dataclass
 class Session:
-    """Everything xpupack knows about one tuned model."""
+    """Everything xpupack knows about one tuned model.
+
+    Args:
+        modules: object path -> its tuned module.
+        device: the device the tuned modules run on where ``devices`` does not say otherwise.
+        active: whether calls go through the backends.
+        devices: module path -> the device it runs on.
+        environment: the environment it was tuned or loaded in (`xpupack.environment`).
+        strategy: the strategy's repr.
+        architecture: state-dict name -> shape and dtype of the model as built.
+        owner: the model (`attach` sets it).
+        load_seconds: where a load's time went, per phase.
+    """
 
     modules: dict[str, TunedModule]
     device: torch.device
@@ -396,16 +435,25 @@ class Session:
             tuned.advised = advised
 
     def device_of(self, path: str) -> torch.device:
-        """The device the tuned module at ``path`` runs on."""
+        """The device the tuned module at ``path`` runs on.
+
+        Args:
+            path: a tuned module's object path.
+
+        Returns:
+            Its device.
+        """
         return self.devices.get(path, self.device)
 
     def activate(self) -> None:
+        """Routes every tuned module's calls through its backend."""
         for tuned in self.modules.values():
             _hooks.install(tuned.target.module, tuned)
         self.active = True
         self._switch_generate_compile(off=True)
 
     def deactivate(self) -> None:
+        """Gives every tuned module its original forward back and releases what the runners hold."""
         for tuned in self.modules.values():
             _hooks.uninstall(tuned.target.module, tuned, tuned.target.forward)
             tuned.runner.release()
@@ -477,6 +525,17 @@ def check_model(model: Any, function: str) -> None:
 
 
 def session_of(model: nn.Module) -> Session:
+    """The session of a tuned or loaded ``model``.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Its session.
+
+    Raises:
+        NotTunedError: the model has no tuned modules.
+    """
     try:
         return _sessions[model]
     except KeyError:
@@ -485,15 +544,34 @@ def session_of(model: nn.Module) -> Session:
 
 
 def find_session(model: nn.Module) -> Session | None:
+    """The session of ``model``, or None when it has none.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Its session, or None.
+    """
     return _sessions.get(model)
 
 
 def attach(model: nn.Module, session: Session) -> None:
+    """Makes ``session`` the session of ``model`` (kept as long as the model lives).
+
+    Args:
+        model: the model.
+        session: its new session.
+    """
     session.owner = weakref.ref(model)
     _sessions[model] = session
 
 
 def detach(model: nn.Module) -> None:
+    """Forgets the session of ``model``, if any.
+
+    Args:
+        model: the model.
+    """
     _sessions.pop(model, None)
 
 
@@ -508,16 +586,22 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
     ``memory_bytes`` is the device memory the module's recordings hold (graph backend; 0 for the
     others), ``recording_memory`` each recording's share, ``skipped`` what ``max_memory`` left out.
 
+    A loaded module's entry has ``load_s``: the seconds its restore took (compiling or loading
+    compiled code, recording device graphs, the check against the original module).
+
     Args:
         model: a tuned or loaded model.
         totals: return ``{"modules": <the per-module dict>, "totals": {...}}`` instead, where
             ``totals`` sums ``calls``, ``fallbacks``, ``padded`` and ``memory_bytes`` over the modules
             and, for a loaded model, holds ``load_seconds``: where the load's time went, per phase.
 
-    A loaded module's entry has ``load_s``: the seconds its restore took (compiling or loading
-    compiled code, recording device graphs, the check against the original module).
+    Returns:
+        Object path -> that module's counters and facts (or, with ``totals``, both levels).
 
-    Example:
+    Raises:
+        NotTunedError: the model has no tuned modules.
+
+    Examples:
         >>> xpupack.stats(model)["layers.0.mlp"]
         {'backend': 'graph', 'calls': 10, 'fallbacks': 1, 'signatures': 2, ...}
         >>> xpupack.stats(model, totals=True)["totals"]["memory_bytes"]
@@ -536,13 +620,46 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
 
 @edits_model  # after a load into the model running in another thread, never amid it
 def activate(model: nn.Module) -> nn.Module:
-    """Routes calls of the tuned modules through their backends again (after `deactivate`)."""
+    """Routes calls of the tuned modules through their backends again (after `deactivate`).
+
+    Device graphs released by `deactivate` are recorded again on the next fitting call.
+
+    Args:
+        model: a tuned or loaded model.
+
+    Returns:
+        The same model.
+
+    Raises:
+        NotTunedError: the model has no tuned modules.
+
+    Examples:
+        >>> xpupack.deactivate(model)
+        >>> model.train()  # fine-tune with the original modules...
+        >>> xpupack.activate(model.eval())
+    """
     session_of(model).activate()
     return model
 
 
 @edits_model
 def deactivate(model: nn.Module) -> nn.Module:
-    """Restores every tuned module's original forward; `activate` undoes it."""
+    """Restores every tuned module's original forward; `activate` undoes it.
+
+    The device memory the recordings hold is released; the tuned state (signatures, backends) is kept.
+
+    Args:
+        model: a tuned or loaded model.
+
+    Returns:
+        The same model.
+
+    Raises:
+        NotTunedError: the model has no tuned modules.
+
+    Examples:
+        >>> xpupack.deactivate(model)
+        >>> reference = model(x)  # the original modules, untouched by xpupack
+    """
     session_of(model).deactivate()
     return model

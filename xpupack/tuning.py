@@ -80,7 +80,7 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
             what they must be, or ``search``/``quantize`` are not, or come with a ``strategy``.
         NoCandidateError: a module no backend of the strategy could tune.
 
-    Example:
+    Examples:
         >>> model = xpupack.tune(model, [torch.randn(1, 16, 64)], modules=["layers.*.mlp"])
         >>> xpupack.save(model, "pkg/")
         >>> model = xpupack.tune(model, samples, device="cuda", search="thorough", quantize=["int8-weight-only"])

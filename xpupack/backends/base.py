@@ -26,7 +26,15 @@ from ..signature import BatchAxes, Signature, flatten
 
 @dataclass
 class Target:
-    """A module being tuned or loaded: its object path, the module, and its original forward."""
+    """A module being tuned or loaded: its object path, the module, and its original forward.
+
+    What `Backend.build` and `Backend.restore` get to work on.
+
+    Args:
+        path: the module's object path in the model (``"layers.0.mlp"``; ``""`` for the whole model).
+        module: the module itself.
+        forward: its original forward, what eager runs and a fallback calls (not the tuned dispatch).
+    """
 
     path: str
     module: nn.Module
@@ -38,7 +46,17 @@ class ModuleSpec:
     """What the recording saw for one module: the call signatures (and, at tune time, samples).
 
     ``samples[i]`` holds recorded ``(args, kwargs)`` of ``signatures[i]``; it is
-    empty after loading, where only the signatures exist.
+    empty after loading, where only the signatures exist. A backend reads the
+    signatures (and, at tune time, the samples) and never needs to write it.
+
+    Args:
+        signatures: the distinct call signatures, in the order they were first seen; a runner's
+            ``supported`` and `Runner.run`'s ``index`` refer to positions in this list.
+        samples: ``samples[i]``: recorded ``(args, kwargs)`` of ``signatures[i]`` (tune time only).
+        calls: how many calls of the module the recording saw.
+        unrecordable: why calls could not be recorded -> how many such calls.
+
+    The other fields are documented where they are declared.
     """
 
     signatures: list[Signature]
@@ -72,7 +90,14 @@ class ModuleSpec:
     def example(self, index: int) -> tuple[tuple, dict]:
         """A recorded sample of signature ``index`` where one exists, else synthesised inputs.
 
-        Raises `Unsynthesizable` for a signature with a state object and no sample (at load).
+        Args:
+            index: a signature's position in ``signatures``.
+
+        Returns:
+            ``(args, kwargs)`` of one call of that signature.
+
+        Raises:
+            Unsynthesizable: a signature with a state object and no sample (at load).
         """
         if index < len(self.samples) and self.samples[index]:
             return self.sample(index, 0)
@@ -85,7 +110,15 @@ class ModuleSpec:
 
     def sample(self, index: int, number: int) -> tuple[tuple, dict]:
         """Recorded sample ``number`` of signature ``index``, its state objects put back as they were
-        before that call (a module that updates a KV cache sees the cache it saw while recording)."""
+        before that call (a module that updates a KV cache sees the cache it saw while recording).
+
+        Args:
+            index: a signature's position in ``signatures``.
+            number: the sample's position among that signature's samples.
+
+        Returns:
+            ``(args, kwargs)`` as recorded.
+        """
         args, kwargs = self.samples[index][number]
         saved = self.states[index][number] if index < len(self.states) else []
         if saved:
@@ -103,14 +136,31 @@ class ModuleSpec:
     def mode(self, index: int) -> contextlib.AbstractContextManager:
         """The mode recorded calls of signature ``index`` run in while tuning, autograd off: inference mode
         when their state tensors were made there (the caller's ``generate()`` under `torch.inference_mode`),
-        since only there can a call write them; `torch.no_grad` otherwise (`xpupack._inference`)."""
+        since only there can a call write them; `torch.no_grad` otherwise (`xpupack._inference`).
+
+        Args:
+            index: a signature's position in ``signatures``.
+
+        Returns:
+            A context manager to run that signature's recorded calls in.
+        """
         if not self.signatures[index].state_slots or index >= len(self.samples) or not self.samples[index]:
             return torch.no_grad()
         args, kwargs = self.samples[index][0]
         return writing(self.signatures[index].state_tensors(flatten(args, kwargs)[0]))
 
     def observe(self, index: int, args: tuple, kwargs: dict, output: Any) -> Any:
-        """What a candidate's call must reproduce: its output and, for a call with state, the state after it."""
+        """What a candidate's call must reproduce: its output and, for a call with state, the state after it.
+
+        Args:
+            index: the signature's position in ``signatures``.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            output: what the call returned.
+
+        Returns:
+            ``output``, or ``(output, copies of the state tensors)`` for a signature with state.
+        """
         if not self.signatures[index].state_slots:
             return output
         live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
@@ -139,6 +189,16 @@ def check_against_original(target: Target, spec: ModuleSpec, backend: Backend, r
     backends were checked against eager when it was built; this catches what
     changed since: a damaged or hostile package that still passes its digests,
     artifacts that do not fit this machine.
+
+    Args:
+        target: the module.
+        spec: its signatures (signatures with state are skipped).
+        backend: the backend whose `Backend.compare` judges the outputs.
+        runner: the restored runner.
+        reset: called before each run.
+
+    Raises:
+        OutputMismatchError: the runner answers differently from the original module.
     """
     with torch.no_grad():
         for index in sorted(runner.supported):
@@ -157,7 +217,15 @@ def check_against_original(target: Target, spec: ModuleSpec, backend: Backend, r
 
 
 class Runner:
-    """Executes calls of a tuned module. Subclasses override `run`."""
+    """Executes calls of a tuned module. Subclasses override `run`.
+
+    `Backend.build` and `Backend.restore` return one; the dispatcher (`xpupack.tuned`) hands it only
+    calls that fit one of its ``supported`` signatures. The other methods have defaults that suit a
+    runner that changes nothing in the module and holds nothing on the device.
+
+    Args:
+        supported: positions in ``spec.signatures`` of the signatures this runner can execute.
+    """
 
     #: indices of signatures this runner can execute (others fall back)
     supported: set[int]
@@ -175,6 +243,36 @@ class Runner:
         self.supported = set(supported)
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Runs one call of signature ``index``: the extension point of a runner.
+
+        Called on the hot path of every tuned call, so it should do no more than the work itself:
+        the dispatcher has already checked that the call fits the signature (same tree structure,
+        shapes, dtypes, devices and constants) and counted it. Calls arrive one at a time per
+        thread; a runner shared by threads guards its own buffers.
+
+        Args:
+            index: the signature the call fits, one of ``supported``.
+            args: the call's positional arguments, as the caller passed them.
+            kwargs: the call's keyword arguments.
+            leaves: the same inputs flattened in the signature's leaf order (what a device graph
+                copies into its static buffers).
+
+        Returns:
+            What the original module would return for the call (within the backend's tolerances).
+
+        Raises:
+            Exception: whatever running fails with. A runner that cannot take a call raises rather than
+                answer wrongly: the dispatcher then runs the original module for this call and every
+                later call of the signature (a ``"backend error"`` fallback in `xpupack.stats`).
+
+        Examples:
+            >>> class Forwarding(Runner):
+            ...     def __init__(self, forward, supported):
+            ...         super().__init__(supported)
+            ...         self.forward = forward
+            ...     def run(self, index, args, kwargs, leaves):
+            ...         return self.forward(*args, **kwargs)
+        """
         raise NotImplementedError
 
     def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
@@ -183,7 +281,16 @@ class Runner:
 
         Returns None when `run` can take its calls now, or a future that finishes once the work they
         need (a compile) is done off the caller's path: until then its calls run the original module,
-        and if the future fails they do for good. That work must not change the call's state objects."""
+        and if the future fails they do for good. That work must not change the call's state objects.
+
+        Args:
+            index: the new signature's position in ``spec.signatures``.
+            args: its first call's positional arguments.
+            kwargs: its first call's keyword arguments.
+
+        Returns:
+            None, or a future of the work off the caller's path.
+        """
         self.supported.add(index)
         return None
 
@@ -191,7 +298,16 @@ class Runner:
         """Gets signature ``index`` ready off the caller's path for calls like this one (a compile of a call
         with state, on a scratch copy of its state), for a runner that takes over from recordings of the
         original module while serving (`GraphRunner.upgrade_when_ready`). Returns a future of that work,
-        or None when the runner is ready for such calls now (the default)."""
+        or None when the runner is ready for such calls now (the default).
+
+        Args:
+            index: the signature's position in ``spec.signatures``.
+            args: a call's positional arguments.
+            kwargs: a call's keyword arguments.
+
+        Returns:
+            None, or a future of the work off the caller's path.
+        """
         return None
 
     def release(self) -> None:
@@ -235,18 +351,51 @@ class Runner:
 
 
 class CallableRunner(Runner):
-    """A runner that calls one function for every signature (eager, compiled...)."""
+    """A runner that calls one function for every signature (eager, compiled...).
+
+    Args:
+        function: called as ``function(*args, **kwargs)`` for every call.
+        supported: the signatures it takes.
+
+    Examples:
+        >>> runner = CallableRunner(target.forward, set(range(len(spec.signatures))))
+    """
 
     def __init__(self, function: Callable[..., Any], supported: set[int]):
         super().__init__(supported)
         self.function = function
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Calls the function with the call's arguments. See `Runner.run`.
+
+        Args:
+            index: the signature (unused: every signature runs the same function).
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            leaves: unused.
+
+        Returns:
+            What the function returns.
+        """
         return self.function(*args, **kwargs)
 
 
 class Backend:
-    """Base class of backends; see the module docstring and the README's "What it does"."""
+    """Base class of backends; see the contract in `xpupack.backends` and the README's "What it does".
+
+    A backend of your own subclasses it, sets ``name``, implements `build` (and `save`/`restore` where
+    it has artifacts), and registers with `register_backend` so that a manifest can name it. The class
+    attributes below tell the loader and the dispatcher what the backend can do.
+
+    Examples:
+        >>> @register_backend
+        ... class ChannelsLast(Backend):
+        ...     name = "channels-last"
+        ...     def build(self, target, spec, device):
+        ...         target.module.to(memory_format=torch.channels_last)
+        ...         return CallableRunner(target.forward, set(range(len(spec.signatures))))
+        >>> xpupack.tune(model, samples, strategy=xpupack.FirstWins([ChannelsLast(), xpupack.EagerBackend()]))
+    """
 
     name: ClassVar[str]
     #: environment keys whose change invalidates this backend's saved artifacts
@@ -269,40 +418,114 @@ class Backend:
     pads_calls: ClassVar[bool] = False
 
     def available(self, device: torch.device) -> bool:
+        """Whether the backend can run on ``device`` at all (no device graphs on a CPU).
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            True by default.
+        """
         return True
 
     def why_unavailable(self, device: torch.device) -> str:
+        """Why `available` is False on ``device``, for reports and refusals.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            One sentence, e.g. ``"no device graphs on cpu"``.
+        """
         return f"{self.name} cannot run on {device.type}"
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        """Builds what runs the module's calls, at tune time: the extension point of a backend.
+
+        Records device graphs, compiles, or quantizes, for the signatures in ``spec`` (whose
+        ``samples`` hold recorded calls now). The strategy then checks the runner's outputs against
+        eager's (`compare`) and may reject it, calling `Runner.undo`; a build that fails must leave the
+        module as it found it.
+
+        Args:
+            target: the module to tune (its path, the module, its original forward).
+            spec: its recorded signatures and samples.
+            device: the device to build for; the module is on it.
+
+        Returns:
+            A runner whose ``supported`` holds the signatures it built (at least one).
+
+        Raises:
+            Exception: any failure to build; the strategy records it as the candidate's refusal
+                (``"build failed: ..."``) and tries the next candidate.
+        """
         raise NotImplementedError
 
     def save(self, runner: Runner, folder: Path) -> dict:
-        """Writes the runner's artifacts into ``folder``; returns its JSON config."""
+        """Writes the runner's artifacts into ``folder``; returns its JSON config.
+
+        Called by `xpupack.save` once per module this backend runs. Tensors go into safetensors files,
+        everything else into the returned JSON; no pickle (README: "Packages").
+
+        Args:
+            runner: the runner `build` or `restore` returned.
+            folder: ``modules/<path>/<name>/`` in the package being written (not created yet).
+
+        Returns:
+            The backend config the manifest stores for the module; `restore` gets it back. Every file
+            it names is relative to ``folder``.
+        """
         return {}
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
         """Rebuilds the runner at load time from ``spec``'s signatures and saved artifacts.
 
-        ``use_artifacts`` is False when the saved compiled artifacts must not run
-        (untrusted source or environment mismatch): rebuild from portable parts.
+        No recorded samples exist here: inputs are synthesised from the signatures
+        (`ModuleSpec.example`). The loader then checks the runner against the original module, and a
+        failure leaves the model exactly as it was. The default builds again.
+
+        Args:
+            target: the module in the model being loaded into.
+            spec: its signatures as the package stores them.
+            config: the config `save` returned.
+            folder: where `save` wrote; open files through `xpupack.manifest.artifact_file`.
+            device: the device the module runs on here.
+            use_artifacts: False when the saved compiled artifacts must not run (untrusted source or
+                environment mismatch): rebuild from portable parts.
+
+        Returns:
+            A runner, like `build`'s.
+
+        Raises:
+            Exception: any failure; `xpupack.load` falls back to the original module for it, or raises
+                it with ``on_mismatch="error"``.
         """
         return self.build(target, spec, device)
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict | None:
         """Writes artifacts that all modules this backend runs share (Inductor's cache) into ``folder``.
 
-        Returns their JSON config (the manifest's ``backends`` entry), or None when the
-        backend shares nothing (no entry). Called once per backend name, after every `save`.
+        Called once per backend name, after every `save`.
+
+        Args:
+            folder: ``backends/<name>/`` in the package being written.
+            runners: the runners of every module this backend runs.
+
+        Returns:
+            Their JSON config (the manifest's ``backends`` entry), or None when the backend
+            shares nothing (no entry).
         """
         return None
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
         """Reads what `save_shared` wrote, once, before any module's `restore`.
 
-        ``use_artifacts`` is False unless every module that will run this backend may use
-        compiled artifacts; the shared ones must then not be loaded.
+        Args:
+            config: the config `save_shared` returned.
+            folder: where it wrote.
+            use_artifacts: False unless every module that will run this backend may use
+                compiled artifacts; the shared ones must then not be loaded.
         """
 
     @property
@@ -311,6 +534,11 @@ class Backend:
         return self.name
 
     def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
+        """The elementwise tolerances `compare` applies by default.
+
+        Returns:
+            dtype -> ``(rtol, atol)``.
+        """
         return DEFAULT_TOLERANCES
 
     def compare(self, actual: Any, expected: Any) -> str | None:
@@ -318,15 +546,34 @@ class Backend:
 
         Elementwise within `tolerances` by default; a backend that changes
         numerics on purpose overrides this with a measure suited to it.
+
+        Args:
+            actual: the candidate's output (for a call with state, with the state after it).
+            expected: eager's output for the same call.
+
+        Returns:
+            A short reason, or None when ``actual`` is acceptable.
         """
         return mismatch(actual, expected, self.tolerances())
 
     def options(self) -> dict:
-        """Constructor options as JSON, so that a loader can rebuild the same backend."""
+        """Constructor options as JSON, so that a loader can rebuild the same backend.
+
+        Returns:
+            Keyword arguments of the constructor that differ from their defaults; `backend_from_json`
+            refuses any others.
+        """
         return {}
 
     def inductor_options(self, device: torch.device) -> dict[str, Any]:
-        """Inductor settings a compilation on top of this backend (``InductorBackend(base=...)``) needs."""
+        """Inductor settings a compilation on top of this backend (``InductorBackend(base=...)``) needs.
+
+        Args:
+            device: the device compiled for.
+
+        Returns:
+            Keys of ``torch._inductor.config`` and their values; none by default.
+        """
         return {}
 
     def __repr__(self) -> str:
@@ -358,9 +605,27 @@ class ComposedBackend(Backend):
         return {"base": {"name": self.base.name, "options": self.base.options()}} if self.base else {}
 
     def compare(self, actual: Any, expected: Any) -> str | None:
+        """The base's measure where there is a base (quantization changes numerics), else `Backend.compare`.
+
+        Args:
+            actual: the candidate's output.
+            expected: eager's output.
+
+        Returns:
+            A short reason, or None when ``actual`` is acceptable.
+        """
         return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
 
     def save(self, runner: Runner, folder: Path) -> dict:
+        """Saves the base's artifacts into ``folder/<base name>/``.
+
+        Args:
+            runner: this backend's runner (its ``base_runner`` is the base's).
+            folder: ``modules/<path>/<name>/``.
+
+        Returns:
+            ``{"base": <the base's config>}``, or ``{}`` without a base.
+        """
         if self.base is None:
             return {}
         # a composed backend's runner holds its base's runner whenever the backend has a base
@@ -379,7 +644,14 @@ class ComposedBackend(Backend):
 
 def changes_module(backend: Backend | None) -> bool:
     """Whether ``backend`` or a base under it changes the module in place (TorchAO), after which the
-    module's own forward is no longer the original one."""
+    module's own forward is no longer the original one.
+
+    Args:
+        backend: a backend, or None.
+
+    Returns:
+        True when one of the chain has ``transforms_module``.
+    """
     while backend is not None:
         if backend.transforms_module:
             return True
@@ -396,13 +668,33 @@ _BUILTIN = ("eager", "graph", "inductor", "torchao")
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
-    """Class decorator: makes a backend resolvable by its ``name`` from a manifest."""
+    """Class decorator: makes a backend resolvable by its ``name`` from a manifest.
+
+    A package that names the backend loads only in a process that registered it (imported the
+    module defining it) before `xpupack.load`.
+
+    Args:
+        cls: the backend class; its ``name`` must be unique (a later registration replaces one of the
+            same name).
+
+    Returns:
+        ``cls`` itself.
+
+    Examples:
+        >>> @register_backend
+        ... class MyBackend(Backend):
+        ...     name = "mine"
+    """
     BACKENDS[cls.name] = cls  # one dict assignment: atomic, no lock needed
     return cls
 
 
 def known_backends() -> dict[str, type[Backend]]:
-    """`BACKENDS`, xpupack's own backends certainly among them: name -> class."""
+    """`BACKENDS`, xpupack's own backends certainly among them (imports them, and torch).
+
+    Returns:
+        name -> backend class.
+    """
     import importlib
 
     for name in _BUILTIN:
@@ -416,6 +708,16 @@ def backend_from_json(name: str, options: dict) -> Backend:
     The options must be ones the backend itself would write (`Backend.options`
     round-trips), so a damaged or hostile manifest cannot configure a backend
     in a way no build ever did.
+
+    Args:
+        name: the backend's registered ``name``.
+        options: its constructor options, as `Backend.options` wrote them.
+
+    Returns:
+        A new backend object.
+
+    Raises:
+        UnknownConfigError: ``name`` is not registered, or the options are not ones the backend writes.
     """
     known = known_backends()
     try:

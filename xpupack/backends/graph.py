@@ -206,6 +206,25 @@ _WARM_RUNS_KEPT = 64
 
 
 class GraphRunner(Runner):
+    """Replays one device-graph recording per signature; what `GraphBackend` builds and restores.
+
+    Signatures without state are recorded up front (`record_all`); signatures with state (a KV
+    cache) while serving, per set of state addresses (see the module docstring). ``stats`` shows
+    ``recordings``, ``rerecordings``, ``memory_bytes`` and what could not be recorded.
+
+    Args:
+        target: the module.
+        spec: its signatures (and, at tune time, samples).
+        device: the device recorded on.
+        api: the device layer that records and replays (`xpupack._device.graphs_for`).
+        function: ``function(index, args, kwargs, leaves)``: what a recording records (the original
+            module's forward, or the base runner's `Runner.run`).
+        max_recordings: the most recordings the module keeps.
+        copy_outputs: return copies of the static outputs, or aliases the next replay overwrites.
+        max_memory: a budget in bytes for the recordings, or None.
+        base_runner: the runner of ``GraphBackend(base=...)``'s base, or None.
+    """
+
     def __init__(self, target: Target, spec: ModuleSpec, device: torch.device,
                  api: _device.DeviceGraphs, function: Callable[..., Any], *,
                  max_recordings: int, copy_outputs: bool, max_memory: int | None = None,
@@ -256,7 +275,16 @@ class GraphRunner(Runner):
         self._last_call = 0.0  # time.monotonic() of the latest call: the held restore waits for a pause
 
     def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
-        """Records the new signature as any call with state (`_run_with_state`), once the base is ready."""
+        """Records the new signature as any call with state (`_run_with_state`), once the base is ready.
+
+        Args:
+            index: the new signature's position in ``spec.signatures``.
+            args: its first call's positional arguments.
+            kwargs: its first call's keyword arguments.
+
+        Returns:
+            The base runner's future where it compiles for the new size, else None.
+        """
         with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
             self.state_slots.append(self.spec.signatures[index].state_slots)
             super().add_signature(index, args, kwargs)
@@ -272,6 +300,10 @@ class GraphRunner(Runner):
         once the recordings' memory passes the budget, the one that passed it is dropped and the rest
         are skipped. Signatures with state are recorded during calls (`run`): only a real call brings
         their state.
+
+        Args:
+            strict: raise on the first failure (tune time) instead of noting it and recording the
+                rest (load time).
         """
         stateless = []
         for index in range(len(self.state_slots)):  # a signature being added has no slots yet: it comes next time
@@ -326,8 +358,16 @@ class GraphRunner(Runner):
     def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2) -> _Recording:
         """Records one call: tensor inputs copied into new static buffers, state objects used in place.
 
-        ``warmup=0`` for a call with state: it must run exactly once, and the call
-        before it at the same state ran for real (warming libraries and compilers up).
+        Args:
+            index: the signature's position in ``spec.signatures``.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            warmup: calls run before the capture. ``0`` for a call with state: it must run exactly
+                once, and the call before it at the same state ran for real (warming libraries and
+                compilers up).
+
+        Returns:
+            The recording (its static inputs, replay function and static outputs).
         """
         leaves, treespec = flatten(args, kwargs)
         slots = self.state_slots[index]
@@ -393,7 +433,11 @@ class GraphRunner(Runner):
         again over the base (captures only: the compile is done) and replays those from then on.
 
         A failed restore, or recordings over the base that fail where the original's did not, leave the
-        original module's recordings serving (`upgrade_error` says why)."""
+        original module's recordings serving (`upgrade_error` says why).
+
+        Args:
+            future: resolves to the base runner, checked against the original module.
+        """
         self._original = self.function
         self._upgrade = future
 
@@ -480,6 +524,24 @@ class GraphRunner(Runner):
 
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Copies the call's tensor leaves into the recording's static buffers and replays it.
+
+        A recording whose module storage moved is made again first; a call with state replays the
+        recording made at its state's addresses, or runs for real (and is recorded on the next call).
+        See `Runner.run`.
+
+        Args:
+            index: the signature the call fits.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            leaves: the call's inputs in the signature's leaf order.
+
+        Returns:
+            The outputs: copies of the static outputs, or aliases with ``copy_outputs=False``.
+
+        Raises:
+            RuntimeError: the signature has no recording (it failed, or the memory budget skipped it).
+        """
         with self._lock:
             self._last_call = time.monotonic()
             if self._original is not None:
@@ -504,7 +566,17 @@ class GraphRunner(Runner):
     def run_padded(self, index: int, leaves: list, axes: BatchAxes, batch: int) -> Any:
         """Replays recording ``index`` (of a larger batch) for a call of ``batch`` rows: the call's rows go
         into the start of the static buffers and zeros into the rest (what the tune-time check verified),
-        and only the call's rows of the outputs come back (copied, or views of the static outputs)."""
+        and only the call's rows of the outputs come back (copied, or views of the static outputs).
+
+        Args:
+            index: the recorded signature of the larger batch.
+            leaves: the call's inputs in the signature's leaf order.
+            axes: the batch axis of each input and output leaf.
+            batch: the call's number of rows.
+
+        Returns:
+            The outputs, cut to ``batch`` rows.
+        """
         with self._lock:
             if self._original is not None:
                 self._take_upgrade(index, (), {})
@@ -611,6 +683,7 @@ class GraphRunner(Runner):
             raise RuntimeError(f"over the cap of {self.max_recordings} recordings per module")
 
     def memory_bytes(self) -> int:
+        """Device memory the recordings hold: their static inputs and their share of the pool."""
         with self._lock:  # `stats` from another thread must not read the recordings while a call changes them
             return self._memory_bytes()
 
@@ -630,6 +703,7 @@ class GraphRunner(Runner):
         return facts
 
     def describe(self) -> dict:
+        """Recordings, re-recordings, memory, and what could not be recorded, for `stats` and `inspect`."""
         with self._lock:
             facts = {"recordings": len(self.recordings) + len(self.state_recordings),
                      "rerecordings": self.rerecordings, **self.recorded()}
@@ -706,9 +780,10 @@ class GraphBackend(ComposedBackend):
             stack shows the capture works.
 
     Raises:
-        TuningError: an option is out of range.
+        ValueError: ``base`` is a `GraphBackend`, or an option is out of range (`TuningError`, a
+            ``ValueError``, for ``max_memory``).
 
-    Example:
+    Examples:
         >>> xpupack.GraphBackend(max_memory=2 * 2**30)  # at most 2 GiB of recordings per module
     """
 
@@ -744,6 +819,7 @@ class GraphBackend(ComposedBackend):
         return bool(self.base and self.base.compiled_artifacts)
 
     def options(self) -> dict:
+        """The constructor options that differ from their defaults, the base's included."""
         options = self._base_options()
         if self.max_recordings != GRAPH_MAX_RECORDINGS:
             options["max_recordings"] = self.max_recordings
@@ -756,14 +832,35 @@ class GraphBackend(ComposedBackend):
         return options
 
     def available(self, device: torch.device) -> bool:
+        """Whether ``device`` records device graphs (CUDA, XPU) and the base, if any, runs there.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            False on a CPU.
+        """
         return _device.graphs_for(device) is not None and (self.base is None or self.base.available(device))
 
     def why_unavailable(self, device: torch.device) -> str:
+        """``"no device graphs on cpu"``, or the base's reason.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            One sentence.
+        """
         if _device.graphs_for(device) is None:
             return f"no device graphs on {device.type}"
         return self.base.why_unavailable(device)
 
     def tolerances(self):
+        """The base's tolerances where there is a base, else the defaults.
+
+        Returns:
+            (dict[torch.dtype, tuple[float, float]]): dtype -> ``(rtol, atol)``.
+        """
         return self.base.tolerances() if self.base else super().tolerances()
 
     def _runner(self, target: Target, spec: ModuleSpec, device: torch.device,
@@ -778,6 +875,20 @@ class GraphBackend(ComposedBackend):
                            copy_outputs=self.copy_outputs, max_memory=self.max_memory, base_runner=base_runner)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        """Builds the base (if any), then records every signature without state. See `Backend.build`.
+
+        Args:
+            target: the module.
+            spec: its recorded signatures and samples.
+            device: a device with graphs.
+
+        Returns:
+            A `GraphRunner`.
+
+        Raises:
+            RuntimeError: a sharded module without ``record_collectives``, a module that changes its
+                inputs in place, a recording that failed, or none that fits ``max_memory``.
+        """
         _refuse_unsafe_collectives(target, device, self.record_collectives)
         _refuse_input_mutation(spec)
         runner = self._runner(target, spec, device, self._build_base(target, spec, device))
@@ -793,6 +904,26 @@ class GraphBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
+        """Restores the base, then records every signature again on this device from synthesised inputs.
+
+        Within ``xpupack.load(..., defer_compile=True)``, a base with compiled code is restored off the
+        caller's path and the original module's recordings serve meanwhile (README: "Cold start").
+        See `Backend.restore`.
+
+        Args:
+            target: the module.
+            spec: its signatures.
+            config: what `save` returned.
+            folder: where `save` wrote (the base's artifacts are in a sub-folder).
+            device: a device with graphs.
+            use_artifacts: passed on to the base.
+
+        Returns:
+            A `GraphRunner`.
+
+        Raises:
+            RuntimeError: as for `build`, or no signature could be recorded.
+        """
         _refuse_unsafe_collectives(target, device, self.record_collectives)
         _refuse_input_mutation(spec)
         if self._defers(spec):
@@ -838,13 +969,37 @@ class GraphBackend(ComposedBackend):
 
     def save(self, runner: Runner, folder: Path) -> dict:
         """The base's config, and the recordings' memory on the build device (for `xpupack inspect`;
-        a loader records again and measures its own)."""
+        a loader records again and measures its own).
+
+        Args:
+            runner: the `GraphRunner`.
+            folder: ``modules/<path>/graph/``.
+
+        Returns:
+            The config; it holds no recording.
+        """
         return {**super().save(runner, folder), "recorded": runner.recorded()}
 
     def save_shared(self, folder: Path, runners: list[Runner]) -> dict:
+        """The base's shared artifacts (Inductor's cache); recordings share nothing that is saved.
+
+        Args:
+            folder: ``backends/graph/``.
+            runners: the `GraphRunner` of every module.
+
+        Returns:
+            The base's shared config, or ``{}``.
+        """
         shared = self.base.save_shared(folder, [runner.base_runner for runner in runners]) if self.base else None
         return {} if shared is None else shared  # a graph package lists its shared entry, empty or not
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
+        """Hands the shared artifacts to the base, which decides itself when to load them.
+
+        Args:
+            config: what `save_shared` returned.
+            folder: where it wrote.
+            use_artifacts: whether compiled artifacts may be loaded.
+        """
         if self.base is not None:  # a base that compiles off the caller's path loads its artifacts there too
             self.base.restore_shared(config, folder, use_artifacts=use_artifacts)

@@ -95,6 +95,14 @@ class InductorRunner(Runner):
     time, each gets a static one. Whether Dynamo really compiled a signature is checked on its first
     call; one it did not is taken out of ``supported`` and listed under ``not_compiled``, and its calls
     run the original module (`stats` counts them).
+
+    Args:
+        path: the module's object path (for messages).
+        spec: its signatures.
+        device: the device compiled for.
+        compile_one: ``compile_one(dynamic)`` makes ``(entry, compiled)``: a function of its own and its
+            ``torch.compile``.
+        symbolic_state: whether calls with state share one compile with sizes as symbols.
     """
 
     def __init__(self, path: str, spec: ModuleSpec, device: torch.device,
@@ -124,6 +132,23 @@ class InductorRunner(Runner):
         self.upgrade_error: str | None = None
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Runs the call through the signature's compiled code (compiling it on its first call).
+
+        While a load's compile off the caller's path is pending, the original module runs instead
+        (counted as ``compiling``). See `Runner.run`.
+
+        Args:
+            index: the signature the call fits.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            leaves: the call's inputs in the signature's leaf order.
+
+        Returns:
+            The module's output.
+
+        Raises:
+            RuntimeError: Dynamo left no compiled code for the signature.
+        """
         if self._later is not None and not self._compiled_checked:
             self.compiling += 1  # compiled off the caller's path (a load's `compile_later`): not yet, or never
             return self._original(*args, **kwargs)
@@ -131,7 +156,17 @@ class InductorRunner(Runner):
 
     def run_compiled(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         """`run` through the compiled code, also before a load's compile off the caller's path was checked
-        (the check itself runs this way)."""
+        (the check itself runs this way).
+
+        Args:
+            index: the signature the call fits.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            leaves: the call's inputs in the signature's leaf order.
+
+        Returns:
+            The module's output.
+        """
         function = self._ready.get(index)
         if function is not None:
             return function(*args, **kwargs)
@@ -139,7 +174,12 @@ class InductorRunner(Runner):
 
     def compile_later(self, original: Callable[..., Any], work: Future) -> None:
         """Runs ``original`` (the module's own forward) for every call until ``work`` (the compile off the
-        caller's path) is done; a compile that failed leaves it running them (`upgrade_error` says why)."""
+        caller's path) is done; a compile that failed leaves it running them (`upgrade_error` says why).
+
+        Args:
+            original: the module's own forward.
+            work: the compile and its check, queued with `xpupack._background.later`.
+        """
         self._original, self._later = original, work
         self.checked_where_compiled = True
 
@@ -154,6 +194,14 @@ class InductorRunner(Runner):
         work.add_done_callback(settle)
 
     def is_symbolic(self, index: int) -> bool:
+        """Whether signature ``index`` runs the compile shared by calls with state, sizes as symbols.
+
+        Args:
+            index: a signature's position in ``spec.signatures``.
+
+        Returns:
+            True for a signature with state while ``symbolic_state`` holds.
+        """
         return self.symbolic_state and bool(self.spec.signatures[index].state_slots)
 
     def compile_state_per_shape(self) -> None:
@@ -191,7 +239,16 @@ class InductorRunner(Runner):
         return output
 
     def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
-        """A new size of a tuned signature with state: compiled off the caller's path (`prepare`)."""
+        """A new size of a tuned signature with state: compiled off the caller's path (`prepare`).
+
+        Args:
+            index: the new signature's position in ``spec.signatures``.
+            args: its first call's positional arguments.
+            kwargs: its first call's keyword arguments.
+
+        Returns:
+            The compile's future, or None when it is compiled already.
+        """
         super().add_signature(index, args, kwargs)
         return self.prepare(index, args, kwargs)
 
@@ -199,7 +256,16 @@ class InductorRunner(Runner):
         """Runs a call like this one on a scratch copy of its state on the background worker
         (`xpupack._background`), where signature ``index`` compiles if it must (the first call of the
         process, or a size Dynamo could not keep symbolic), with the caller's grad and inference modes.
-        None when it is compiled already."""
+
+        Args:
+            index: the signature's position in ``spec.signatures``.
+            args: a call's positional arguments.
+            kwargs: a call's keyword arguments.
+
+        Returns:
+            The compile's future (it fails when no scratch copy of the state can be made), or None when
+            the signature is compiled already.
+        """
         if index in self._ready:
             return None
         try:
@@ -221,9 +287,11 @@ class InductorRunner(Runner):
         return _background.submit(compile_off_the_callers_path)
 
     def unbuilt(self) -> dict[int, str]:
+        """The signatures Dynamo did not compile, and why."""
         return {index: f"not compiled: {why}" for index, why in self.not_compiled.items()}
 
     def describe(self) -> dict:
+        """``compiling``, ``compiled_serving``, ``upgrade_error`` and ``not_compiled``, where they apply."""
         facts: dict = {}
         if self._later is not None:
             facts["compiling"] = self.compiling
@@ -385,6 +453,15 @@ class InductorBackend(ComposedBackend):
             ``options``; keys of ``torch._inductor.config``, JSON values), saved in the
             package so that a loader compiles the same way. A base may add its own
             defaults (`Backend.inductor_options`); these override them.
+
+    Raises:
+        ValueError: a mode that records CUDA graphs, a base that does not transform the module, or a
+            compile option that is not an Inductor setting, does more than change speed, or has a value
+            of the wrong kind.
+
+    Examples:
+        >>> xpupack.InductorBackend(mode="max-autotune-no-cudagraphs")
+        >>> xpupack.GraphBackend(base=xpupack.InductorBackend())  # compiled, then recorded as a device graph
     """
 
     name = "inductor"
@@ -414,6 +491,7 @@ class InductorBackend(ComposedBackend):
         return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
 
     def options(self) -> dict:
+        """``mode``, ``compile_options`` and ``base``, where set."""
         return {**({"mode": self.mode} if self.mode else {}),
                 **({"compile_options": dict(self.compile_options)} if self.compile_options else {}),
                 **self._base_options()}
@@ -425,17 +503,56 @@ class InductorBackend(ComposedBackend):
         return f"{own}+{self.base.label}" if self.base else own
 
     def compare(self, actual, expected) -> str | None:
+        """Elementwise, with an SQNR floor for bfloat16/float16 outputs (`LOW_PRECISION_SQNR_DB`): fused
+        kernels round differently from eager's. With a base, the base's measure.
+
+        Args:
+            actual (Any): the candidate's output.
+            expected (Any): eager's output.
+
+        Returns:
+            A short reason, or None when ``actual`` is acceptable.
+        """
         if self.base is not None:
             return self.base.compare(actual, expected)
         return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=self.LOW_PRECISION_SQNR_DB)
 
     def available(self, device: torch.device) -> bool:
+        """Everywhere torch compiles, where the base (if any) runs.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            True without a base.
+        """
         return self.base is None or self.base.available(device)
 
     def why_unavailable(self, device: torch.device) -> str:
+        """The base's reason.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            One sentence.
+        """
         return self.base.why_unavailable(device) if self.base else super().why_unavailable(device)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        """Builds the base (if any), then compiles every recorded signature now. See `Backend.build`.
+
+        Args:
+            target: the module.
+            spec: its recorded signatures and samples.
+            device: the device to compile for.
+
+        Returns:
+            An `InductorRunner`.
+
+        Raises:
+            RuntimeError: no signature was compiled.
+        """
         return self._compile_or_undo(target, spec, device, self._build_base(target, spec, device))
 
     def _compile_or_undo(self, target: Target, spec: ModuleSpec, device: torch.device,
@@ -489,6 +606,16 @@ class InductorBackend(ComposedBackend):
             raise RuntimeError(f"no signature was compiled: {NOT_COMPILED}")
 
     def save(self, runner: Runner, folder: Path) -> dict:
+        """The base's config, and whether calls with state were compiled per shape; the compiled code
+        itself goes into the shared artifacts (`save_shared`).
+
+        Args:
+            runner: the `InductorRunner`.
+            folder: ``modules/<path>/inductor/``.
+
+        Returns:
+            The config.
+        """
         config = super().save(runner, folder)
         if any(signature.state_slots for signature in runner.spec.signatures) and not runner.symbolic_state:
             config[STATE_SIZES] = PER_SHAPE  # a loader compiles them the same way
@@ -496,6 +623,24 @@ class InductorBackend(ComposedBackend):
 
     def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
                 device: torch.device, *, use_artifacts: bool) -> Runner:
+        """Compiles every signature again from synthesised inputs, hitting the caches `restore_shared`
+        filled. Within ``xpupack.load(..., defer_compile=True)`` it compiles off the caller's path, the
+        original module serving meanwhile (README: "Cold start"). See `Backend.restore`.
+
+        Args:
+            target: the module.
+            spec: its signatures.
+            config: what `save` returned.
+            folder: where `save` wrote.
+            device: the device to compile for.
+            use_artifacts: passed on to the base (the compiled artifacts are shared: `restore_shared`).
+
+        Returns:
+            An `InductorRunner`.
+
+        Raises:
+            RuntimeError: no signature was compiled.
+        """
         symbolic_state = config.get(STATE_SIZES) != PER_SHAPE
         if self._defers(spec):
             return self._compiled_later(target, spec, device, symbolic_state)
@@ -529,6 +674,13 @@ class InductorBackend(ComposedBackend):
 
         The vector-ISA probe's libraries come along with the kernels, so that a
         loader with an empty Inductor cache does not run the probe's compiles.
+
+        Args:
+            folder: ``backends/inductor/``.
+            runners: the runners of every module this backend runs.
+
+        Returns:
+            The shared config: the cache file and the kernels' paths.
         """
         compiled = [runner.compiled for runner in runners if isinstance(runner, InductorRunner)]
         config = {}
@@ -544,6 +696,18 @@ class InductorBackend(ComposedBackend):
         return config
 
     def restore_shared(self, config: dict, folder: Path, *, use_artifacts: bool) -> None:
+        """Puts the package's cache artifacts and kernels into the local Inductor cache, when trusted.
+
+        Within a load that defers compiles, that happens on the background worker.
+
+        Args:
+            config: what `save_shared` returned.
+            folder: where it wrote.
+            use_artifacts: False: nothing is loaded (the modules compile from scratch).
+
+        Raises:
+            PackageFormatError: the config's file list is damaged, or names a path outside the package.
+        """
         if not use_artifacts:
             return
         # every name is checked, even from a trusted source: none may reach outside the package

@@ -74,7 +74,16 @@ class _Swap(NamedTuple):
 
 
 class TorchAORunner(Runner):
-    """Runs the module's own forward over its quantized parameters; owns those parameters."""
+    """Runs the module's own forward over its quantized parameters; owns those parameters.
+
+    Args:
+        forward: the module's forward (it runs the quantized parameters in place).
+        supported: the signatures it takes (all of them).
+        swaps: each parameter the quantization replaced: its name, owner, attribute, the original and
+            the replacement.
+        added: instance attributes ``quantize_`` set on submodules, which `undo` removes.
+        config: the torchao config as JSON (``config_to_dict``), for `TorchAOBackend.save`.
+    """
 
     def __init__(self, forward: Callable[..., Any], supported: set[int], swaps: list[_Swap],
                  added: dict[nn.Module, dict[str, Any]] | None = None, config: dict | None = None):
@@ -85,15 +94,29 @@ class TorchAORunner(Runner):
         self.config = config or {}
 
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Calls the module's forward, which runs the quantized weights. See `Runner.run`.
+
+        Args:
+            index: the signature the call fits (unused).
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+            leaves: unused.
+
+        Returns:
+            The module's output.
+        """
         return self._forward(*args, **kwargs)
 
     def owned_tensors(self) -> set[str]:
+        """The quantized parameters' names: the package stores them here, not in ``model.safetensors``."""
         return {swap.name for swap in self.swaps}
 
     def quantized(self) -> dict[str, torch.Tensor]:
+        """The quantized tensors by parameter name (relative to the module)."""
         return {swap.name: swap.replacement for swap in self.swaps}
 
     def undo(self) -> None:
+        """Puts the original parameters back and removes what ``quantize_`` added."""
         for swap in reversed(self.swaps):
             swap.module._parameters[swap.attribute] = swap.original
         for module, attributes in self._added.items():
@@ -101,12 +124,14 @@ class TorchAORunner(Runner):
                 module.__dict__.pop(name, None)
 
     def redo(self) -> None:
+        """Puts the quantized parameters (the same objects) in again."""
         for swap in self.swaps:
             swap.module._parameters[swap.attribute] = swap.replacement
         for module, attributes in self._added.items():
             module.__dict__.update(attributes)
 
     def describe(self) -> dict:
+        """How many tensors were quantized, and their torchao types."""
         types = sorted({type(swap.replacement).__name__ for swap in self.swaps})
         return {"quantized_tensors": len(self.swaps), "tensor_types": types}
 
@@ -127,7 +152,10 @@ class TorchAOBackend(Backend):
     run the quantized module too. The module's original parameters are kept
     (not freed), so a rejected candidate or a failed load can put them back.
 
-    Example:
+    Raises:
+        UnknownConfigError: an unknown config name, or a config class xpupack cannot package.
+
+    Examples:
         >>> xpupack.tune(model, samples, modules=["layers.*.mlp"],
         ...              strategy=xpupack.FirstWins([xpupack.TorchAOBackend("int8-weight-only")]))
     """
@@ -172,6 +200,7 @@ class TorchAOBackend(Backend):
         return self._named.make() if self._named else self._instance
 
     def options(self) -> dict:
+        """``config`` (its name, or its ``config_to_dict`` form) and ``min_sqnr_db`` where given."""
         if self._named is not None:
             options: dict = {"config": self.config_name}
         else:
@@ -184,15 +213,32 @@ class TorchAOBackend(Backend):
 
     @property
     def label(self) -> str:
+        """``torchao:<config>``, as ``--backends`` spells it."""
         return f"{self.name}:{self.config_name}"  # as --backends spells it
 
     def __repr__(self) -> str:
         return f"TorchAOBackend({self.config_name!r})"
 
     def available(self, device: torch.device) -> bool:
+        """Whether torchao is installed and the named config runs on ``device`` (int4: CUDA only).
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            True where it can run; a config object is left to its build to refuse.
+        """
         return self._unavailable(device) is None
 
     def why_unavailable(self, device: torch.device) -> str:
+        """torchao missing (with the install command), or the device the config needs.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            One sentence.
+        """
         return self._unavailable(device) or super().why_unavailable(device)
 
     def _unavailable(self, device: torch.device) -> str | None:
@@ -203,6 +249,14 @@ class TorchAOBackend(Backend):
         return f"{self.config_name} {why}" if why else None
 
     def inductor_options(self, device: torch.device) -> dict[str, Any]:
+        """Inductor settings for compiling the quantized module (``InductorBackend(base=...)``).
+
+        Args:
+            device: the device compiled for.
+
+        Returns:
+            ``{"pattern_matcher": False}`` for int8 weight-only on CUDA, else nothing.
+        """
         # Inductor's pattern matcher turns int8 weight-only linears into aten's _weight_int8pack_mm,
         # whose CUDA kernel is slow at decode shapes: on an H200 it took 87% of a decode step (4-layer
         # Llama, bf16: 276 tok/s with the rewrite, 1349 without). Without it Inductor fuses the int8
@@ -211,11 +265,35 @@ class TorchAOBackend(Backend):
         return {"pattern_matcher": False} if config_class == "Int8WeightOnlyConfig" and device.type == "cuda" else {}
 
     def compare(self, actual: Any, expected: Any) -> str | None:
+        """Signal-to-quantization-noise ratio of each floating output against eager, at least ``min_sqnr_db``.
+
+        Args:
+            actual: the quantized module's output.
+            expected: eager's output.
+
+        Returns:
+            A short reason naming the config, or None when ``actual`` is acceptable.
+        """
         problem = mismatch(actual, expected, self.tolerances(), min_sqnr_db=self.min_sqnr_db)
         return problem and f"{problem} for {self.config_name} (min_sqnr_db={self.min_sqnr_db:g})"
 
     # -- tune time -----------------------------------------------------------------
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
+        """Quantizes the module in place with ``torchao.quantization.quantize_``. See `Backend.build`.
+
+        Args:
+            target: the module.
+            spec: its recorded signatures (all are supported).
+            device: the device the module is on.
+
+        Returns:
+            A `TorchAORunner`; `Runner.undo` puts the original parameters back.
+
+        Raises:
+            BackendUnavailableError: torchao is not installed.
+            BackendError: the config replaced submodules, quantized nothing, or made tensors xpupack
+                cannot store; the module is left as it was.
+        """
         require_torchao()
         from torchao.quantization import quantize_
 
@@ -246,6 +324,15 @@ class TorchAOBackend(Backend):
         return runner
 
     def save(self, runner: Runner, folder: Path) -> dict:
+        """Writes the quantized tensors to ``weights.safetensors`` (torchao's flattening, no pickle).
+
+        Args:
+            runner: the `TorchAORunner`.
+            folder: ``modules/<path>/torchao/``.
+
+        Returns:
+            The config as JSON, the weights file, and each tensor's type, shape and dtype.
+        """
         from safetensors.torch import save_file
         from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
@@ -264,8 +351,23 @@ class TorchAOBackend(Backend):
                 device: torch.device, *, use_artifacts: bool) -> Runner:
         """Puts the stored quantized tensors into the module; never calls ``quantize_``.
 
-        ``use_artifacts`` does not apply: the stored tensors are the weights, and
-        the package holds no other form of them to rebuild from.
+        Args:
+            target: the module.
+            spec: its signatures (all are supported).
+            config: what `save` returned.
+            folder: where `save` wrote.
+            device: the device the tensors are loaded onto.
+            use_artifacts: does not apply: the stored tensors are the weights, and the package holds
+                no other form of them to rebuild from.
+
+        Returns:
+            A `TorchAORunner`, the quantized tensors in the module.
+
+        Raises:
+            BackendUnavailableError: torchao is not installed.
+            PackageFormatError: the file does not hold what the config lists, or a tensor does not fit
+                the module's parameter.
+            UnknownConfigError: the config or a tensor names a type xpupack does not load.
         """
         require_torchao()
         weights = artifact_file(folder, config.get("weights", WEIGHTS_FILE))
@@ -303,6 +405,17 @@ def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
     The header's JSON is checked against `TENSOR_CLASSES` before torchao's
     ``unflatten_tensor_state_dict`` builds anything from it.
+
+    Args:
+        path: the ``weights.safetensors`` file.
+        device: where the tensors go.
+
+    Returns:
+        Parameter name (relative to the module) -> torchao tensor.
+
+    Raises:
+        PackageFormatError: the file is not a safetensors file xpupack wrote.
+        UnknownConfigError: its header names a type off the allow-list.
     """
     from safetensors import SafetensorError, safe_open
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict

@@ -43,7 +43,14 @@ _CONFIG_MODULES = ("torchao.quantization", "torchao.quantization.quantize_.workf
                    "torchao.quantization.quantize_.common")
 @dataclass(frozen=True)
 class NamedConfig:
-    """A config by name: how to make it, and where it can run."""
+    """A config by name: how to make it, and where it can run.
+
+    Args:
+        config_class: the torchao config class's name (a key of `CONFIG_CLASSES`).
+        make: makes the config object (imports torchao).
+        devices: where it runs, in words (error messages list it).
+        unsupported: why it cannot run on a device, or None where it can.
+    """
 
     config_class: str
     make: Callable[[], Any]
@@ -53,6 +60,7 @@ class NamedConfig:
 
     @property
     def min_sqnr_db(self) -> float:
+        """The SQNR (dB) its outputs must reach against eager (`CONFIG_CLASSES`)."""
         return CONFIG_CLASSES[self.config_class]
 
 
@@ -120,6 +128,11 @@ def torchao_missing() -> str | None:
 
 
 def require_torchao() -> None:
+    """Raises unless torchao can be imported.
+
+    Raises:
+        BackendUnavailableError: torchao is not installed; the message says how to install it.
+    """
     missing = torchao_missing()
     if missing:
         raise BackendUnavailableError(missing)
@@ -130,6 +143,14 @@ def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> No
 
     This runs before torchao turns JSON into objects, so a package can only
     name the classes xpupack knows (and ``torch.dtype`` only a dtype).
+
+    Args:
+        tree: JSON as read from a package.
+        allowed: the type names that may appear.
+        where: names the config in the message.
+
+    Raises:
+        UnknownConfigError: a type not in ``allowed``, or a ``torch.dtype`` that names no dtype.
     """
     if isinstance(tree, dict):
         if "_type" in tree:  # typed as `_build` and torchao's decoder see it, whatever the value
@@ -159,6 +180,13 @@ def config_from_json(data: Any, where: str = "the torchao config") -> Any:
     ``config_from_dict`` is not used: it resolves any class of any module on its
     process-wide allow-list (some of which import transformers, seconds of a
     load), and narrowing that list for a call would change it for every thread.
+
+    Args:
+        data: the config as ``config_to_dict`` wrote it.
+        where: names the config in messages.
+
+    Returns:
+        The torchao config object.
 
     Raises:
         UnknownConfigError: a class, field or enum member xpupack does not load,
@@ -236,7 +264,14 @@ def _fields(cls: type, *, all_fields: bool = False) -> set[str]:
 
 
 def config_to_json(config: Any) -> dict:
-    """``config`` as ``config_to_dict`` writes it (the form `config_from_json` reads)."""
+    """``config`` as ``config_to_dict`` writes it (the form `config_from_json` reads).
+
+    Args:
+        config: a torchao ``AOBaseConfig``.
+
+    Returns:
+        Its JSON form.
+    """
     from torchao.core.config import config_to_dict
 
     return config_to_dict(config)
