@@ -13,12 +13,14 @@ one working directory, a fresh temporary folder):
 
 A block that cannot run here (a GPU, a Hub, two ranks) follows ``<!-- skip: next "why" -->`` and is
 reported as skipped with that reason. A block that compiles with Inductor or starts a process
-follows ``<!-- slow -->``: it gets pytest's ``slow`` mark (and still runs in CI). docs/pending/ holds
+follows ``<!-- slow -->``: it gets pytest's ``slow`` mark (and still runs in CI), and so do the blocks
+after it on its page, which may use what it made. docs/pending/ holds
 notes for the maintainers, not pages: it is not run.
 """
 
 from __future__ import annotations
 
+import doctest
 import os
 import shlex
 import subprocess
@@ -63,9 +65,15 @@ def _teardown(namespace: dict) -> None:
             os.environ[name] = value
 
 
+#: the pytest files that passed in this run (README.md and docs/testing.md show the same one)
+_PASSED: set[tuple[str, str]] = set()
+
+
 def _pytest_file(example: Example) -> str | None:
     """Runs a ``python title="test_NAME.py"`` block with pytest in a fresh process; returns why it failed."""
     name, source = example.parsed
+    if (name, source) in _PASSED:
+        return None
     folder = Path(tempfile.mkdtemp(prefix="xpupack-docs-pytest-", dir=os.getcwd()))
     (folder / name).write_text(source, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -73,6 +81,7 @@ def _pytest_file(example: Example) -> str | None:
                             env=env, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         return f"pytest {name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    _PASSED.add((name, source))
     return None
 
 
@@ -117,7 +126,7 @@ class ConsoleParser:
 
 
 pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser(), PytestFileParser(), ConsoleParser(), SkipParser()],
+    parsers=[PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS), PytestFileParser(), ConsoleParser(), SkipParser()],
     patterns=["README.md", "docs/*.md", "docs/**/*.md"],
     excludes=["docs/pending/*", "docs/pending/**/*"],
     setup=_setup,
@@ -134,10 +143,14 @@ def _comments_before(text: str, start: int) -> list[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """``<!-- slow -->`` above a block gives its test pytest's ``slow`` mark."""
+    """``<!-- slow -->`` above a block gives its test pytest's ``slow`` mark, and the page's later blocks too:
+    they share its namespace and folder (a package it saved), so they cannot run without it."""
+    slow_pages = set()
     for item in items:
         if isinstance(item, SybilItem):
             example = item.example
             if any(comment.split(":")[0].strip() == "slow"
                    for comment in _comments_before(example.document.text, example.region.start)):
+                slow_pages.add(example.document.path)
+            if example.document.path in slow_pages:
                 item.add_marker(pytest.mark.slow)
