@@ -20,9 +20,12 @@ notes for the maintainers, not pages: it is not run.
 
 from __future__ import annotations
 
+import atexit
 import doctest
+import functools
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,18 +40,24 @@ from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
 ROOT = Path(__file__).resolve().parent
 #: environment variables a page's examples get, each pointing into the page's own folder
 _ISOLATED = ("HF_HOME", "XPUPACK_CACHE")
-#: one Inductor cache for the run, so that the pages' compiles reuse each other's and never the user's
-_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="xpupack-docs-inductor-")
+
+
+@functools.cache
+def _inductor_cache() -> str:
+    """One Inductor cache for the run, so that the pages' compiles reuse each other's and never the user's."""
+    folder = tempfile.mkdtemp(prefix="xpupack-docs-inductor-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _setup(namespace: dict) -> None:
     folder = Path(tempfile.mkdtemp(prefix="xpupack-docs-"))
-    namespace["__docs_restore__"] = (os.getcwd(), {name: os.environ.get(name) for name in
-                                                   (*_ISOLATED, "HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR")})
+    namespace["__docs_restore__"] = (folder, os.getcwd(), {name: os.environ.get(name) for name in
+                                                           (*_ISOLATED, "HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR")})
     for name in _ISOLATED:
         os.environ[name] = str(folder / name.lower())
     os.environ["HF_HUB_OFFLINE"] = "1"  # an example that would reach the Hub fails instead of waiting on it
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache()
     os.chdir(folder)
 
 
@@ -56,13 +65,14 @@ def _teardown(namespace: dict) -> None:
     background = sys.modules.get("xpupack._background")
     if background is not None and background._worker is not None:
         background.wait(600)  # a load's compile off the caller's path reads the package folder
-    cwd, environment = namespace.pop("__docs_restore__")
+    folder, cwd, environment = namespace.pop("__docs_restore__")
     os.chdir(cwd)
     for name, value in environment.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 #: the pytest files that passed in this run (README.md and docs/testing.md show the same one)
