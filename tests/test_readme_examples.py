@@ -1,30 +1,62 @@
-"""The README's examples that a user copies into a project run as written."""
+"""The README's first two commands, which CI and the docs rely on: they stay first, unchanged, and work.
+
+The README's and docs/' other examples run as tests of their own (sybil, ``conftest.py`` at the root).
+"""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-pytest_plugins = ["pytester"]
+from xpupack.cli import main
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+INSTALL_AND_BUILD = ("pip install torch==2.13.0 && pip install -e '.[test]' && xpupack build "
+                     "xpupack.examples:tiny_transformer --samples xpupack.examples:tiny_transformer_samples "
+                     "--modules 'layers.*.mlp' --out tiny-pkg")
+TEST = "python -m pytest -q"
 
 
-def python_block_after(heading: str) -> str:
-    """The first fenced Python block of the README section that starts with ``heading``."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index(heading):]
-    match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, f"no Python block after {heading!r}"
-    return match.group(1)
+def fenced_blocks(path: Path) -> list[tuple[str, str]]:
+    """``(language, text)`` of every fenced block of a Markdown file, in order."""
+    return re.findall(r"^```(\S*)[^\n]*\n(.*?)^```", path.read_text(encoding="utf-8"), re.S | re.M)
+
+
+def test_the_readme_starts_with_the_install_and_build_command_then_the_test_command():
+    assert fenced_blocks(ROOT / "README.md")[:2] == [("bash", INSTALL_AND_BUILD + "\n"), ("bash", TEST + "\n")]
+
+
+def test_getting_started_starts_with_the_same_two_commands():
+    assert fenced_blocks(ROOT / "docs" / "getting-started.md")[:2] == [("bash", INSTALL_AND_BUILD + "\n"),
+                                                                       ("bash", TEST + "\n")]
+
+
+def test_ci_runs_the_readmes_test_command_and_builds_the_docs_strictly():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert TEST in ci
+    assert "mkdocs build --strict" in ci
+
+
+def test_the_readme_stays_a_front_door_of_at_most_200_lines():
+    assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 200
+
+
+def test_the_readmes_links_into_docs_name_pages_that_exist():
+    links = re.findall(r"\]\((docs/[^)#]+)", (ROOT / "README.md").read_text(encoding="utf-8"))
+    assert links and [link for link in links if not (ROOT / link).is_file()] == []
 
 
 @pytest.mark.slow
-def test_the_deploy_after_load_example_is_a_real_deploy_test(pytester):
-    """The example tunes the demo with Inductor (compiled once, in a module fixture), then loads the
-    package and checks that a recorded batch serves without a fallback and an unseen one falls back."""
-    pytester.makepyfile(test_deploy=python_block_after("### Deploy-after-load tests"))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=2)
+def test_the_readmes_build_command_builds_the_demo_package(tmp_path, monkeypatch):
+    """The ``xpupack build`` of the first command, as written (its default strategy compiles with Inductor)."""
+    monkeypatch.chdir(tmp_path)
+    build = shlex.split(INSTALL_AND_BUILD.split(" && ")[-1])
+    assert build[0] == "xpupack"
+    result = CliRunner().invoke(main, build[1:])
+    assert result.exit_code == 0, result.output
+    verified = CliRunner().invoke(main, ["verify", "tiny-pkg"])
+    assert verified.exit_code == 0, verified.output
