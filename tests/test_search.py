@@ -339,6 +339,20 @@ LOAD_AND_COUNT = """
     print(json.dumps(dict(counters["inductor"])))
 """
 
+TUNE_TWICE = """
+    import xpupack
+    from xpupack.examples import tiny_transformer, tiny_transformer_samples
+
+    def tuned():
+        compiled = xpupack.InductorBackend(compile_options={{"coordinate_descent_tuning": True}})
+        backend = compiled if {device!r} == "cpu" else xpupack.GraphBackend(base=compiled)
+        return xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.0.mlp"],
+                            device={device!r}, strategy=xpupack.Only(backend))
+
+    tuned()  # an earlier candidate: the same kernels compiled and tuned before
+    xpupack.save(tuned(), {root!r})
+"""
+
 #: Inductor's counters of benchmarks run while compiling or at a kernel's first launch
 BENCHMARKS = ("coordesc_tuning_bench", "select_algorithm_autotune", "combo_autotune_bench", "pad_mm_bench")
 
@@ -353,15 +367,12 @@ def test_a_package_tuned_with_coordinate_descent_loads_on_a_fresh_machine_withou
     candidates do: the package must carry their results all the same. On a CPU coordinate descent has
     no Triton kernel to tune: there the test shows the settings travel; on CUDA, that the tuned block
     sizes do too (``coordesc_tuning_bench``)."""
-    def tuned():
-        compiled = xpupack.InductorBackend(compile_options={"coordinate_descent_tuning": True})
-        backend = compiled if device == "cpu" else xpupack.GraphBackend(base=compiled)
-        return xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.0.mlp"], device=device,
-                            strategy=xpupack.Only(backend))
-
-    tuned()  # an earlier candidate
-    model = tuned()
-    root = xpupack.save(model, tmp_path / "pkg")
+    # tuned in a process of its own: this one's Inductor settings are whatever earlier tests (torchao's
+    # process-wide ones among them) left, which a compile's cache key includes and a fresh loader lacks
+    root = tmp_path / "pkg"
+    run_python(TUNE_TWICE.format(root=str(root), device=device),
+               env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"),
+                    "TRITON_CACHE_DIR": str(tmp_path / "build-triton")})
     empty = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     result = run_python(LOAD_AND_COUNT.format(root=str(root), device=device), env=empty)
     counters = json.loads(result.stdout.strip().splitlines()[-1])

@@ -86,7 +86,7 @@ class _StateRef:
 _PLAIN_OUTPUTS = (type(None), bool, int, float, str)
 
 
-class _Recording:
+class _Capture:
     """One recorded call: static input buffers, the replay function, static outputs.
 
     State leaves (a KV cache) get no static buffer: the recording reads and
@@ -241,9 +241,9 @@ class GraphRunner(Runner):
         self.base_runner = base_runner
         self.state_slots = [signature.state_slots for signature in spec.signatures]
         #: signature index -> recording, for calls without state (recorded up front)
-        self.recordings: dict[int, _Recording] = {}
+        self.recordings: dict[int, _Capture] = {}
         #: (signature index, state tensor addresses, counter paths) -> recording, least recently used first
-        self.state_recordings: OrderedDict[tuple, _Recording] = OrderedDict()
+        self.state_recordings: OrderedDict[tuple, _Capture] = OrderedDict()
         #: signature index -> what one call adds to each state object's Python-side counters
         self._added: dict[int, tuple] = {}
         #: calls with counters on a path no recording can follow (`SlidingWindowCounters.path`), run for real
@@ -355,7 +355,7 @@ class GraphRunner(Runner):
         weights = self.spec.signature_weights()
         return sorted(indices, key=lambda index: (-weights[index], -sizes[index]))
 
-    def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2) -> _Recording:
+    def record(self, index: int, args: tuple, kwargs: dict, *, warmup: int = 2) -> _Capture:
         """Records one call: tensor inputs copied into new static buffers, state objects used in place.
 
         Args:
@@ -374,7 +374,7 @@ class GraphRunner(Runner):
         # normal tensors, even for a call under inference mode: a later call in another mode copies into them
         static = [None if i in slots else own_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf
                   for i, leaf in enumerate(leaves)]
-        recording = _Recording(static, slots)
+        recording = _Capture(static, slots)
 
         def call() -> Any:
             now = recording.leaves_now()
@@ -551,7 +551,7 @@ class GraphRunner(Runner):
                 return self._run_with_state(index, args, kwargs, leaves)
             return self._replay(recording, leaves)
 
-    def _recording_now(self, index: int) -> _Recording | None:
+    def _recording_now(self, index: int) -> _Capture | None:
         """The recording of signature ``index``, made again first if the module's storage moved; None for a
         signature with state (`_run_with_state` finds its recording). Called under the lock."""
         if self._watch is None or self._watch.changed():
@@ -593,7 +593,7 @@ class GraphRunner(Runner):
             recording.replay()
             return recording.cut_outputs(axes, batch, self.copy_outputs)
 
-    def _replay(self, recording: _Recording, leaves: list) -> Any:
+    def _replay(self, recording: _Capture, leaves: list) -> Any:
         static = recording.static_leaves
         for slot in recording.tensor_slots:
             static[slot].copy_(leaves[slot])

@@ -13,7 +13,7 @@ and put back into the local cache, where Inductor finds them by the hash of
 their source.
 
 A package carries exactly what its modules' compiles produced or used,
-recorded while the backend compiles them (`_recording`): never code that
+recorded while the backend compiles them (`_collecting_artifacts`): never code that
 something else compiled in the process, and all of its own even when every
 compile hit a warm cache.
 
@@ -322,7 +322,7 @@ def _has_compiled_code(entry: Callable[..., Any]) -> bool:
 
 
 @contextlib.contextmanager
-def _recording(*, reload_kernels: bool = False) -> Iterator[_Compiled]:
+def _collecting_artifacts(*, reload_kernels: bool = False) -> Iterator[_Compiled]:
     """Records what the compiles inside the block produce or use.
 
     PyTorch records cache artifacts for the whole process, each artifact once:
@@ -593,7 +593,7 @@ class InductorBackend(ComposedBackend):
 
     def _compile_into(self, runner: InductorRunner, target: Target, spec: ModuleSpec) -> None:
         """Compiles every signature of ``runner`` that has an example (now, not on the user's first call)."""
-        with _recording(reload_kernels=bool(spec.samples)) as recorded:  # samples: at tune time
+        with _collecting_artifacts(reload_kernels=bool(spec.samples)) as recorded:  # samples: at tune time
             try:
                 attempted = _compile_examples(runner, spec)
             except _SymbolicSizesFailed as failed:
