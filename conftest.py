@@ -52,8 +52,11 @@ def _inductor_cache() -> str:
 
 def _setup(namespace: dict) -> None:
     folder = Path(tempfile.mkdtemp(prefix="xpupack-docs-"))
-    namespace["__docs_restore__"] = (folder, os.getcwd(), {name: os.environ.get(name) for name in
-                                                           (*_ISOLATED, "HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR")})
+    namespace["__docs_restore__"] = (
+        folder,
+        os.getcwd(),
+        {name: os.environ.get(name) for name in (*_ISOLATED, "HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR")},
+    )
     for name in _ISOLATED:
         os.environ[name] = str(folder / name.lower())
     os.environ["HF_HUB_OFFLINE"] = "1"  # an example that would reach the Hub fails instead of waiting on it
@@ -87,8 +90,14 @@ def _pytest_file(example: Example) -> str | None:
     folder = Path(tempfile.mkdtemp(prefix="xpupack-docs-pytest-", dir=os.getcwd()))
     (folder / name).write_text(source, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name], cwd=folder,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if result.returncode != 0:
         return f"pytest {name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     _PASSED.add((name, source))
@@ -99,13 +108,15 @@ class PytestFileParser:
     """```` ```python title="test_NAME.py" ````: a file for pytest, not a snippet."""
 
     def __init__(self) -> None:
-        self.lexer = FencedCodeBlockLexer(r'python title="(?P<file>test_\w+\.py)"', mapping={"file": "file",
-                                                                                              "source": "source"})
+        self.lexer = FencedCodeBlockLexer(
+            r'python title="(?P<file>test_\w+\.py)"', mapping={"file": "file", "source": "source"}
+        )
 
     def __call__(self, document):
         for region in self.lexer(document):
-            yield Region(region.start, region.end, (region.lexemes["file"], str(region.lexemes["source"])),
-                         _pytest_file)
+            yield Region(
+                region.start, region.end, (region.lexemes["file"], str(region.lexemes["source"])), _pytest_file
+            )
 
 
 def _console(example: Example) -> str | None:
@@ -136,18 +147,24 @@ class ConsoleParser:
 
 
 pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS), PytestFileParser(), ConsoleParser(), SkipParser()],
+    parsers=[
+        PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS),
+        PytestFileParser(),
+        ConsoleParser(),
+        SkipParser(),
+    ],
     patterns=["README.md", "docs/*.md", "docs/**/*.md"],
     excludes=["docs/pending/*", "docs/pending/**/*"],
     setup=_setup,
     teardown=_teardown,
 ).pytest()
 
+
 def _comments_before(text: str, start: int) -> list[str]:
     """The HTML comments right above a block (only blank lines between them and it), nearest first."""
     comments, head = [], text[:start].rstrip()
     while head.endswith("-->") and (opening := head.rfind("<!--")) != -1:
-        comments.append(head[opening + 4:-3].strip())
+        comments.append(head[opening + 4 : -3].strip())
         head = head[:opening].rstrip()
     return comments
 
@@ -159,8 +176,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if isinstance(item, SybilItem):
             example = item.example
-            if any(comment.split(":")[0].strip() == "slow"
-                   for comment in _comments_before(example.document.text, example.region.start)):
+            if any(
+                comment.split(":")[0].strip() == "slow"
+                for comment in _comments_before(example.document.text, example.region.start)
+            ):
                 slow_pages.add(example.document.path)
             if example.document.path in slow_pages:
                 item.add_marker(pytest.mark.slow)

@@ -12,5 +12,8 @@ def empty_compiler_caches(folder: Path | None = None) -> dict[str, str]:
     temporary folder by default): the caller's environment with ``TORCHINDUCTOR_CACHE_DIR`` and
     ``TRITON_CACHE_DIR`` pointing there. A warm local cache hides what a new server pays."""
     folder = Path(folder) if folder is not None else Path(tempfile.mkdtemp(prefix="empty-caches-"))
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-            "TRITON_CACHE_DIR": str(folder / "triton")}
+    return {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+        "TRITON_CACHE_DIR": str(folder / "triton"),
+    }

@@ -17,8 +17,11 @@ from collections import defaultdict
 #: a fused attention kernel may name its own matmuls)
 CATEGORIES = {
     "attention": re.compile(r"fmha|flash|attention|attn|sdpa", re.IGNORECASE),
-    "matmul": re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|tinygemm|int4pack|int8pack|splitk|matmul"
-                         r"|(?:^|[_:])(?:mm|addmm|bmm|tem)(?:_|$)", re.IGNORECASE),
+    "matmul": re.compile(
+        r"gemm|gemv|nvjet|cutlass|xmma|cublas|tinygemm|int4pack|int8pack|splitk|matmul"
+        r"|(?:^|[_:])(?:mm|addmm|bmm|tem)(?:_|$)",
+        re.IGNORECASE,
+    ),
     "cache_update": re.compile(r"index_copy|index_put|scatter", re.IGNORECASE),
     "copy": re.compile(r"memcpy|memset|copy_kernel|elementwise_kernel.*copy|CatArrayBatched", re.IGNORECASE),
     "triton_fused": re.compile(r"^triton_|^cpp_fused", re.IGNORECASE),
@@ -33,9 +36,16 @@ def classify(name: str) -> str:
     return "other"
 
 
-def summarize(kernels: list[tuple[str, float, float]], steps: int, *, bytes_per_step: dict[str, float] | None = None,
-              bandwidth_bytes_per_s: float | None = None, step_us: float | None = None, top: int = 15,
-              name_chars: int = 140) -> dict:
+def summarize(
+    kernels: list[tuple[str, float, float]],
+    steps: int,
+    *,
+    bytes_per_step: dict[str, float] | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    step_us: float | None = None,
+    top: int = 15,
+    name_chars: int = 140,
+) -> dict:
     """Per-step time of ``kernels`` (``(name, start_us, duration_us)`` over ``steps`` decode steps).
 
     Args:
@@ -70,22 +80,41 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, *, bytes_per_
     def share(us: float) -> float:
         return round(us / span, 4) if span > 0 else 0.0
 
-    top_kernels = [{"name": name[:name_chars], "category": classify(name), "us_per_step": round(total / steps, 2),
-                    "calls_per_step": round(count / steps, 2), "share_of_step": share(total / steps)}
-                   for name, (total, count) in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]]
+    top_kernels = [
+        {
+            "name": name[:name_chars],
+            "category": classify(name),
+            "us_per_step": round(total / steps, 2),
+            "calls_per_step": round(count / steps, 2),
+            "share_of_step": share(total / steps),
+        }
+        for name, (total, count) in sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    ]
     categories = {}
     for category, (total, count) in sorted(by_category.items(), key=lambda item: -item[1][0]):
-        row = {"us_per_step": round(total / steps, 2), "calls_per_step": round(count / steps, 2),
-               "share_of_step": share(total / steps)}
+        row = {
+            "us_per_step": round(total / steps, 2),
+            "calls_per_step": round(count / steps, 2),
+            "share_of_step": share(total / steps),
+        }
         row.update(_bandwidth(bytes_per_step.get(category), total / steps, bandwidth_bytes_per_s))
         categories[category] = row
-    summary = {"steps": steps, "kernels": len(kernels), "distinct_kernels": len(by_name),
-               "span_us_per_step": round(span, 2), "busy_us_per_step": round(busy, 2),
-               "idle_share": round(max(span - busy, 0.0) / span, 4) if span > 0 else 0.0}
+    summary = {
+        "steps": steps,
+        "kernels": len(kernels),
+        "distinct_kernels": len(by_name),
+        "span_us_per_step": round(span, 2),
+        "busy_us_per_step": round(busy, 2),
+        "idle_share": round(max(span - busy, 0.0) / span, 4) if span > 0 else 0.0,
+    }
     if step_us is not None:
         summary["unprofiled_step_us"] = round(step_us, 2)
-    summary.update({f"step_{key}": value for key, value in
-                    _bandwidth(bytes_per_step.get("step"), step_us or span, bandwidth_bytes_per_s).items()})
+    summary.update(
+        {
+            f"step_{key}": value
+            for key, value in _bandwidth(bytes_per_step.get("step"), step_us or span, bandwidth_bytes_per_s).items()
+        }
+    )
     summary["categories"] = categories
     summary["top_kernels"] = top_kernels
     return summary

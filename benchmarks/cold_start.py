@@ -82,9 +82,12 @@ def _strategy(variant: str, compile_options: dict | None):
     import xpupack
 
     inductor = xpupack.InductorBackend(compile_options=compile_options)
-    return {"default": None, "graph": xpupack.Only(xpupack.GraphBackend()),
-            "graph_inductor": xpupack.Only(xpupack.GraphBackend(base=inductor)),
-            "inductor": xpupack.Only(inductor)}[variant]
+    return {
+        "default": None,
+        "graph": xpupack.Only(xpupack.GraphBackend()),
+        "graph_inductor": xpupack.Only(xpupack.GraphBackend(base=inductor)),
+        "inductor": xpupack.Only(inductor),
+    }[variant]
 
 
 def step_build(model_name: str, variant: str, device: str, package: str, compile_options: dict | None) -> dict:
@@ -101,22 +104,31 @@ def step_build(model_name: str, variant: str, device: str, package: str, compile
 
         def run(m, _):
             with torch.no_grad():
-                return m.generate(ids_on(device), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                  do_sample=False, cache_implementation="static")
+                return m.generate(
+                    ids_on(device),
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    cache_implementation="static",
+                )
 
         xpupack.tune(model, ["generate"], run=run, device=device, strategy=_strategy(variant, compile_options))
     else:
         from xpupack.examples import tiny_transformer_samples
 
-        xpupack.tune(model, tiny_transformer_samples(), modules=TINY_MODULES,
-                     strategy=_strategy("inductor", compile_options))
+        xpupack.tune(
+            model, tiny_transformer_samples(), modules=TINY_MODULES, strategy=_strategy("inductor", compile_options)
+        )
     tune_s = time.perf_counter() - started
     xpupack.save(model, package, weights=model_name != "llm")
     session = xpupack.tuned.session_of(model)
-    return {"tune_s": round(tune_s, 2), "backends": {path or "<model>": tuned.backend.label
-                                                     for path, tuned in session.modules.items()},
-            "candidates": {path or "<model>": [entry.to_json() for entry in tuned.report]
-                           for path, tuned in session.modules.items()}}
+    return {
+        "tune_s": round(tune_s, 2),
+        "backends": {path or "<model>": tuned.backend.label for path, tuned in session.modules.items()},
+        "candidates": {
+            path or "<model>": [entry.to_json() for entry in tuned.report] for path, tuned in session.modules.items()
+        },
+    }
 
 
 def step_load(model_name: str, device: str, package: str) -> dict:
@@ -136,6 +148,7 @@ def step_load(model_name: str, device: str, package: str) -> dict:
     if model_name == "llm":
         report.update(_serve_llm(model, device, started))
     else:
+
         def call() -> None:
             with torch.no_grad():
                 if model_name == "stack":
@@ -153,10 +166,14 @@ def step_load(model_name: str, device: str, package: str) -> dict:
     report["load_phases_s"] = totals["totals"].get("load_seconds", {})
     report["module_load_s"] = {path or "<model>": entry.get("load_s") for path, entry in totals["modules"].items()}
     report["fallbacks"] = totals["totals"]["fallbacks"]
-    report["fallback_reasons"] = {path or "<model>": entry.get("fallback_reasons", {})
-                                  for path, entry in totals["modules"].items()}
-    report["backend_errors"] = {path or "<model>": entry["backend_errors"]
-                                for path, entry in totals["modules"].items() if entry.get("backend_errors")}
+    report["fallback_reasons"] = {
+        path or "<model>": entry.get("fallback_reasons", {}) for path, entry in totals["modules"].items()
+    }
+    report["backend_errors"] = {
+        path or "<model>": entry["backend_errors"]
+        for path, entry in totals["modules"].items()
+        if entry.get("backend_errors")
+    }
     report["warnings"] = warnings[:20]  # what xpupack logged at WARNING while serving (first 20)
     report["compile_stack_imported"] = "torch._inductor.compile_fx" in set(sys.modules) - modules_before
     report.update(_compiler_counters())
@@ -183,9 +200,11 @@ def _until_compiled(model, call, started: float) -> dict:
     _background.wait(900)
     call()
     stats = xpupack.stats(model)
-    return {"package_to_compiled_s": round(time.perf_counter() - started, 3),
-            "compiled_serving": {path or "<model>": entry.get("compiled_serving") for path, entry in stats.items()},
-            "served_while_compiling": sum(entry.get("compiling", 0) for entry in stats.values())}
+    return {
+        "package_to_compiled_s": round(time.perf_counter() - started, 3),
+        "compiled_serving": {path or "<model>": entry.get("compiled_serving") for path, entry in stats.items()},
+        "served_while_compiling": sum(entry.get("compiling", 0) for entry in stats.values()),
+    }
 
 
 def _serve_llm(model, device: str, started: float) -> dict:
@@ -197,14 +216,22 @@ def _serve_llm(model, device: str, started: float) -> dict:
         _sync(device)
         begun = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids_on(device), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                           cache_implementation="static")
+            model.generate(
+                ids_on(device),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                cache_implementation="static",
+            )
         _sync(device)
         return time.perf_counter() - begun
 
     first = generate(LLM_TOKENS)
-    report = {"package_to_first_generate_s": round(time.perf_counter() - started, 3),
-              "first_generate_s": round(first, 3), "second_generate_s": round(generate(LLM_TOKENS), 3)}
+    report = {
+        "package_to_first_generate_s": round(time.perf_counter() - started, 3),
+        "first_generate_s": round(first, 3),
+        "second_generate_s": round(generate(LLM_TOKENS), 3),
+    }
     # the compiled code takes over the decode steps off the caller's path: generate() until none of its
     # calls was served by the original module's recordings any more
     for _ in range(40):
@@ -228,10 +255,13 @@ def _compiler_counters() -> dict:
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
-    return {"dynamo_unique_graphs": counters["stats"]["unique_graphs"],
-            "fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
-            "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
-            "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc"))}
+    return {
+        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+        "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
+        "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc")),
+    }
 
 
 def step_scratch(device: str) -> dict:
@@ -254,8 +284,9 @@ def step_scratch(device: str) -> dict:
 def fresh(arguments: list[str], caches: Path) -> dict:
     """Runs one step of this script in a fresh process on the caches in ``caches``; returns its JSON."""
     env = {**empty_compiler_caches(caches), "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, __file__, *arguments], capture_output=True, text=True, env=env,
-                            timeout=1500)
+    result = subprocess.run(
+        [sys.executable, __file__, *arguments], capture_output=True, text=True, env=env, timeout=1500
+    )
     if result.returncode:
         return {"error": result.stderr[-3000:]}
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -265,8 +296,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--model", choices=["stack", "llm", "tiny"], default="stack")
-    parser.add_argument("--variants", default=None,
-                        help="stack/llm: strategies to build, comma-separated (default, graph, graph_inductor)")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="stack/llm: strategies to build, comma-separated (default, graph, graph_inductor)",
+    )
     parser.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--step", default=None, help=argparse.SUPPRESS)
@@ -274,10 +308,11 @@ def main() -> None:
     parser.add_argument("--package", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.step:
-        result = {"build": lambda: step_build(args.model, args.variant, args.device, args.package,
-                                              args.compile_options),
-                  "load": lambda: step_load(args.model, args.device, args.package),
-                  "scratch": lambda: step_scratch(args.device)}[args.step]()
+        result = {
+            "build": lambda: step_build(args.model, args.variant, args.device, args.package, args.compile_options),
+            "load": lambda: step_load(args.model, args.device, args.package),
+            "scratch": lambda: step_scratch(args.device),
+        }[args.step]()
         print(json.dumps(result, default=str))
         return
 
@@ -291,9 +326,13 @@ def main() -> None:
     for variant in (args.variants or default_variants[args.model]).split(","):
         package = str(workdir / f"pkg-{variant}")
         caches = workdir / f"caches-load-{variant}"
-        entry = {"build": fresh([*common, *options, "--step", "build", "--variant", variant, "--package", package],
-                                workdir / f"caches-build-{variant}"),
-                 "load_empty_caches": fresh([*common, "--step", "load", "--package", package], caches)}
+        entry = {
+            "build": fresh(
+                [*common, *options, "--step", "build", "--variant", variant, "--package", package],
+                workdir / f"caches-build-{variant}",
+            ),
+            "load_empty_caches": fresh([*common, "--step", "load", "--package", package], caches),
+        }
         entry["warm_local_cache"] = fresh([*common, "--step", "load", "--package", package], caches)
         results[variant] = entry
         print(f"{variant}: {json.dumps(entry['load_empty_caches'], default=str)[:300]}", file=sys.stderr, flush=True)
@@ -303,9 +342,20 @@ def main() -> None:
         loaded = results["inductor"]["load_empty_caches"].get("package_to_first_output_s")
         if scratch and loaded:
             summary["load_vs_compile_from_scratch"] = round(loaded / scratch, 3)
-    print(json.dumps({"model": args.model, "device": args.device, "cpus": os.cpu_count(),
-                      "compile_options": args.compile_options, "summary": summary, "results": results},
-                     indent=2, default=str))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "device": args.device,
+                "cpus": os.cpu_count(),
+                "compile_options": args.compile_options,
+                "summary": summary,
+                "results": results,
+            },
+            indent=2,
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

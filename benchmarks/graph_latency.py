@@ -81,11 +81,11 @@ def fresh_process_load(package: Path, size: dict, dtype: str, device: str) -> di
         torch.zeros(1, device={device!r})  # device context creation, which any GPU program pays
         marks.append(time.perf_counter())
         with torch.device({device!r}):  # the user's model, built where it runs
-            model = make_model({size['hidden']}, {size['layers']}, torch.{dtype}, {device!r}, seed=1)
+            model = make_model({size["hidden"]}, {size["layers"]}, torch.{dtype}, {device!r}, seed=1)
         marks.append(time.perf_counter())
         model = xpupack.load(model, {str(package)!r}, device={device!r})
         marks.append(time.perf_counter())
-        ids = torch.zeros({size['batch']}, {size['seq']}, dtype=torch.long, device={device!r})
+        ids = torch.zeros({size["batch"]}, {size["seq"]}, dtype=torch.long, device={device!r})
         with torch.inference_mode():
             out = model(ids)
         getattr(torch, torch.device({device!r}).type).synchronize()
@@ -97,8 +97,9 @@ def fresh_process_load(package: Path, size: dict, dtype: str, device: str) -> di
         report["fallbacks"] = sum(s["fallbacks"] for s in xpupack.stats(model).values())
         print(json.dumps(report))
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                            env=empty_compiler_caches())  # as on a new server
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=empty_compiler_caches()
+    )  # as on a new server
     if result.returncode:
         return {"error": result.stderr[-2000:]}
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -140,8 +141,10 @@ def bench_size(size: dict, dtype: torch.dtype, device: torch.device, iterations:
         torch._dynamo.reset()
 
     with tempfile.TemporaryDirectory() as tmp:
-        for variant, backend in (("xpupack_graph", xpupack.GraphBackend()),
-                                 ("xpupack_graph_alias", xpupack.GraphBackend(copy_outputs=False))):
+        for variant, backend in (
+            ("xpupack_graph", xpupack.GraphBackend()),
+            ("xpupack_graph_alias", xpupack.GraphBackend(copy_outputs=False)),
+        ):
             tuned = xpupack.tune(copy.deepcopy(model), [ids], strategy=xpupack.Only(backend))
             package = xpupack.save(tuned, Path(tmp) / variant)
             started = time.perf_counter()
@@ -151,8 +154,9 @@ def bench_size(size: dict, dtype: torch.dtype, device: torch.device, iterations:
                 torch.testing.assert_close(loaded(ids), expected, rtol=2e-2, atol=2e-2)
             results[variant] = time_call(lambda model=loaded: model(ids), device, iterations).to_json()
             results[f"{variant}_fallbacks"] = sum(s["fallbacks"] for s in xpupack.stats(loaded).values())
-        results["fresh_process"] = fresh_process_load(Path(tmp) / "xpupack_graph", size,
-                                                      str(dtype).removeprefix("torch."), str(device))
+        results["fresh_process"] = fresh_process_load(
+            Path(tmp) / "xpupack_graph", size, str(dtype).removeprefix("torch."), str(device)
+        )
 
     hand = results["hand_written_graph"]["median_us"]
     results["ratios"] = {
@@ -162,7 +166,8 @@ def bench_size(size: dict, dtype: torch.dtype, device: torch.device, iterations:
     }
     if "compile_reduce_overhead" in results:
         results["ratios"]["reduce_overhead_vs_xpupack_graph"] = round(
-            results["compile_reduce_overhead"]["median_us"] / results["xpupack_graph"]["median_us"], 3)
+            results["compile_reduce_overhead"]["median_us"] / results["xpupack_graph"]["median_us"], 3
+        )
     results["fit_check_us"] = round(fit_check_us(ids), 2)
     return results
 
@@ -178,8 +183,11 @@ def main() -> None:
     if device.type not in ("cuda", "xpu"):
         sys.exit("graph_latency needs a CUDA or XPU device")
     dtype = getattr(torch, args.dtype)
-    report = {"device": _device.device_name(device), "torch": torch.__version__,
-              "results": [bench_size(size, dtype, device, args.iterations, args.skip_compile) for size in SIZES]}
+    report = {
+        "device": _device.device_name(device),
+        "torch": torch.__version__,
+        "results": [bench_size(size, dtype, device, args.iterations, args.skip_compile) for size in SIZES],
+    }
     print(json.dumps(report, indent=2))
 
 

@@ -56,18 +56,35 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use too
 
-from _caches import empty_compiler_caches
+from _caches import empty_compiler_caches  # noqa: E402  (found through the path set above)
 
-CONFIG = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16,
-          "num_attention_heads": 16, "num_key_value_heads": 8, "max_position_embeddings": 4096}
+CONFIG = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+}
 #: ``--tiny``: the tests' tiny Llama, for a smoke test of the whole script on a CPU
-TINY_CONFIG = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+TINY_CONFIG = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 PROMPT, NEW_TOKENS, HBM_BYTES_PER_S = 32, 128, 4.8e12
 #: variant -> (TorchAO config name, SQNR floor for its candidates; None: the backend's default). Random
 #: weights quantize worse than trained ones: int8's default 30 dB floor is lowered to 20 here
-QUANTIZED = {"xpupack_int8": ("int8-weight-only", 20.0), "xpupack_float8": ("float8-weight-only", None),
-             "xpupack_int4": ("int4-weight-only", None)}
+QUANTIZED = {
+    "xpupack_int8": ("int8-weight-only", 20.0),
+    "xpupack_float8": ("float8-weight-only", None),
+    "xpupack_int4": ("int4-weight-only", None),
+}
 BF16 = ["xpupack_bf16", "xpupack_bf16_thorough"]
 XPUPACK = [*BF16, *QUANTIZED]
 HAND = ["hand_graph_inductor", "hand_graph_eager"]
@@ -77,11 +94,17 @@ DEFAULT = "xpupack_bf16,xpupack_bf16_thorough,xpupack_int8,xpupack_int4,xpupack_
 MARK = "LLM_DECODE_RESULT "
 PROFILE_STEPS = 16
 #: the issue's targets for the H200 (README: "Language models")
-TARGETS = {"bf16_loop_tokens_per_s": 1100, "quantized_vs_bf16": 1.5, "quantized_sqnr_db": 20,
-           "argmax_agreement": 0.9, "thorough_tune_s": 600}
+TARGETS = {
+    "bf16_loop_tokens_per_s": 1100,
+    "quantized_vs_bf16": 1.5,
+    "quantized_sqnr_db": 20,
+    "argmax_agreement": 0.9,
+    "thorough_tune_s": 600,
+}
 
 
 # --- the model, its inputs, timing ---------------------------------------------------------------
+
 
 def build(device: str, tiny: bool = False):
     """The benchmark's Llama (random weights, seed 0): bf16 on a GPU; ``tiny`` on a CPU stays float32."""
@@ -158,8 +181,9 @@ def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple
     ids, new = settings.ids(batch), settings.new_tokens
     decode_loop(model, ids, new, cache) if step is None else step(cache, batch)
     cache.reset()
-    tokens, seconds = synced(settings.device, lambda: decode_loop(model, ids, new, cache)
-                             if step is None else step(cache, batch))
+    tokens, seconds = synced(
+        settings.device, lambda: decode_loop(model, ids, new, cache) if step is None else step(cache, batch)
+    )
     return batch * new / seconds, tokens[0, :16].tolist()
 
 
@@ -168,9 +192,13 @@ def generate_once(model, settings: Settings, batch: int) -> float:
 
     def run():
         with torch.no_grad():
-            return model.generate(settings.ids(batch), max_new_tokens=settings.new_tokens,
-                                  min_new_tokens=settings.new_tokens, do_sample=False,
-                                  cache_implementation="static")
+            return model.generate(
+                settings.ids(batch),
+                max_new_tokens=settings.new_tokens,
+                min_new_tokens=settings.new_tokens,
+                do_sample=False,
+                cache_implementation="static",
+            )
 
     return synced(settings.device, run)[1]
 
@@ -206,7 +234,7 @@ def decode_logits(model, ids, new_tokens: int, cache, forced=None):
     with torch.no_grad():
         logits.append(call(ids, torch.arange(length, device=ids.device)[None]))
         for number in range(new_tokens):
-            token = logits[-1].argmax(-1, keepdim=True) if forced is None else forced[:, number:number + 1]
+            token = logits[-1].argmax(-1, keepdim=True) if forced is None else forced[:, number : number + 1]
             tokens.append(token)
             logits.append(call(token, torch.full((1, 1), length + number, device=ids.device)))
     return torch.cat(tokens, dim=1), torch.stack(logits)
@@ -219,11 +247,16 @@ def tokens_check(tuned, eager) -> dict:
     in_top3 = (tuned.topk(3, dim=-1).indices == wanted[..., None]).any(-1)
     agreement = int((tuned.argmax(-1) == wanted).sum()) / wanted.numel()  # exact: 9 of 10 is 0.9
     per_step = [sqnr_db(tuned[i], eager[i]) for i in range(tuned.shape[0])]
-    return {"predictions": int(wanted.numel()), "top3_contains_eager_argmax": bool(in_top3.all()),
-            "top3_fraction": round(float(in_top3.float().mean()), 4), "argmax_agreement": round(agreement, 4),
-            "passed": bool(in_top3.all()) and agreement >= TARGETS["argmax_agreement"],
-            "logits_sqnr_db": sqnr_db(tuned, eager), "min_step_sqnr_db": min(per_step),
-            "max_abs_diff": float((tuned - eager).abs().max())}
+    return {
+        "predictions": int(wanted.numel()),
+        "top3_contains_eager_argmax": bool(in_top3.all()),
+        "top3_fraction": round(float(in_top3.float().mean()), 4),
+        "argmax_agreement": round(agreement, 4),
+        "passed": bool(in_top3.all()) and agreement >= TARGETS["argmax_agreement"],
+        "logits_sqnr_db": sqnr_db(tuned, eager),
+        "min_step_sqnr_db": min(per_step),
+        "max_abs_diff": float((tuned - eager).abs().max()),
+    }
 
 
 def sqnr_db(candidate, reference) -> float:
@@ -279,6 +312,7 @@ def hbm_limit(bandwidth: float, parameter_bytes: int, batch: int) -> float:
 
 # --- the steps, each in its own process ----------------------------------------------------------
 
+
 def step_reference(settings: Settings, model) -> None:
     """Eager's greedy tokens and logits per batch size, written once per run (every variant's check
     compares with them; the model is the same seeded one everywhere)."""
@@ -323,7 +357,9 @@ def tune_arguments(name: str, settings: Settings, tune) -> tuple[dict | None, st
     else:
         backend = chain(torchao)
         kwargs["strategy"] = xpupack.Only(backend)
-        how = ", ".join([f"strategy=Only({backend.label})", *(f"{k}={v!r}" for k, v in kwargs.items() if k != "strategy")])
+        how = ", ".join(
+            [f"strategy=Only({backend.label})", *(f"{k}={v!r}" for k, v in kwargs.items() if k != "strategy")]
+        )
     return kwargs, f"tune({how})"
 
 
@@ -334,8 +370,11 @@ def step_tune(name: str, settings: Settings) -> None:
     from support.language_models import decode_loop
 
     kwargs, how = tune_arguments(name, settings, xpupack.tune)
-    emit(api=how, search_available="search" in inspect.signature(xpupack.tune).parameters,
-         quantize_available="quantize" in inspect.signature(xpupack.tune).parameters)
+    emit(
+        api=how,
+        search_available="search" in inspect.signature(xpupack.tune).parameters,
+        quantize_available="quantize" in inspect.signature(xpupack.tune).parameters,
+    )
     if kwargs is None:
         emit(not_available=how)
         return
@@ -347,19 +386,28 @@ def step_tune(name: str, settings: Settings) -> None:
         if kind == "loop":
             return decode_loop(m, settings.ids(batch), 8, settings.cache(m))
         with torch.no_grad():  # the cache generate() makes is as long as when serving: one compile, one size
-            return m.generate(settings.ids(batch), max_new_tokens=settings.new_tokens,
-                              min_new_tokens=settings.new_tokens, do_sample=False, cache_implementation="static")
+            return m.generate(
+                settings.ids(batch),
+                max_new_tokens=settings.new_tokens,
+                min_new_tokens=settings.new_tokens,
+                do_sample=False,
+                cache_implementation="static",
+            )
 
     samples = [(kind, batch) for batch in settings.batches for kind in ("loop", "generate")]
     started = time.perf_counter()
     xpupack.tune(model, samples, run=run, device=settings.device, **kwargs)
     tune_s = time.perf_counter() - started
     session = xpupack.tuned.session_of(model)
-    emit(tune_s=round(tune_s, 2), backends={path or "<model>": tuned.backend.label
-                                            for path, tuned in session.modules.items()},
-         candidates={path or "<model>": [getattr(entry, "to_json", lambda e=entry: e)() for entry in tuned.report]
-                     for path, tuned in session.modules.items()},
-         tuned_weight_bytes=weight_bytes(model))
+    emit(
+        tune_s=round(tune_s, 2),
+        backends={path or "<model>": tuned.backend.label for path, tuned in session.modules.items()},
+        candidates={
+            path or "<model>": [getattr(entry, "to_json", lambda e=entry: e)() for entry in tuned.report]
+            for path, tuned in session.modules.items()
+        },
+        tuned_weight_bytes=weight_bytes(model),
+    )
     package = settings.workdir / f"pkg-{name}"
     xpupack.save(model, package, weights=False)
     emit(package_bytes=sum(f.stat().st_size for f in package.rglob("*") if f.is_file()))
@@ -384,9 +432,13 @@ def step_load(name: str, settings: Settings) -> None:
         first_generate[f"batch{batch}"] = round(generate_once(model, settings, batch), 3)
         if len(first_generate) == 1:
             to_first = time.perf_counter() - started
-    emit(load_s=round(load_s, 3), package_to_first_generate_s=round(to_first, 3), first_generate_s=first_generate,
-         compile_stack_imported="torch._inductor.compile_fx" in set(sys.modules) - modules_before,
-         load_counters=compiler_counters())
+    emit(
+        load_s=round(load_s, 3),
+        package_to_first_generate_s=round(to_first, 3),
+        first_generate_s=first_generate,
+        compile_stack_imported="torch._inductor.compile_fx" in set(sys.modules) - modules_before,
+        load_counters=compiler_counters(),
+    )
     from xpupack import _background
 
     waited = time.perf_counter()
@@ -411,11 +463,19 @@ def step_load(name: str, settings: Settings) -> None:
         loop_at[batch] = loop
         _, generate = generate_tokens_per_s(model, settings, batch)
         limit = hbm_limit(settings.bandwidth, parameters["all"], batch)
-        emit(**{f"batch{batch}": {
-            "loop_tokens_per_s": round(loop, 1), "generate_tokens_per_s": round(generate, 1),
-            "hbm_limit_tokens_per_s": round(limit, 1), "loop_share_of_limit": round(loop / limit, 4),
-            "generate_share_of_limit": round(generate / limit, 4), "tokens": tokens,
-            "served_while_compiling": calls_served_while_compiling(model) - compiling}})
+        emit(
+            **{
+                f"batch{batch}": {
+                    "loop_tokens_per_s": round(loop, 1),
+                    "generate_tokens_per_s": round(generate, 1),
+                    "hbm_limit_tokens_per_s": round(limit, 1),
+                    "loop_share_of_limit": round(loop / limit, 4),
+                    "generate_share_of_limit": round(generate / limit, 4),
+                    "tokens": tokens,
+                    "served_while_compiling": calls_served_while_compiling(model) - compiling,
+                }
+            }
+        )
     emit(stats=xpupack.stats(model), counters=compiler_counters())
     for batch in settings.batches:
         emit(**{f"batch{batch}": {"check": guarded(teacher_forced_check, model, settings, batch)}})
@@ -492,12 +552,15 @@ def step_profile(model, settings: Settings, batch: int, step_us: float | None = 
             kernels.append((event.name, event.time_range.start, event.time_range.elapsed_us()))
     parameters = weight_bytes(model)
     kv = kv_cache_bytes(model, batch, cache_length(settings.new_tokens))
-    moved = {"matmul": parameters["linear"], "attention": kv,
-             "step": parameters["all"] - parameters["embedding"] + kv}
-    summary = summarize(kernels, steps, bytes_per_step=moved, bandwidth_bytes_per_s=settings.bandwidth,
-                        step_us=step_us)
-    summary.update({"batch": batch, "profiled_wall_us_per_step": round(seconds * 1e6 / steps, 2),
-                    "what": "CPU operators by self time" if on_cpu else "device kernels"})
+    moved = {"matmul": parameters["linear"], "attention": kv, "step": parameters["all"] - parameters["embedding"] + kv}
+    summary = summarize(kernels, steps, bytes_per_step=moved, bandwidth_bytes_per_s=settings.bandwidth, step_us=step_us)
+    summary.update(
+        {
+            "batch": batch,
+            "profiled_wall_us_per_step": round(seconds * 1e6 / steps, 2),
+            "what": "CPU operators by self time" if on_cpu else "device kernels",
+        }
+    )
     return summary
 
 
@@ -508,10 +571,13 @@ def compiler_counters() -> dict:
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
-    return {"dynamo_unique_graphs": counters["stats"]["unique_graphs"],
-            "fxgraph_cache_hit": inductor["fxgraph_cache_hit"], "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
-            "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
-            "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc"))}
+    return {
+        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+        "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
+        "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc")),
+    }
 
 
 def hand_graph(model, settings: Settings, compiled: bool):
@@ -530,8 +596,13 @@ def hand_graph(model, settings: Settings, compiled: bool):
     inputs: dict[int, tuple] = {}  # per batch: the tensors the graph reads on every replay (they live with it)
 
     def step(cache, batch):
-        token, position = inputs.setdefault(batch, (torch.zeros(batch, 1, dtype=torch.long, device=device),
-                                                    torch.zeros(1, 1, dtype=torch.long, device=device)))
+        token, position = inputs.setdefault(
+            batch,
+            (
+                torch.zeros(batch, 1, dtype=torch.long, device=device),
+                torch.zeros(1, 1, dtype=torch.long, device=device),
+            ),
+        )
 
         def decode():
             extra = {"cache_position": position[0]} if positions_too else {}
@@ -541,8 +612,13 @@ def hand_graph(model, settings: Settings, compiled: bool):
         with torch.no_grad():
             ids = settings.ids(batch)
             extra = {"cache_position": torch.arange(PROMPT, device=device)} if positions_too else {}
-            logits = model(input_ids=ids, **{name: cache}, use_cache=True,
-                           position_ids=torch.arange(PROMPT, device=device)[None], **extra).logits
+            logits = model(
+                input_ids=ids,
+                **{name: cache},
+                use_cache=True,
+                position_ids=torch.arange(PROMPT, device=device)[None],
+                **extra,
+            ).logits
             for number in range(new_tokens):
                 token.copy_(logits[:, -1:].argmax(-1))
                 tokens.append(token.clone())
@@ -580,8 +656,12 @@ def step_reference_row(name: str, settings: Settings) -> None:
             ids, new = settings.ids(batch), settings.new_tokens
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=8, do_sample=False)
-                _, seconds = synced(settings.device, lambda ids=ids, new=new: model.generate(
-                    ids, max_new_tokens=new, min_new_tokens=new, do_sample=False))
+                _, seconds = synced(
+                    settings.device,
+                    lambda ids=ids, new=new: model.generate(
+                        ids, max_new_tokens=new, min_new_tokens=new, do_sample=False
+                    ),
+                )
             row["generate_tokens_per_s"] = round(batch * new / seconds, 1)
         elif name.startswith("hf_static"):
             first, generate = generate_tokens_per_s(model, settings, batch)
@@ -599,6 +679,7 @@ def step_reference_row(name: str, settings: Settings) -> None:
 
 
 # --- the parent: fresh processes, the budget, the report -----------------------------------------
+
 
 def merge(into: dict, new: dict) -> dict:
     for key, value in new.items():
@@ -622,9 +703,20 @@ class Runner:
 
     def child_options(self) -> list[str]:
         args = self.args
-        options = ["--device", args.device, "--new-tokens", str(args.new_tokens), "--batch", str(args.batch),
-                   "--workdir", str(self.settings.workdir), "--hbm-bytes-per-s", str(args.hbm_bytes_per_s),
-                   "--quant-search", args.quant_search]
+        options = [
+            "--device",
+            args.device,
+            "--new-tokens",
+            str(args.new_tokens),
+            "--batch",
+            str(args.batch),
+            "--workdir",
+            str(self.settings.workdir),
+            "--hbm-bytes-per-s",
+            str(args.hbm_bytes_per_s),
+            "--quant-search",
+            args.quant_search,
+        ]
         if args.compile_options:
             options += ["--compile-options", json.dumps(args.compile_options)]
         return options + ["--tiny"] * args.tiny + ["--profile"] * args.profile
@@ -643,9 +735,14 @@ class Runner:
         command = [sys.executable, __file__, *self.child_options(), "--step", step, "--variant", name]
         started = time.perf_counter()
         with open(log, "w") as errors:
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True,
-                                       env={**empty_compiler_caches(caches), "PYTHONUNBUFFERED": "1"},
-                                       start_new_session=True)  # its compile workers go with it on a timeout
+            process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=errors,
+                text=True,
+                env={**empty_compiler_caches(caches), "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )  # its compile workers go with it on a timeout
             reader = threading.Thread(target=self._read, args=(process, part), daemon=True)
             reader.start()
             try:
@@ -671,7 +768,7 @@ class Runner:
         for line in process.stdout:
             if line.startswith(MARK):
                 try:
-                    merge(part, json.loads(line[len(MARK):]))
+                    merge(part, json.loads(line[len(MARK) :]))
                 except json.JSONDecodeError:
                     continue
                 self.write()
@@ -682,8 +779,9 @@ class Runner:
         if not self.args.out:
             return
         with self._writing:
-            text = json.dumps(assemble(self.args, self.results, time.perf_counter() - self.started), indent=2,
-                              default=str)
+            text = json.dumps(
+                assemble(self.args, self.results, time.perf_counter() - self.started), indent=2, default=str
+            )
             for out in self.args.out:
                 target = Path(out)
                 temporary = target.with_name(target.name + ".tmp")
@@ -743,18 +841,27 @@ def assemble(args: argparse.Namespace, results: dict, elapsed: float) -> dict:
             if not isinstance(row, dict):
                 continue
             check = row.get("check", {})
-            rows.append({"variant": name, "batch": batch, "loop_tokens_per_s": row.get("loop_tokens_per_s"),
-                         "generate_tokens_per_s": row.get("generate_tokens_per_s"),
-                         "hbm_limit_tokens_per_s": row.get("hbm_limit_tokens_per_s"),
-                         "loop_share_of_limit": row.get("loop_share_of_limit"),
-                         "tune_s": entry.get("tune", {}).get("tune_s"), "load_s": found.get("load_s"),
-                         "first_generate_s": (found.get("first_generate_s") or {}).get(f"batch{batch}"),
-                         "check_passed": check.get("passed"), "argmax_agreement": check.get("argmax_agreement"),
-                         "logits_sqnr_db": check.get("logits_sqnr_db"),
-                         "weight_bytes": (found.get("weight_bytes") or {}).get("all"),
-                         "backend": ", ".join(map(str, entry.get("tune", {}).get("backends", {}).values())) or None,
-                         "fallbacks": sum(m.get("fallbacks", 0) for m in (found.get("stats") or {}).values())
-                         if found.get("stats") else None})
+            rows.append(
+                {
+                    "variant": name,
+                    "batch": batch,
+                    "loop_tokens_per_s": row.get("loop_tokens_per_s"),
+                    "generate_tokens_per_s": row.get("generate_tokens_per_s"),
+                    "hbm_limit_tokens_per_s": row.get("hbm_limit_tokens_per_s"),
+                    "loop_share_of_limit": row.get("loop_share_of_limit"),
+                    "tune_s": entry.get("tune", {}).get("tune_s"),
+                    "load_s": found.get("load_s"),
+                    "first_generate_s": (found.get("first_generate_s") or {}).get(f"batch{batch}"),
+                    "check_passed": check.get("passed"),
+                    "argmax_agreement": check.get("argmax_agreement"),
+                    "logits_sqnr_db": check.get("logits_sqnr_db"),
+                    "weight_bytes": (found.get("weight_bytes") or {}).get("all"),
+                    "backend": ", ".join(map(str, entry.get("tune", {}).get("backends", {}).values())) or None,
+                    "fallbacks": sum(m.get("fallbacks", 0) for m in (found.get("stats") or {}).values())
+                    if found.get("stats")
+                    else None,
+                }
+            )
             figure[name, batch] = row.get("loop_tokens_per_s")
     ratios: dict = {}
     bf16 = [b for b in [*BF16, *HAND] if any(figure.get((b, n)) for n in batches)]
@@ -762,8 +869,11 @@ def assemble(args: argparse.Namespace, results: dict, elapsed: float) -> dict:
         for base in bf16:
             if base == mine:
                 continue
-            pair = {f"batch{n}": round(figure[mine, n] / figure[base, n], 3) for n in batches
-                    if figure.get((mine, n)) and figure.get((base, n))}
+            pair = {
+                f"batch{n}": round(figure[mine, n] / figure[base, n], 3)
+                for n in batches
+                if figure.get((mine, n)) and figure.get((base, n))
+            }
             if pair:
                 ratios[f"{mine}_vs_{base}"] = pair
     best = {}
@@ -774,13 +884,26 @@ def assemble(args: argparse.Namespace, results: dict, elapsed: float) -> dict:
             best[f"batch{n}"] = round(best_quantized / best_bf16, 3)
     if best:
         ratios["best_quantized_vs_best_xpupack_bf16"] = best
-    return {"benchmark": "llm_decode", "device": args.device, "tiny": args.tiny,
-            "config": TINY_CONFIG if args.tiny else CONFIG, "prompt": PROMPT, "new_tokens": args.new_tokens,
-            "batches": batches, "hbm_bytes_per_s": args.hbm_bytes_per_s, "compile_options": args.compile_options,
-            "quant_search": args.quant_search, "tune_caches": args.tune_caches, "time_budget_s": args.time_budget, "elapsed_s": round(elapsed, 1),
-            "status": {name: entry.get("status", "running") for name, entry in results.items()},
-            "rows": rows, "ratios": ratios, "targets": targets(rows, results, ratios, args),
-            "results": results}
+    return {
+        "benchmark": "llm_decode",
+        "device": args.device,
+        "tiny": args.tiny,
+        "config": TINY_CONFIG if args.tiny else CONFIG,
+        "prompt": PROMPT,
+        "new_tokens": args.new_tokens,
+        "batches": batches,
+        "hbm_bytes_per_s": args.hbm_bytes_per_s,
+        "compile_options": args.compile_options,
+        "quant_search": args.quant_search,
+        "tune_caches": args.tune_caches,
+        "time_budget_s": args.time_budget,
+        "elapsed_s": round(elapsed, 1),
+        "status": {name: entry.get("status", "running") for name, entry in results.items()},
+        "rows": rows,
+        "ratios": ratios,
+        "targets": targets(rows, results, ratios, args),
+        "results": results,
+    }
 
 
 def targets(rows: list[dict], results: dict, ratios: dict, args: argparse.Namespace) -> dict:
@@ -791,16 +914,23 @@ def targets(rows: list[dict], results: dict, ratios: dict, args: argparse.Namesp
     found: dict = {"applies": args.device != "cpu" and not args.tiny}
     if bf16:
         top = max(bf16, key=lambda r: r["loop_tokens_per_s"])
-        found["bf16_loop_batch1_at_least_1100"] = {"variant": top["variant"], "tokens_per_s": top["loop_tokens_per_s"],
-                                                   "met": top["loop_tokens_per_s"] >= TARGETS["bf16_loop_tokens_per_s"],
-                                                   "check_passed": top["check_passed"]}
+        found["bf16_loop_batch1_at_least_1100"] = {
+            "variant": top["variant"],
+            "tokens_per_s": top["loop_tokens_per_s"],
+            "met": top["loop_tokens_per_s"] >= TARGETS["bf16_loop_tokens_per_s"],
+            "check_passed": top["check_passed"],
+        }
     best = ratios.get("best_quantized_vs_best_xpupack_bf16", {}).get("batch1")
     if best is not None and quantized:
         top = max(quantized, key=lambda r: r["loop_tokens_per_s"])
         sqnr = top["logits_sqnr_db"]
         found["best_quantized_at_least_1_5x_bf16"] = {
-            "variant": top["variant"], "ratio": best, "met": best >= TARGETS["quantized_vs_bf16"],
-            "logits_sqnr_db": sqnr, "sqnr_met": sqnr is not None and sqnr >= TARGETS["quantized_sqnr_db"]}
+            "variant": top["variant"],
+            "ratio": best,
+            "met": best >= TARGETS["quantized_vs_bf16"],
+            "logits_sqnr_db": sqnr,
+            "sqnr_met": sqnr is not None and sqnr >= TARGETS["quantized_sqnr_db"],
+        }
     thorough = results.get("xpupack_bf16_thorough", {}).get("tune", {}).get("tune_s")
     if thorough is not None:
         found["thorough_tune_within_10_min"] = {"tune_s": thorough, "met": thorough <= TARGETS["thorough_tune_s"]}
@@ -809,9 +939,21 @@ def targets(rows: list[dict], results: dict, ratios: dict, args: argparse.Namesp
 
 def table(report: dict) -> str:
     """The rows as a Markdown table (for the closing note)."""
-    columns = ["variant", "batch", "loop_tokens_per_s", "generate_tokens_per_s", "hbm_limit_tokens_per_s",
-               "loop_share_of_limit", "tune_s", "load_s", "first_generate_s", "check_passed", "argmax_agreement",
-               "logits_sqnr_db", "backend"]
+    columns = [
+        "variant",
+        "batch",
+        "loop_tokens_per_s",
+        "generate_tokens_per_s",
+        "hbm_limit_tokens_per_s",
+        "loop_share_of_limit",
+        "tune_s",
+        "load_s",
+        "first_generate_s",
+        "check_passed",
+        "argmax_agreement",
+        "logits_sqnr_db",
+        "backend",
+    ]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for row in report["rows"]:
         lines.append("| " + " | ".join("–" if row.get(c) is None else str(row[c]) for c in columns) + " |")
@@ -828,30 +970,72 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (default 1,8)")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (2 layers, hidden 64), for a smoke test")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                        help="stop starting variants (and stop a running one) when this much time has passed")
-    parser.add_argument("--variant-timeout", type=float, default=900, metavar="SECONDS",
-                        help="most seconds one step (tune, load) of a variant may run")
-    parser.add_argument("--min-start", type=float, default=45, metavar="SECONDS",
-                        help="a variant does not start with less of the time budget left than this")
-    parser.add_argument("--out", action="append", default=None,
-                        help="the JSON report, rewritten as results come in (may be given twice: written to both)")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the variants the first existing --out holds as done (ok, not available); "
-                             "a variant it tuned whose package is in --workdir only loads; run the rest")
-    parser.add_argument("--hbm-bytes-per-s", type=float, default=HBM_BYTES_PER_S,
-                        help="the device's memory bandwidth for the limit (default 4.8e12, an H200)")
-    parser.add_argument("--quant-search", choices=["quick", "thorough"], default="thorough",
-                        help="search of the quantized variants, where tune() has search= (default thorough)")
-    parser.add_argument("--tune-caches", choices=["empty", "shared"], default="empty",
-                        help="each tune on empty compiler caches (default: honest tune times) or on one cache "
-                             "the tunes share (faster; tune_s then depends on the order). Loads: always empty")
-    parser.add_argument("--profile", action="store_true",
-                        help="profile decode steps of each loaded package: top kernels, shares, bandwidth")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop starting variants (and stop a running one) when this much time has passed",
+    )
+    parser.add_argument(
+        "--variant-timeout",
+        type=float,
+        default=900,
+        metavar="SECONDS",
+        help="most seconds one step (tune, load) of a variant may run",
+    )
+    parser.add_argument(
+        "--min-start",
+        type=float,
+        default=45,
+        metavar="SECONDS",
+        help="a variant does not start with less of the time budget left than this",
+    )
+    parser.add_argument(
+        "--out",
+        action="append",
+        default=None,
+        help="the JSON report, rewritten as results come in (may be given twice: written to both)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the variants the first existing --out holds as done (ok, not available); "
+        "a variant it tuned whose package is in --workdir only loads; run the rest",
+    )
+    parser.add_argument(
+        "--hbm-bytes-per-s",
+        type=float,
+        default=HBM_BYTES_PER_S,
+        help="the device's memory bandwidth for the limit (default 4.8e12, an H200)",
+    )
+    parser.add_argument(
+        "--quant-search",
+        choices=["quick", "thorough"],
+        default="thorough",
+        help="search of the quantized variants, where tune() has search= (default thorough)",
+    )
+    parser.add_argument(
+        "--tune-caches",
+        choices=["empty", "shared"],
+        default="empty",
+        help="each tune on empty compiler caches (default: honest tune times) or on one cache "
+        "the tunes share (faster; tune_s then depends on the order). Loads: always empty",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile decode steps of each loaded package: top kernels, shares, bandwidth",
+    )
     parser.add_argument("--workdir", default=None, help="where packages and logs go (default: a temporary directory)")
-    parser.add_argument("--compile-options", type=json.loads, default=None, metavar="JSON",
-                        help='Inductor settings for xpupack_bf16 and the quantized strategies, '
-                             'e.g. \'{"coordinate_descent_tuning": true}\'')
+    parser.add_argument(
+        "--compile-options",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="Inductor settings for xpupack_bf16 and the quantized strategies, "
+        "e.g. '{\"coordinate_descent_tuning\": true}'",
+    )
     parser.add_argument("--step", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     return parser
@@ -900,8 +1084,11 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         entry = runner.variant(name)
         runner.write()
-        print(f"{name}: {entry['status']} ({time.perf_counter() - runner.started:.0f} s into the run)",
-              file=sys.stderr, flush=True)
+        print(
+            f"{name}: {entry['status']} ({time.perf_counter() - runner.started:.0f} s into the run)",
+            file=sys.stderr,
+            flush=True,
+        )
     report = assemble(args, results, time.perf_counter() - runner.started)
     runner.write()
     print(table(report), file=sys.stderr, flush=True)

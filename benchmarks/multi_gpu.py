@@ -66,8 +66,10 @@ class Split(nn.Module):
         for part in (self.embed, self.norm, self.head):
             part.to(devices[0])
         per_stage = len(base.layers) // len(devices)
-        self.stages = nn.ModuleList(nn.Sequential(*base.layers[i * per_stage:(i + 1) * per_stage]).to(device)
-                                    for i, device in enumerate(devices))
+        self.stages = nn.ModuleList(
+            nn.Sequential(*base.layers[i * per_stage : (i + 1) * per_stage]).to(device)
+            for i, device in enumerate(devices)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -78,6 +80,7 @@ class Split(nn.Module):
 
 class Sizes:
     """The model and call counts of one run (`SMOKE` shrinks them)."""
+
     hidden, layers, warmup, iterations = HIDDEN, LAYERS, 20, 200
 
 
@@ -116,8 +119,10 @@ def _strategy(*, inductor: bool = False) -> xpupack.Strategy:
 
 def _backends(model) -> dict:
     stats = xpupack.stats(model)
-    return {"backends": sorted({s["backend"] for s in stats.values()}),
-            "fallbacks": sum(s["fallbacks"] for s in stats.values())}
+    return {
+        "backends": sorted({s["backend"] for s in stats.values()}),
+        "fallbacks": sum(s["fallbacks"] for s in stats.values()),
+    }
 
 
 def _eager_and_tuned(model, modules, devices, sample_device, strategy: xpupack.Strategy | None = None) -> dict:
@@ -144,11 +149,18 @@ def bench_split(dtype: torch.dtype, device_type: str) -> dict:
     two = [f"{device_type}:0", f"{device_type}:1"] if device_type != "cpu" else ["cpu", "cpu"]
     split = _eager_and_tuned(Split(_model(dtype, "cpu"), two), ["stages.*"], [torch.device(d) for d in two], two[0])
     one = _eager_and_tuned(Split(_model(dtype, "cpu"), two[:1]), ["stages.*"], [torch.device(two[0])], two[0])
-    result = {"backends": split["backends"], "fallbacks": split["fallbacks"],
-              "max_abs_diff_vs_eager": split["max_abs_diff"]}
+    result = {
+        "backends": split["backends"],
+        "fallbacks": split["fallbacks"],
+        "max_abs_diff_vs_eager": split["max_abs_diff"],
+    }
     for batch in BATCHES:
-        row = {"split_eager_us": split["eager_us"][batch], "split_tuned_us": split["tuned_us"][batch],
-               "one_gpu_eager_us": one["eager_us"][batch], "one_gpu_tuned_us": one["tuned_us"][batch]}
+        row = {
+            "split_eager_us": split["eager_us"][batch],
+            "split_tuned_us": split["tuned_us"][batch],
+            "one_gpu_eager_us": one["eager_us"][batch],
+            "one_gpu_tuned_us": one["tuned_us"][batch],
+        }
         row["split_tuned_speedup_vs_split_eager"] = row["split_eager_us"] / row["split_tuned_us"]
         row["split_tuned_vs_one_gpu_tuned"] = row["one_gpu_tuned_us"] / row["split_tuned_us"]
         result[f"batch{batch}"] = {k: round(v, 3) for k, v in row.items()}
@@ -179,10 +191,11 @@ def tp_rank(dtype: torch.dtype, device_type: str, out: Path) -> None:
     model = _model(dtype, str(device))
     for block in model.layers:
         parallelize_module(block, mesh, {"mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
-    result["tensor_parallel"] = _eager_and_tuned(model, ["layers.*"], [device], str(device),
-                                                 _strategy(inductor=True))
-    rejected = {path: [e.reason for e in tuned.report if e.status == "rejected"]
-                for path, tuned in session_of(model).modules.items()}
+    result["tensor_parallel"] = _eager_and_tuned(model, ["layers.*"], [device], str(device), _strategy(inductor=True))
+    rejected = {
+        path: [e.reason for e in tuned.report if e.status == "rejected"]
+        for path, tuned in session_of(model).modules.items()
+    }
     result["tensor_parallel"]["rejected"] = {p: r for p, r in rejected.items() if r}
     if rank == 0:
         out.write_text(json.dumps(result, default=str))
@@ -193,18 +206,38 @@ def tp_rank(dtype: torch.dtype, device_type: str, out: Path) -> None:
 def bench_tensor_parallel(dtype_name: str, device_type: str, smoke: bool) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "rank0.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   __file__, "--dtype", dtype_name, "--device", device_type, "--tp-rank-out", str(out),
-                   *(["--smoke"] if smoke else [])]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            "--dtype",
+            dtype_name,
+            "--device",
+            device_type,
+            "--tp-rank-out",
+            str(out),
+            *(["--smoke"] if smoke else []),
+        ]
         subprocess.run(command, check=True, stdout=2)  # the ranks print to our stderr: stdout carries the JSON only
         raw = json.loads(out.read_text())
     tp, one = raw["tensor_parallel"], raw["one_gpu"]
-    result = {"backends": tp["backends"], "fallbacks": tp["fallbacks"], "rejected": tp["rejected"],
-              "max_abs_diff_vs_eager_tp": tp["max_abs_diff"]}
+    result = {
+        "backends": tp["backends"],
+        "fallbacks": tp["fallbacks"],
+        "rejected": tp["rejected"],
+        "max_abs_diff_vs_eager_tp": tp["max_abs_diff"],
+    }
     for batch in BATCHES:
         key = str(batch)
-        row = {"tp_eager_us": tp["eager_us"][key], "tp_tuned_us": tp["tuned_us"][key],
-               "one_gpu_eager_us": one["eager_us"][key], "one_gpu_tuned_us": one["tuned_us"][key]}
+        row = {
+            "tp_eager_us": tp["eager_us"][key],
+            "tp_tuned_us": tp["tuned_us"][key],
+            "one_gpu_eager_us": one["eager_us"][key],
+            "one_gpu_tuned_us": one["tuned_us"][key],
+        }
         row["tp_tuned_speedup_vs_tp_eager"] = row["tp_eager_us"] / row["tp_tuned_us"]
         row["tp_tuned_speedup_vs_one_gpu_eager"] = row["one_gpu_eager_us"] / row["tp_tuned_us"]
         row["tp_tuned_speedup_vs_one_gpu_tuned"] = row["one_gpu_tuned_us"] / row["tp_tuned_us"]
@@ -215,8 +248,12 @@ def bench_tensor_parallel(dtype_name: str, device_type: str, smoke: bool) -> dic
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on a CPU")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "xpu", "cpu"],
-                        help="the device type; cpu runs the code path only (one device, gloo, no graphs)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "xpu", "cpu"],
+        help="the device type; cpu runs the code path only (one device, gloo, no graphs)",
+    )
     parser.add_argument("--only", choices=["split", "tensor_parallel"], default=None)
     parser.add_argument("--smoke", action="store_true", help=f"a tiny model and few calls ({SMOKE})")
     parser.add_argument("--tp-rank-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -231,8 +268,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     if options.device != "cpu" and getattr(torch, options.device).device_count() < 2:
         sys.exit(f"needs two {options.device} devices (or --device cpu for the code path)")
     name = _device.device_name(torch.device(options.device, 0) if options.device != "cpu" else torch.device("cpu"))
-    report = {"torch": torch.__version__, "xpupack": xpupack.__version__, "device": name,
-              "model": f"h{Sizes.hidden}x{Sizes.layers}, seq {SEQ}", "dtype": options.dtype, "smoke": options.smoke}
+    report = {
+        "torch": torch.__version__,
+        "xpupack": xpupack.__version__,
+        "device": name,
+        "model": f"h{Sizes.hidden}x{Sizes.layers}, seq {SEQ}",
+        "dtype": options.dtype,
+        "smoke": options.smoke,
+    }
     if options.only in (None, "split"):
         report["split"] = bench_split(dtype, options.device)
     if options.only in (None, "tensor_parallel"):

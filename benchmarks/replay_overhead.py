@@ -114,14 +114,25 @@ def main(argv: list[str] | None = None) -> dict:
     medians = {name: round(statistics.median(values), 2) for name, values in samples.items()}
     result = {
         "what": "host microseconds per call (the clock stops when the call returns; the device is synchronized "
-                "between calls, outside the timed region); medians over rounds that alternate between variants",
-        "config": {"device": str(device), "device_name": _device.device_name(device), "dtype": str(dtype),
-                   "hidden": args.hidden, "layers": args.layers, "batch": 1, "seq": args.seq,
-                   "real_graphs": real, "rounds": args.rounds, "calls_per_round": args.calls,
-                   "torch": torch.__version__},
+        "between calls, outside the timed region); medians over rounds that alternate between variants",
+        "config": {
+            "device": str(device),
+            "device_name": _device.device_name(device),
+            "dtype": str(dtype),
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "batch": 1,
+            "seq": args.seq,
+            "real_graphs": real,
+            "rounds": args.rounds,
+            "calls_per_round": args.calls,
+            "torch": torch.__version__,
+        },
         "host_us": medians,
-        "extra_us": {"copy": round(medians["tuned_copy"] - medians["hand_copy"], 2),
-                     "alias": round(medians["tuned_alias"] - medians["hand_alias"], 2)},
+        "extra_us": {
+            "copy": round(medians["tuned_copy"] - medians["hand_copy"], 2),
+            "alias": round(medians["tuned_alias"] - medians["hand_alias"], 2),
+        },
     }
     print(json.dumps(result, indent=2))
     return result

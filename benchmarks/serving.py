@@ -94,9 +94,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=32, help="tokens per row, the same for every call")
     parser.add_argument("--chunk", type=int, default=100, help="calls per turn of each variant")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=["graph", "inductor", "emulated-graph"], default=None,
-                        help="default: graph where the device has device graphs; else emulated-graph with "
-                             "--smoke, inductor without")
+    parser.add_argument(
+        "--backend",
+        choices=["graph", "inductor", "emulated-graph"],
+        default=None,
+        help="default: graph where the device has device graphs; else emulated-graph with --smoke, inductor without",
+    )
     parser.add_argument("--smoke", action="store_true", help=f"tiny sizes and few calls: {SMOKE}")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -104,8 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(args, key, value)
     device = _device.resolve(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type in ("cuda", "xpu") else "float32"))
-    backend = args.backend or ("graph" if _device.graphs_for(device) is not None
-                               else "emulated-graph" if args.smoke else "inductor")
+    backend = args.backend or (
+        "graph" if _device.graphs_for(device) is not None else "emulated-graph" if args.smoke else "inductor"
+    )
     if backend == "emulated-graph":
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from support.emulated_graph import EmulatedGraphs
@@ -127,8 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
     # their own (a later capture reuses blocks that earlier ones freed there)
     tuned_ladder = copy.deepcopy(eager)
     started = time.perf_counter()
-    xpupack.tune(tuned_ladder, [ladder_sample], strategy=xpupack.Only(make_backend(backend, len(ladder))),
-                 batch_sizes=ladder)
+    xpupack.tune(
+        tuned_ladder, [ladder_sample], strategy=xpupack.Only(make_backend(backend, len(ladder))), batch_sizes=ladder
+    )
     tune_s = time.perf_counter() - started
     memory_bytes = xpupack.stats(tuned_ladder)[""].get("memory_bytes", 0)
     with tempfile.TemporaryDirectory() as folder:
@@ -147,10 +152,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     exact = copy.deepcopy(eager)
     started = time.perf_counter()
-    xpupack.tune(exact, [next(ids for ids in inputs if ids.shape[0] == b) for b in distinct],
-                 strategy=xpupack.Only(make_backend(backend, len(distinct))))
-    facts["exact"] = {"tune_s": round(time.perf_counter() - started, 3),
-                      "memory_bytes": xpupack.stats(exact)[""].get("memory_bytes", 0)}
+    xpupack.tune(
+        exact,
+        [next(ids for ids in inputs if ids.shape[0] == b) for b in distinct],
+        strategy=xpupack.Only(make_backend(backend, len(distinct))),
+    )
+    facts["exact"] = {
+        "tune_s": round(time.perf_counter() - started, 3),
+        "memory_bytes": xpupack.stats(exact)[""].get("memory_bytes", 0),
+    }
     models = {"eager": eager, "exact": exact, "ladder": loaded}
 
     latencies: dict[str, list[float]] = {name: [] for name in models}
@@ -159,21 +169,30 @@ def main(argv: list[str] | None = None) -> dict:
     warm = {name: counters(model) for name, model in models.items() if name != "eager"}
     for start in range(0, len(inputs), args.chunk):
         for name, model in models.items():
-            run_chunk(model, inputs[start:start + args.chunk], device, latencies[name])
+            run_chunk(model, inputs[start : start + args.chunk], device, latencies[name])
 
     variants = {}
     for name, model in models.items():
         values = latencies[name]
-        entry = {"p50_us": round(statistics.median(values), 1), "p99_us": round(percentile(values, 0.99), 1),
-                 "mean_us": round(statistics.fmean(values), 1), "total_s": round(sum(values) / 1e6, 4)}
+        entry = {
+            "p50_us": round(statistics.median(values), 1),
+            "p99_us": round(percentile(values, 0.99), 1),
+            "mean_us": round(statistics.fmean(values), 1),
+            "total_s": round(sum(values) / 1e6, 4),
+        }
         if name == "eager":
             entry.update(replayed_exact=0.0, padded=0.0, fallen_back=1.0)
         else:
             calls, padded, fallbacks = (now - then for now, then in zip(counters(model), warm[name]))
             stats = xpupack.stats(model)[""]
-            entry.update(backend=stats["backend"], replayed_exact=round((calls - padded - fallbacks) / calls, 4),
-                         padded=round(padded / calls, 4), fallen_back=round(fallbacks / calls, 4),
-                         signatures=stats["signatures"], **facts[name])
+            entry.update(
+                backend=stats["backend"],
+                replayed_exact=round((calls - padded - fallbacks) / calls, 4),
+                padded=round(padded / calls, 4),
+                fallen_back=round(fallbacks / calls, 4),
+                signatures=stats["signatures"],
+                **facts[name],
+            )
         variants[name] = entry
 
     def ratios(name: str, reference: str) -> dict:
@@ -183,21 +202,40 @@ def main(argv: list[str] | None = None) -> dict:
     ladder_entry = variants["ladder"]
     result = {
         "what": f"a seeded stream of calls through TinyTransformer, every call {args.seq} tokens per row; "
-                "per-call latency to the result (device-synchronized); ratios are the variant's time over the "
-                "reference's (below 1: faster); the exact variant's memory_bytes is measured after the ladder's "
-                "recordings were made and released, so its captures reuse their pool blocks (an underestimate)",
-        "config": {"device": str(device), "device_name": _device.device_name(device), "dtype": str(dtype),
-                   "hidden": args.hidden, "layers": args.layers, "vocab": VOCAB, "seq": args.seq,
-                   "calls": args.calls, "batch_sizes": f"uniform 1..{args.max_batch}", "seed": args.seed,
-                   "backend": backend, "distinct_batches": len(distinct), "ladder": ladder,
-                   "torch": torch.__version__, "smoke": args.smoke},
+        "per-call latency to the result (device-synchronized); ratios are the variant's time over the "
+        "reference's (below 1: faster); the exact variant's memory_bytes is measured after the ladder's "
+        "recordings were made and released, so its captures reuse their pool blocks (an underestimate)",
+        "config": {
+            "device": str(device),
+            "device_name": _device.device_name(device),
+            "dtype": str(dtype),
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "vocab": VOCAB,
+            "seq": args.seq,
+            "calls": args.calls,
+            "batch_sizes": f"uniform 1..{args.max_batch}",
+            "seed": args.seed,
+            "backend": backend,
+            "distinct_batches": len(distinct),
+            "ladder": ladder,
+            "torch": torch.__version__,
+            "smoke": args.smoke,
+        },
         "variants": variants,
-        "ratios": {"exact_vs_eager": ratios("exact", "eager"), "ladder_vs_eager": ratios("ladder", "eager"),
-                   "ladder_vs_exact": ratios("ladder", "exact")},
-        "ladder_recording": {"memory_bytes": ladder_entry["memory_bytes"], "capture_s": facts["ladder"]["load_s"],
-                             "recordings": len(ladder)},
-        "device_memory_reserved_bytes": (int(getattr(torch, device.type).memory_reserved(device))
-                                         if device.type in ("cuda", "xpu") else None),
+        "ratios": {
+            "exact_vs_eager": ratios("exact", "eager"),
+            "ladder_vs_eager": ratios("ladder", "eager"),
+            "ladder_vs_exact": ratios("ladder", "exact"),
+        },
+        "ladder_recording": {
+            "memory_bytes": ladder_entry["memory_bytes"],
+            "capture_s": facts["ladder"]["load_s"],
+            "recordings": len(ladder),
+        },
+        "device_memory_reserved_bytes": (
+            int(getattr(torch, device.type).memory_reserved(device)) if device.type in ("cuda", "xpu") else None
+        ),
         "targets": {
             "replayed_or_padded_at_least_99pct": ladder_entry["replayed_exact"] + ladder_entry["padded"] >= 0.99,
             "ladder_total_within_10pct_of_exact": ladder_entry["total_s"] <= 1.1 * variants["exact"]["total_s"],

@@ -69,6 +69,7 @@ def synchronize(device: str) -> None:
 
 # -- fresh-process children ---------------------------------------------------------
 
+
 def import_torchao() -> float:
     """Imports what both ways of loading need (torchao pulls in torch._dynamo); returns the seconds."""
     start = time.perf_counter()
@@ -108,8 +109,11 @@ def child_requantize(args) -> dict:
     synchronize(args.device)
     start = time.perf_counter()
     model.load_state_dict(load_file(args.package, device=args.device), strict=False)  # head is tied to embed
-    quantize_(model, NAMED_CONFIGS[args.config].make(),
-              filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn.startswith(prefixes))
+    quantize_(
+        model,
+        NAMED_CONFIGS[args.config].make(),
+        filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn.startswith(prefixes),
+    )
     ready = time.perf_counter()
     with torch.inference_mode():
         model(x)
@@ -118,9 +122,24 @@ def child_requantize(args) -> dict:
 
 
 def run_child(args, mode: str, package: Path, config: str | None = None) -> dict:
-    command = [sys.executable, __file__, "--child", mode, "--package", str(package), "--device", args.device,
-               "--dtype", args.dtype, "--hidden", str(args.hidden), "--layers", str(args.layers),
-               "--seq", str(args.seq)] + (["--config", config] if config else [])
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--package",
+        str(package),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--seq",
+        str(args.seq),
+    ] + (["--config", config] if config else [])
     runs = []
     for _ in range(args.repeat):
         # each run a new server: its own empty compiler caches
@@ -134,12 +153,17 @@ def run_child(args, mode: str, package: Path, config: str | None = None) -> dict
 
 # -- the parent ---------------------------------------------------------------------
 
+
 def latency_us(model: nn.Module, x: torch.Tensor, args) -> float:
     from xpupack import _timing
 
     with torch.inference_mode():
-        return round(_timing.measure(lambda: model(x), torch.device(args.device),
-                                     iterations=args.iterations, budget_s=30.0).median_us, 1)
+        return round(
+            _timing.measure(
+                lambda: model(x), torch.device(args.device), iterations=args.iterations, budget_s=30.0
+            ).median_us,
+            1,
+        )
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
@@ -179,9 +203,12 @@ def bench_one(args, work: Path, config: str, label: str, backend, fp32_file: Pat
         return {**entry, "rejected": str(exc)}
     package = xpupack.save(model, work / f"{config}-{label}")
     package_bytes = sum(p.stat().st_size for p in package.rglob("*.safetensors"))
-    entry["size"] = {"package_weight_bytes": package_bytes, "fp32_weight_bytes": fp32_bytes,
-                     "ratio_vs_fp32": round(package_bytes / fp32_bytes, 4),
-                     "ratio_vs_model_dtype": round(package_bytes / dtype_bytes, 4)}
+    entry["size"] = {
+        "package_weight_bytes": package_bytes,
+        "fp32_weight_bytes": fp32_bytes,
+        "ratio_vs_fp32": round(package_bytes / fp32_bytes, 4),
+        "ratio_vs_model_dtype": round(package_bytes / dtype_bytes, 4),
+    }
     # alternate eager and tuned rounds, best median of each: other load on the machine hits both alike
     eager_us = tuned_us = float("inf")
     for _ in range(args.rounds):
@@ -226,25 +253,44 @@ def main() -> None:
 
     import xpupack
 
-    args.configs = args.configs.split(",") if args.configs else (
-        CUDA_CONFIGS if args.device.startswith("cuda") else CPU_CONFIGS)
+    args.configs = (
+        args.configs.split(",") if args.configs else (CUDA_CONFIGS if args.device.startswith("cuda") else CPU_CONFIGS)
+    )
     with tempfile.TemporaryDirectory(prefix="torchao-bench-") as folder:
         work = Path(folder)
         eager = make_model(args)
         fp32_file = work / "weights.safetensors"
-        save_file({k: v.contiguous() for k, v in eager.state_dict().items() if k != "head.weight"},
-                  str(fp32_file))  # head.weight is tied to embed.weight
-        results = [bench_one(args, work, config, label, backend, fp32_file, eager)
-                   for config, label, backend in candidates(args)]
+        save_file(
+            {k: v.contiguous() for k, v in eager.state_dict().items() if k != "head.weight"}, str(fp32_file)
+        )  # head.weight is tied to embed.weight
+        results = [
+            bench_one(args, work, config, label, backend, fp32_file, eager)
+            for config, label, backend in candidates(args)
+        ]
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(json.dumps({
-        "benchmark": "torchao packages",
-        "device": args.device, "device_name": device_name, "torch": torch.__version__,
-        "torchao": torchao.__version__, "xpupack": xpupack.__version__, "threads": torch.get_num_threads(),
-        "model": {"class": "xpupack.examples.TinyTransformer", "hidden": args.hidden, "layers": args.layers,
-                  "dtype": args.dtype, "input": [1, args.seq], "quantized": "every Linear of every block"},
-        "results": results,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "torchao packages",
+                "device": args.device,
+                "device_name": device_name,
+                "torch": torch.__version__,
+                "torchao": torchao.__version__,
+                "xpupack": xpupack.__version__,
+                "threads": torch.get_num_threads(),
+                "model": {
+                    "class": "xpupack.examples.TinyTransformer",
+                    "hidden": args.hidden,
+                    "layers": args.layers,
+                    "dtype": args.dtype,
+                    "input": [1, args.seq],
+                    "quantized": "every Linear of every block",
+                },
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

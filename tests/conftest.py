@@ -32,9 +32,11 @@ GRAPH_DEVICE = _graph_device()
 
 def pytest_collection_modifyitems(config, items):
     """Applies the hardware markers from one capability probe."""
-    have = {"requires_graph_device": GRAPH_DEVICE is not None,
-            "requires_cuda": torch.cuda.is_available(),
-            "requires_xpu": hasattr(torch, "xpu") and torch.xpu.is_available()}
+    have = {
+        "requires_graph_device": GRAPH_DEVICE is not None,
+        "requires_cuda": torch.cuda.is_available(),
+        "requires_xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
     for item in items:
         for marker, available in have.items():
             if marker in item.keywords and not available:
@@ -53,8 +55,9 @@ def inductor_package(tmp_path_factory, _inductor_cache):
 
     Tests must not change the package; copy it first.
     """
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.InductorBackend())
+    )
     root = xpupack.save(model, tmp_path_factory.mktemp("inductor") / "pkg")
     return model, root
 
@@ -65,8 +68,9 @@ def eager_package(tmp_path_factory) -> Path:
 
     Tests must not change the package; copy it first.
     """
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.EagerBackend())
+    )
     return xpupack.save(model, tmp_path_factory.mktemp("eager") / "pkg")
 
 
@@ -74,8 +78,13 @@ def eager_package(tmp_path_factory) -> Path:
 def demo_eager_package(tmp_path_factory) -> Path:
     """The package of the demo transformer (`xpupack.examples`, seed 0) with its MLPs tuned with eager, as a
     user's first package is: it builds in a second. Tests must not change the package; copy it first."""
-    model = xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.*.mlp"], device="cpu",
-                         strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
+    model = xpupack.tune(
+        tiny_transformer(),
+        tiny_transformer_samples(),
+        modules=["layers.*.mlp"],
+        device="cpu",
+        strategy=xpupack.FirstWins([xpupack.EagerBackend()]),
+    )
     return xpupack.save(model, tmp_path_factory.mktemp("demo-eager") / "pkg")
 
 
@@ -89,8 +98,12 @@ def graph_inductor_package(tmp_path_factory, _inductor_cache):
     """
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(_device.GRAPH_APIS, "cpu", EmulatedGraphs())
-        model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                             strategy=xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())))
+        model = xpupack.tune(
+            make_stack(),
+            stack_samples(),
+            modules=["layers.*.mlp"],
+            strategy=xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
+        )
         root = xpupack.save(model, tmp_path_factory.mktemp("graph-inductor") / "pkg")
     return model, root
 
@@ -128,10 +141,14 @@ def run_python(tmp_path):
         script = tmp_path / "snippet.py"
         script.write_text(textwrap.dedent(code))
         tests_dir = os.path.dirname(__file__)
-        full_env = {**os.environ, "PYTHONPATH": tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    **(env or {})}
-        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                                env=full_env, timeout=600)
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **(env or {}),
+        }
+        result = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=full_env, timeout=600
+        )
         if check and result.returncode != 0:
             pytest.fail(f"fresh process failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
         return result

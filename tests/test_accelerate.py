@@ -68,14 +68,16 @@ def test_hooked_modules_are_tuned_behind_the_hook(how, emulated_graphs, tmp_path
 
 
 def test_deactivating_gives_the_hook_its_forward_back(emulated_graphs):
-    model = xpupack.tune(_hooked_stack(), _samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    model = xpupack.tune(
+        _hooked_stack(), _samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.GraphBackend())
+    )
     mlp = model.layers[0]["mlp"]
     xpupack.deactivate(model)
     assert not isinstance(mlp._old_forward, xpupack.tuned.TunedModule)
     before = ToFloat32.calls
-    torch.testing.assert_close(_call(model, torch.ones(2, 8, dtype=torch.float64))[0],
-                               _call(make_stack(seed=0), torch.ones(2, 8))[0])
+    torch.testing.assert_close(
+        _call(model, torch.ones(2, 8, dtype=torch.float64))[0], _call(make_stack(seed=0), torch.ones(2, 8))[0]
+    )
     assert ToFloat32.calls == before + 2  # the hook still runs
     hooks.remove_hook_from_module(mlp)
     assert "forward" in mlp.__dict__ and "_old_forward" not in mlp.__dict__

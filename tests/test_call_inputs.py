@@ -107,9 +107,11 @@ def _assert_eager_result(tuned, reference, case, grad=False, autocast=False):
 @pytest.mark.parametrize("case", CASES)
 def test_bad_inputs_give_eager_results_or_eager_errors(tuned_mlp, case, fallback_calls, request):
     tuned, reference = tuned_mlp
-    if "inductor" in request.node.callspec.id and case in ("transposed (non-contiguous)",
-                                                           "every other row (non-contiguous)",
-                                                           "broadcast row (stride 0)"):
+    if "inductor" in request.node.callspec.id and case in (
+        "transposed (non-contiguous)",
+        "every other row (non-contiguous)",
+        "broadcast row (stride 0)",
+    ):
         request.applymarker(pytest.mark.slow)  # Inductor compiles again for new strides
     _assert_eager_result(tuned, reference, case)
 

@@ -17,8 +17,9 @@ DEMO = ["xpupack.examples:tiny_transformer", "--samples", "xpupack.examples:tiny
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("cli") / "pkg"
-    result = CliRunner().invoke(main, ["build", *DEMO, "--modules", "layers.*.mlp", "--out", str(out),
-                                       "--backends", "graph,eager"])
+    result = CliRunner().invoke(
+        main, ["build", *DEMO, "--modules", "layers.*.mlp", "--out", str(out), "--backends", "graph,eager"]
+    )
     assert result.exit_code == 0, result.output
     return out, result.output, result.stderr
 
@@ -52,7 +53,9 @@ def test_build_outside_a_terminal_prints_a_line_per_step_and_module(built):
     lines = built[2].splitlines()
     assert "importing torch" in lines and "building the model" in lines
     assert [line for line in lines if line.startswith("tuning ")] == [
-        "tuning layers.0.mlp (1/2, 2 signature(s))", "tuning layers.1.mlp (2/2, 2 signature(s))"]
+        "tuning layers.0.mlp (1/2, 2 signature(s))",
+        "tuning layers.1.mlp (2/2, 2 signature(s))",
+    ]
     assert [line for line in lines if line.startswith("recording sample")] == ["recording sample 1"]  # no count-up
     assert any(line.startswith("writing ") for line in lines)
 
@@ -104,39 +107,53 @@ def test_verify_reports_parts_that_will_not_run_as_built(built, tmp_path):
 
 
 def test_bench_json(built):
-    result = CliRunner().invoke(main, ["bench", str(built[0]), "--model", "xpupack.examples:tiny_transformer",
-                                       "--iterations", "3", "--json"])
+    result = CliRunner().invoke(
+        main, ["bench", str(built[0]), "--model", "xpupack.examples:tiny_transformer", "--iterations", "3", "--json"]
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)["results"]
     assert len(rows) == 4
     assert all(r["tuned"]["median_us"] > 0 and r["eager"]["p90_us"] > 0 and not r["fell_back"] for r in rows)
     # the speedup is a median over rounds of tuned and eager calls taken in turns, with its interval
-    assert all(r["speedup_interval"][0] <= r["speedup"] <= r["speedup_interval"][1] and r["rounds"] >= 3
-               and isinstance(r["noisy"], bool) for r in rows)
+    assert all(
+        r["speedup_interval"][0] <= r["speedup"] <= r["speedup_interval"][1]
+        and r["rounds"] >= 3
+        and isinstance(r["noisy"], bool)
+        for r in rows
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["build", "nosuchmodule:factory", "--samples", "x:y", "--out", "o"], "cannot import 'nosuchmodule'"),
-    (["build", "xpupack.examples", "--samples", "x:y", "--out", "o"], "is not MODULE:NAME"),
-    (["build", *DEMO, "--out", "o", "--backends", "warp"], "unknown backend 'warp'"),
-    (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
-    (["inspect", "no/such/dir"], "there is no folder"),
-    (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
-    (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
-    (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "startup_margin=0.5"),
-    (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.0, or none"),
-    (["bench", "pkg", "--model", "xpupack.examples:tiny_transformer", "--iterations", "0"],
-     "0 is not in the range x>=1"),
-    (["build", *DEMO, "--out", "o", "--batch-sizes", "1,100000000000000000000000000000"],
-     "give batch sizes separated by commas, each from 1 to 2147483647"),
-    (["build", *DEMO, "--out", "o", "--batch-sizes", "0"], "each from 1 to"),
-    (["build", *DEMO, "--out", "o", "--backends", "graph:5"], "'graph:5': graph takes no argument; graph+NAME"),
-    (["build", *DEMO, "--out", "o", "--backends", "eager:5"], "'eager:5': "),
-    (["build", *DEMO, "--out", "o", "--backends", "graph+graph"], "'graph+graph': GraphBackend(base=GraphBackend"),
-    (["build", *DEMO, "--out", "o", "--modules", "layers.*.mlp", "--modules", "layers.*.mpl"],
-     "error: the module pattern 'layers.*.mpl' matches no submodule (the others match 2); close object paths: "
-     "layers.1.mlp, layers.0.mlp"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["build", "nosuchmodule:factory", "--samples", "x:y", "--out", "o"], "cannot import 'nosuchmodule'"),
+        (["build", "xpupack.examples", "--samples", "x:y", "--out", "o"], "is not MODULE:NAME"),
+        (["build", *DEMO, "--out", "o", "--backends", "warp"], "unknown backend 'warp'"),
+        (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
+        (["inspect", "no/such/dir"], "there is no folder"),
+        (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
+        (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
+        (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "startup_margin=0.5"),
+        (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.0, or none"),
+        (
+            ["bench", "pkg", "--model", "xpupack.examples:tiny_transformer", "--iterations", "0"],
+            "0 is not in the range x>=1",
+        ),
+        (
+            ["build", *DEMO, "--out", "o", "--batch-sizes", "1,100000000000000000000000000000"],
+            "give batch sizes separated by commas, each from 1 to 2147483647",
+        ),
+        (["build", *DEMO, "--out", "o", "--batch-sizes", "0"], "each from 1 to"),
+        (["build", *DEMO, "--out", "o", "--backends", "graph:5"], "'graph:5': graph takes no argument; graph+NAME"),
+        (["build", *DEMO, "--out", "o", "--backends", "eager:5"], "'eager:5': "),
+        (["build", *DEMO, "--out", "o", "--backends", "graph+graph"], "'graph+graph': GraphBackend(base=GraphBackend"),
+        (
+            ["build", *DEMO, "--out", "o", "--modules", "layers.*.mlp", "--modules", "layers.*.mpl"],
+            "error: the module pattern 'layers.*.mpl' matches no submodule (the others match 2); close object paths: "
+            "layers.1.mlp, layers.0.mlp",
+        ),
+    ],
+)
 def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, args)
@@ -178,6 +195,7 @@ def test_help_shows_the_demo():
 
 # -- options and files a user can get wrong (README: "Command line") -----------------------------------
 
+
 def _lacking(device):
     from xpupack.environment import devices_here
 
@@ -195,10 +213,13 @@ def test_verify_on_a_device_this_machine_lacks_could_not_check(built, device):
     assert "Traceback" not in result.output and "AssertionError" not in result.output
 
 
-@pytest.mark.parametrize("command", [
-    ["bench", "PKG", "--model", "xpupack.examples:tiny_transformer", "--device", "cuda:99"],
-    ["build", *DEMO, "--out", "out", "--device", "cuda:99"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["bench", "PKG", "--model", "xpupack.examples:tiny_transformer", "--device", "cuda:99"],
+        ["build", *DEMO, "--out", "out", "--device", "cuda:99"],
+    ],
+)
 def test_other_commands_refuse_a_missing_device_in_one_line(built, command, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(main, [str(built[0]) if part == "PKG" else part for part in command])
@@ -231,15 +252,19 @@ def test_bench_inside_a_package_imports_nothing_from_it(built, tmp_path, how):
         command = [sys.executable, str(script)]
     else:  # Python puts the current directory first on sys.path for -m
         command = [sys.executable, "-m", "xpupack", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(command, cwd=package, capture_output=True, text=True, env=env, timeout=600)
     assert not marker.exists(), result.stderr
     assert result.returncode == 1 and "is not listed in the manifest" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("name", ["jsonschema.py", "torch.pth", "click.cpython-311-x86_64-linux-gnu.so",
-                                  "safetensors/__init__.py", "rich.pyc"])
+@pytest.mark.parametrize(
+    "name",
+    ["jsonschema.py", "torch.pth", "click.cpython-311-x86_64-linux-gnu.so", "safetensors/__init__.py", "rich.pyc"],
+)
 def test_a_package_with_importable_files_at_its_root_is_refused(built, tmp_path, name):
     """Listed and digest-checked is not enough: at a package's root such a file could shadow a module
     whenever the package directory is the current one."""
@@ -262,8 +287,11 @@ def test_inspect_and_verify_show_every_option_that_changes_what_runs(built, tmp_
     manifest = json.loads((out / "xpupack.json").read_text())
     first, second = manifest["modules"]
     first["backend"] = {"name": "graph", "options": {"record_collectives": True, "max_recordings": 4}, "config": {}}
-    second["backend"] = {"name": "graph", "options": {"base": {"name": "inductor", "options": {
-        "compile_options": {"coordinate_descent_tuning": True}}}}, "config": {}}
+    second["backend"] = {
+        "name": "graph",
+        "options": {"base": {"name": "inductor", "options": {"compile_options": {"coordinate_descent_tuning": True}}}},
+        "config": {},
+    }
     (out / "xpupack.json").write_text(json.dumps(manifest))
     report = json.loads(CliRunner().invoke(main, ["inspect", str(out), "--json"]).output)
     assert report["modules"][0]["settings"] == ["max_recordings=4", "record_collectives=True"]
@@ -288,8 +316,14 @@ def test_verify_says_an_untrusted_package_does_not_get_its_record_collectives(bu
     (out / "xpupack.json").write_text(json.dumps(manifest))
     trusted = verify_package(out)["compatibility"]["layers.0.mlp"]["status"]
     assert "record_collectives" not in trusted
-    untrusted = verify_package(Source(out, trusted=False, description="org/name@main", trust_reason="revision "
-                                      "'main' of org/name is not pinned by commit hash"))
+    untrusted = verify_package(
+        Source(
+            out,
+            trusted=False,
+            description="org/name@main",
+            trust_reason="revision 'main' of org/name is not pinned by commit hash",
+        )
+    )
     status = untrusted["compatibility"]["layers.0.mlp"]["status"]
     assert "record_collectives=False: not taken from an untrusted source" in status
     assert not untrusted["compatibility"]["layers.0.mlp"]["compatible"]

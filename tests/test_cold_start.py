@@ -26,8 +26,12 @@ def gate():
 
 
 def package(tmp_path, **options):
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(**options))))
+    model = xpupack.tune(
+        make_stack(),
+        stack_samples(),
+        modules=["layers.*.mlp"],
+        strategy=xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(**options))),
+    )
     return xpupack.save(model, tmp_path / "pkg")
 
 
@@ -41,8 +45,9 @@ def base_runs() -> int:
     return sum(runner.runs for runner in GatedCompileBackend.RUNNERS)
 
 
-def test_a_graph_over_compiled_code_serves_at_once_and_switches_once_the_compile_is_done(emulated_graphs, gate,
-                                                                                       tmp_path):
+def test_a_graph_over_compiled_code_serves_at_once_and_switches_once_the_compile_is_done(
+    emulated_graphs, gate, tmp_path
+):
     root = package(tmp_path)
     model = xpupack.load(make_stack(), root)  # returns although the compiled part is not restored yet
     actual, expected = serve(model)
@@ -63,10 +68,14 @@ def test_a_graph_over_compiled_code_serves_at_once_and_switches_once_the_compile
     assert base_runs() > runs  # and every replay after them
 
 
-@pytest.mark.parametrize("options, why", [({"fail": True}, "restoring the compiled module failed: RuntimeError"),
-                                          ({"offset": 1.0}, "differs from the original module")])
-def test_compiled_code_that_fails_or_answers_wrong_is_never_switched_in(emulated_graphs, gate, tmp_path, options,
-                                                                        why):
+@pytest.mark.parametrize(
+    "options, why",
+    [
+        ({"fail": True}, "restoring the compiled module failed: RuntimeError"),
+        ({"offset": 1.0}, "differs from the original module"),
+    ],
+)
+def test_compiled_code_that_fails_or_answers_wrong_is_never_switched_in(emulated_graphs, gate, tmp_path, options, why):
     root = package(tmp_path, **options)
     model = xpupack.load(make_stack(), root)
     gate.set()
@@ -89,8 +98,9 @@ def test_defer_compile_false_returns_with_the_compiled_code_recorded(emulated_gr
     assert stats["compiling"] == 0 and "compiled_serving" not in stats
 
 
-def test_a_language_model_decodes_through_the_original_recordings_then_the_compiled_ones(emulated_graphs, gate,
-                                                                                         tmp_path, fallback_calls):
+def test_a_language_model_decodes_through_the_original_recordings_then_the_compiled_ones(
+    emulated_graphs, gate, tmp_path, fallback_calls
+):
     strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend()))
     model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
     root = xpupack.save(model, tmp_path / "pkg")
@@ -110,7 +120,8 @@ def test_a_language_model_decodes_through_the_original_recordings_then_the_compi
 
 
 def test_a_language_models_first_generate_replays_recordings_of_the_original_while_its_compile_waits(
-        emulated_graphs, gate, tmp_path, fallback_calls):
+    emulated_graphs, gate, tmp_path, fallback_calls
+):
     # the compile (held at the gate, as seconds of compiling on a fresh server) must not start before the
     # first decode step is recorded: while the worker compiles, a capture cannot be made
     strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend()))
@@ -131,9 +142,9 @@ def test_a_language_models_first_generate_replays_recordings_of_the_original_whi
     assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
 
 
-def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(emulated_graphs, gate,
-                                                                                       tmp_path, fallback_calls,
-                                                                                       caplog):
+def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(
+    emulated_graphs, gate, tmp_path, fallback_calls, caplog
+):
     strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(prepare_fails=True)))
     model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
     root = xpupack.save(model, tmp_path / "pkg")
@@ -210,7 +221,8 @@ def busy_worker():
 
 @pytest.mark.slow
 def test_an_inductor_package_serves_the_original_module_until_its_compile_off_the_callers_path_is_done(
-        inductor_package, busy_worker):
+    inductor_package, busy_worker
+):
     _, root = inductor_package
     model = xpupack.load(make_stack(), root)
     actual, expected = serve(model)
@@ -227,12 +239,14 @@ def test_an_inductor_package_serves_the_original_module_until_its_compile_off_th
 
 @pytest.mark.parametrize("failure, why", [("raises", "the compile failed"), ("wrong", "differs from the original")])
 def test_an_inductor_compile_off_the_callers_path_that_fails_or_answers_wrong_leaves_the_original_module_serving(
-        tmp_path, monkeypatch, busy_worker, failure, why):
+    tmp_path, monkeypatch, busy_worker, failure, why
+):
     # an eager "compile": this test is about what a failure leaves, not about Inductor
     monkeypatch.setattr(torch, "compile", lambda function, **settings: function)
     monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.InductorBackend())
+    )
     root = xpupack.save(model, tmp_path / "pkg")
 
     def broken(function, **settings):

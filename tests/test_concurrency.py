@@ -21,12 +21,16 @@ TESTS = os.path.dirname(__file__)
 
 
 def _start(args, env=None):
-    env = {**os.environ, **(env or {}),
-           "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
     loader = os.path.join(TESTS, "support", "concurrent_loader.py")
-    process = subprocess.Popen([sys.executable, loader, *map(str, args)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env)
+    process = subprocess.Popen(
+        [sys.executable, loader, *map(str, args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     ready = process.stdout.readline()
     assert ready.strip() == "ready", (ready, process.stderr.read() if process.poll() is not None else "")
     return process
@@ -133,14 +137,22 @@ def test_loading_while_another_process_saves_gives_one_package_or_a_clean_error(
     two complete packages (or an XpupackError to retry), never another model's answers."""
     root = _tuned_package(tmp_path, xpupack.Only(xpupack.EagerBackend()), seed=0)
     loader = _start([root, "--repeat", 40])
-    saver_code = (f"import xpupack; from support.models import make_stack, stack_samples\n"
-                  f"models = [xpupack.tune(make_stack(seed=s), stack_samples(), modules=['layers.*.mlp'], "
-                  f"strategy=xpupack.Only(xpupack.EagerBackend())) for s in (0, 1)]\n"
-                  f"print('ready', flush=True); input()\n"
-                  f"for i in range(40): xpupack.save(models[i % 2], {str(root)!r})\n")
+    saver_code = (
+        f"import xpupack; from support.models import make_stack, stack_samples\n"
+        f"models = [xpupack.tune(make_stack(seed=s), stack_samples(), modules=['layers.*.mlp'], "
+        f"strategy=xpupack.Only(xpupack.EagerBackend())) for s in (0, 1)]\n"
+        f"print('ready', flush=True); input()\n"
+        f"for i in range(40): xpupack.save(models[i % 2], {str(root)!r})\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
-    saver = subprocess.Popen([sys.executable, "-c", saver_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    saver = subprocess.Popen(
+        [sys.executable, "-c", saver_code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert saver.stdout.readline().strip() == "ready", saver.stderr.read()
     for process in (loader, saver):
         process.stdin.write("go\n")

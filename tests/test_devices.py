@@ -71,18 +71,25 @@ def test_a_loaded_split_package_saves_its_slots_again(two_slot_package, tmp_path
     assert [m["device_slot"] for m in again["modules"]] == [0, 1]
 
 
-@pytest.mark.parametrize("device_map, error, match", [
-    ({0: "cpu"}, DeviceMapError, r"lacks slot\(s\) \[1\]"),
-    ({0: "cpu", 1: "cpu", 2: "cpu"}, DeviceMapError, r"names slot\(s\) \[2\].*slots \[0, 1\]"),
-    ({"0": "cpu", 1: "cpu"}, DeviceMapError, r"names slot\(s\) \['0'\]"),
-    (["cpu"], DeviceMapError, r"lacks slot\(s\) \[1\]"),
-    ("cpu", DeviceMapError, "give {slot: device} or a list"),
-    ({0: "cpu", 1: "cuda:7"}, DeviceUnavailableError, "device_map slot 1: device 'cuda:7' is not available"),
-    ({0: "cpu", 1: "nonsense"}, DeviceUnavailableError, "device_map slot 1"),
-    ({0: None, 1: "cpu"}, DeviceMapError, "device_map slot 0 is None; map it to a device"),
-    ({0: "cpu", 1: "meta"}, DeviceUnavailableError, "device_map slot 1: .*xpupack runs on cpu, cuda, xpu, not on meta"),
-    ({0: "cpu", 1: "cpu:1"}, DeviceUnavailableError, "device_map slot 1: .*CPUs are one device"),
-])
+@pytest.mark.parametrize(
+    "device_map, error, match",
+    [
+        ({0: "cpu"}, DeviceMapError, r"lacks slot\(s\) \[1\]"),
+        ({0: "cpu", 1: "cpu", 2: "cpu"}, DeviceMapError, r"names slot\(s\) \[2\].*slots \[0, 1\]"),
+        ({"0": "cpu", 1: "cpu"}, DeviceMapError, r"names slot\(s\) \['0'\]"),
+        (["cpu"], DeviceMapError, r"lacks slot\(s\) \[1\]"),
+        ("cpu", DeviceMapError, "give {slot: device} or a list"),
+        ({0: "cpu", 1: "cuda:7"}, DeviceUnavailableError, "device_map slot 1: device 'cuda:7' is not available"),
+        ({0: "cpu", 1: "nonsense"}, DeviceUnavailableError, "device_map slot 1"),
+        ({0: None, 1: "cpu"}, DeviceMapError, "device_map slot 0 is None; map it to a device"),
+        (
+            {0: "cpu", 1: "meta"},
+            DeviceUnavailableError,
+            "device_map slot 1: .*xpupack runs on cpu, cuda, xpu, not on meta",
+        ),
+        ({0: "cpu", 1: "cpu:1"}, DeviceUnavailableError, "device_map slot 1: .*CPUs are one device"),
+    ],
+)
 def test_bad_device_maps_are_refused_before_the_model_changes(two_slot_package, device_map, error, match):
     model = make_stack(seed=9)
     before = snapshot(model)
@@ -104,12 +111,15 @@ def test_device_puts_every_slot_on_that_device(two_slot_package):
     assert set(session_of(model).devices.values()) == {torch.device("cpu")}
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda m: m["modules"][1].update(device_slot=2), "device slot 2, but lists 2 device"),
-    (lambda m: m.update(devices=["meta", "cpu"]), "must be the first of them"),
-    (lambda m: m["modules"][1].update(device_slot=-1), "device_slot"),
-    (lambda m: m.update(devices=[]), "devices"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda m: m["modules"][1].update(device_slot=2), "device slot 2, but lists 2 device"),
+        (lambda m: m.update(devices=["meta", "cpu"]), "must be the first of them"),
+        (lambda m: m["modules"][1].update(device_slot=-1), "device_slot"),
+        (lambda m: m.update(devices=[]), "devices"),
+    ],
+)
 def test_damaged_device_slots_are_refused(two_slot_package, change, match):
     rewrite_manifest(two_slot_package, change)
     with pytest.raises(PackageFormatError, match=match):
@@ -127,8 +137,9 @@ def test_inspect_shows_the_slots(two_slot_package):
 def test_an_input_on_another_device_falls_back_and_is_never_copied(fallback_calls, emulated_graphs):
     """The fit check compares each input's device with the recording's: an input on another device is a
     counted fallback, and the original module then fails as eager would, rather than a copy to the module's."""
-    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    model = xpupack.tune(
+        make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.GraphBackend())
+    )
     mlp = model.layers[0]["mlp"]
     with pytest.raises(RuntimeError, match="device"), torch.no_grad():
         mlp(torch.randn(4, 8, device="meta"))

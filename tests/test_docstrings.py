@@ -13,9 +13,15 @@ import pytest
 import xpupack
 
 #: the extension points a backend or strategy of one's own implements (README: "Tuning"; `xpupack.backends`)
-EXTENSION_POINTS = ["backends.base.Runner.run", "backends.base.Backend.build", "backends.base.Backend.save",
-                    "backends.base.Backend.restore", "backends.base.Backend.save_shared",
-                    "backends.base.Backend.restore_shared", "strategies.Strategy.choose"]
+EXTENSION_POINTS = [
+    "backends.base.Runner.run",
+    "backends.base.Backend.build",
+    "backends.base.Backend.save",
+    "backends.base.Backend.restore",
+    "backends.base.Backend.save_shared",
+    "backends.base.Backend.restore_shared",
+    "strategies.Strategy.choose",
+]
 
 
 def documented_parameters(docstring: str) -> set[str]:
@@ -27,7 +33,7 @@ def documented_parameters(docstring: str) -> set[str]:
         if line.strip() != "Args:":
             continue
         indent = None
-        for entry in lines[start + 1:]:
+        for entry in lines[start + 1 :]:
             if not entry.strip():
                 continue
             width = len(entry) - len(entry.lstrip())
@@ -53,8 +59,9 @@ def undocumented_parameters(obj) -> list[str]:
             return []  # object's or Exception's constructor: nothing of xpupack's to document
         docstrings = [inspect.getdoc(obj), owner.__doc__, function.__doc__]
     named = documented_parameters("\n".join(inspect.cleandoc(text) for text in docstrings if text))
-    return [name for name in inspect.signature(function).parameters
-            if name not in ("self", "cls") and name not in named]
+    return [
+        name for name in inspect.signature(function).parameters if name not in ("self", "cls") and name not in named
+    ]
 
 
 def public_objects():
@@ -78,8 +85,11 @@ def test_every_public_name_has_a_docstring_with_a_summary_line(name):
 
 
 def test_every_public_callable_documents_each_of_its_parameters():
-    missing = {f"xpupack.{name}": gaps for name, obj in public_objects()
-               if callable(obj) and (gaps := undocumented_parameters(obj))}
+    missing = {
+        f"xpupack.{name}": gaps
+        for name, obj in public_objects()
+        if callable(obj) and (gaps := undocumented_parameters(obj))
+    }
     assert not missing, f"parameters missing from the Args: section: {missing}"
 
 
@@ -109,8 +119,10 @@ def test_no_docstring_puts_doctest_lines_under_an_example_admonition():
     """griffe reads "Example:" as an admonition of Markdown, where ``>>>`` becomes nested block quotes (and
     ``x["a"]["b"]`` a broken reference under ``mkdocs build --strict``); "Examples:" renders them as code."""
     package = Path(xpupack.__file__).parent
-    offenders = [f"{path.relative_to(package.parent)}:{text[:match.start()].count(chr(10)) + 1}"
-                 for path in sorted(package.rglob("*.py"))
-                 for text in [path.read_text(encoding="utf-8")]
-                 for match in re.finditer(r"^[ \t]*Example:[ \t]*\n[ \t]*>>>", text, re.M)]
+    offenders = [
+        f"{path.relative_to(package.parent)}:{text[: match.start()].count(chr(10)) + 1}"
+        for path in sorted(package.rglob("*.py"))
+        for text in [path.read_text(encoding="utf-8")]
+        for match in re.finditer(r"^[ \t]*Example:[ \t]*\n[ \t]*>>>", text, re.M)
+    ]
     assert not offenders, f"title these sections Examples: {offenders}"

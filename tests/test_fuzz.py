@@ -43,24 +43,70 @@ from xpupack.signature import Signature
 from xpupack.spec import read_module_spec
 
 SCALE = int(os.environ.get("XPUPACK_FUZZ_SCALE", "1"))
-FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                      HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 CHEAP = settings(FUZZ, max_examples=500 * SCALE)
 LOADS = settings(FUZZ, max_examples=200 * SCALE)
 
-json_scalars = (st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
-                | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20))
-json_values = st.recursive(json_scalars, lambda children: st.lists(children, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), children, max_size=4), max_leaves=16)
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=16,
+)
 #: strings a mutation may put anywhere: paths that escape, names that exist, devices, dtypes, backends
-TRICKY_STRINGS = ["", ".", "..", "../x", "/etc/passwd", "a\\b", "C:/x", "~", "x\0y", "./model.safetensors",
-                  "model.safetensors", "xpupack.json", "README.md", ".cache/x", ".git/config",
-                  "modules/layers.0.mlp/spec.json", "modules/layers.1.mlp/spec.json", "modules/layers.1.mlp",
-                  "layers.0.mlp", "layers.1.mlp", "layers", "", "cpu", "meta", "cuda:0", "warp:0",
-                  "float64", "float16", "int64", "_dynamo", "graph", "eager", "counting", "builtins.dict",
-                  "collections.defaultdict", "os:system", "__enum__"]
-tricky = (st.sampled_from(TRICKY_STRINGS) | st.sampled_from([0, -1, 1, 2, 2**63, 1.5, -0.0, float("nan"), True,
-                                                             False, None, [], {}]) | json_values)
+TRICKY_STRINGS = [
+    "",
+    ".",
+    "..",
+    "../x",
+    "/etc/passwd",
+    "a\\b",
+    "C:/x",
+    "~",
+    "x\0y",
+    "./model.safetensors",
+    "model.safetensors",
+    "xpupack.json",
+    "README.md",
+    ".cache/x",
+    ".git/config",
+    "modules/layers.0.mlp/spec.json",
+    "modules/layers.1.mlp/spec.json",
+    "modules/layers.1.mlp",
+    "layers.0.mlp",
+    "layers.1.mlp",
+    "layers",
+    "",
+    "cpu",
+    "meta",
+    "cuda:0",
+    "warp:0",
+    "float64",
+    "float16",
+    "int64",
+    "_dynamo",
+    "graph",
+    "eager",
+    "counting",
+    "builtins.dict",
+    "collections.defaultdict",
+    "os:system",
+    "__enum__",
+]
+tricky = (
+    st.sampled_from(TRICKY_STRINGS)
+    | st.sampled_from([0, -1, 1, 2, 2**63, 1.5, -0.0, float("nan"), True, False, None, [], {}])
+    | json_values
+)
 
 
 @contextlib.contextmanager
@@ -81,16 +127,21 @@ def packages(tmp_path_factory):
     """One small package per backend kind: eager, counting (options), graph (emulated)."""
     folder = tmp_path_factory.mktemp("fuzz")
     built = {}
-    for kind, backend in (("eager", xpupack.EagerBackend()), ("counting", CountingBackend()),
-                          ("graph", xpupack.GraphBackend())):
+    for kind, backend in (
+        ("eager", xpupack.EagerBackend()),
+        ("counting", CountingBackend()),
+        ("graph", xpupack.GraphBackend()),
+    ):
         with emulated_graphs():
-            model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                                 strategy=xpupack.Only(backend))
+            model = xpupack.tune(
+                make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(backend)
+            )
             built[kind] = xpupack.save(model, folder / kind)
     return built
 
 
 # -- the readers alone ---------------------------------------------------------------------------------
+
 
 def _write_manifest(data: bytes) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="xpupack-fuzz-"))
@@ -139,8 +190,11 @@ def _like(value):
     if isinstance(value, (int, float)):
         return st.sampled_from([0, 1, 2, -1, 3, 2**31, 2**63]) | st.integers(-3, 100)
     if isinstance(value, str):
-        return (st.sampled_from(TRICKY_STRINGS) | st.text(max_size=4).map(lambda extra: value + extra)
-                | st.integers(0, max(0, len(value) - 1)).map(lambda cut: value[:cut]))
+        return (
+            st.sampled_from(TRICKY_STRINGS)
+            | st.text(max_size=4).map(lambda extra: value + extra)
+            | st.integers(0, max(0, len(value) - 1)).map(lambda cut: value[:cut])
+        )
     if isinstance(value, list) and value:
         return st.sampled_from([value[1:], value + value[-1:], value[::-1], []])
     if isinstance(value, dict) and value:
@@ -173,16 +227,21 @@ def mutations(draw, document, *, max_changes=3):
 
 
 def _signature_documents():
-    signature = Signature.of_call((torch.randn(2, 3), [torch.ones(1, dtype=torch.int64), (1, "mode")]),
-                                  {"scale": -0.0, "dtype": torch.float16, "eps": float("inf"),
-                                   "device": torch.device("cpu"), "mask": None})
+    signature = Signature.of_call(
+        (torch.randn(2, 3), [torch.ones(1, dtype=torch.int64), (1, "mode")]),
+        {"scale": -0.0, "dtype": torch.float16, "eps": float("inf"), "device": torch.device("cpu"), "mask": None},
+    )
     data = signature.to_json()
     return data, json.loads(data["tree"])
 
 
 @CHEAP
-@given(json_values | st.builds(lambda tree, leaves: {"tree": tree, "leaves": leaves}, st.text(max_size=60),
-                               st.lists(json_values, max_size=3)))
+@given(
+    json_values
+    | st.builds(
+        lambda tree, leaves: {"tree": tree, "leaves": leaves}, st.text(max_size=60), st.lists(json_values, max_size=3)
+    )
+)
 def test_signature_parser_takes_any_json(value):
     try:
         Signature.from_json(value)
@@ -230,6 +289,7 @@ def test_spec_reader_takes_any_spec(packages, data):
 
 
 # -- whole loads of mutated packages -----------------------------------------------------------------
+
 
 def _load_and_check(root, fallback_calls):
     """The load property: a clean refusal with the model unchanged, or a model whose tuned modules agree
@@ -315,8 +375,9 @@ def test_loading_a_package_with_flipped_bits(packages, fallback_calls, kind, dat
     (which holds the digests) is refused or, where the change is harmless (a date), loads correctly."""
     root = _copy(packages[kind])
     try:
-        relative = data.draw(st.sampled_from(sorted(json.loads((root / MANIFEST).read_text())["files"])
-                                             + [MANIFEST] * 3))
+        relative = data.draw(
+            st.sampled_from(sorted(json.loads((root / MANIFEST).read_text())["files"]) + [MANIFEST] * 3)
+        )
         content = bytearray((root / relative).read_bytes())
         position = data.draw(st.integers(0, len(content) - 1))
         content[position] ^= data.draw(st.integers(1, 255))
@@ -333,6 +394,7 @@ def test_loading_a_package_with_flipped_bits(packages, fallback_calls, kind, dat
 
 
 # -- calls ------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def graph_mlp():

@@ -18,7 +18,6 @@ from xpupack.examples import tiny_transformer
 pytestmark = pytest.mark.requires_graph_device
 
 
-
 def device_samples(batches=(1, 2)):
     return [torch.randn(b, 8, device=GRAPH_DEVICE) for b in batches]
 
@@ -148,8 +147,7 @@ def test_deploy_after_load_in_a_fresh_process(tuned, tmp_path, run_python):
     assert result.stdout.strip().endswith("ok")
 
 
-@pytest.mark.skipif(GRAPH_DEVICE is None or getattr(torch, GRAPH_DEVICE).device_count() < 2,
-                    reason="needs two devices")
+@pytest.mark.skipif(GRAPH_DEVICE is None or getattr(torch, GRAPH_DEVICE).device_count() < 2, reason="needs two devices")
 def test_load_onto_another_device_index(tuned, tmp_path):
     model, reference = tuned
     root = xpupack.save(model, tmp_path / "pkg")

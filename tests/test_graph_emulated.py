@@ -151,7 +151,8 @@ def test_recording_cap_keeps_the_largest_and_the_rest_are_padded_up(emulated_gra
     model, reference = tune_stack(xpupack.Only(xpupack.GraphBackend(max_recordings=2)), samples)
     stats = xpupack.stats(model)["layers.0.mlp"]
     assert stats["recordings"] == 2 and stats["not_recorded"] == {
-        "(f32[1,8], 1.0)": "over the cap of 2 recordings per module"}
+        "(f32[1,8], 1.0)": "over the cap of 2 recordings per module"
+    }
     with torch.no_grad():
         assert torch.allclose(model(samples[0]), reference(samples[0]), atol=1e-6)
     assert fallback_calls == [] and xpupack.stats(model)["layers.0.mlp"]["padded"] == 1
@@ -161,9 +162,20 @@ def test_package_stores_signatures_only_and_load_records_again(emulated_graphs, 
     model, reference = tune_stack()
     root = xpupack.save(model, tmp_path / "pkg")
     manifest = read_manifest(root)
-    assert all(m["backend"] == {"name": "graph", "options": {}, "config": {"recorded": {
-        "memory_bytes": (4 + 2) * 8 * 4 * 2,  # a static input and output, f32[b,8], of batches 4 and 2
-        "recording_memory": {"(f32[4,8], 1.0)": 256, "(f32[2,8], 1.0)": 128}}}} for m in manifest["modules"])
+    assert all(
+        m["backend"]
+        == {
+            "name": "graph",
+            "options": {},
+            "config": {
+                "recorded": {
+                    "memory_bytes": (4 + 2) * 8 * 4 * 2,  # a static input and output, f32[b,8], of batches 4 and 2
+                    "recording_memory": {"(f32[4,8], 1.0)": 256, "(f32[2,8], 1.0)": 128},
+                }
+            },
+        }
+        for m in manifest["modules"]
+    )
     assert not any(p.is_file() for p in (root / "modules/layers.0.mlp").rglob("*") if p.name != "spec.json")
     captures = emulated_graphs.captures
     loaded = xpupack.load(make_stack(seed=3), root)
@@ -228,8 +240,9 @@ def test_storage_watch_sees_replaced_submodules(emulated_graphs):
     assert runner(model).rerecordings == 1
 
 
-@pytest.mark.parametrize("options", [{"max_recordings": 0}, {"max_recordings": "all"}, {"max_recordings": True},
-                                     {"copy_outputs": "yes"}])
+@pytest.mark.parametrize(
+    "options", [{"max_recordings": 0}, {"max_recordings": "all"}, {"max_recordings": True}, {"copy_outputs": "yes"}]
+)
 def test_bad_options_are_refused_when_the_backend_is_made(options):
     with pytest.raises(ValueError, match="GraphBackend"):
         xpupack.GraphBackend(**options)
@@ -308,7 +321,8 @@ class WritesIntoModel(nn.Module):
 
 @pytest.mark.parametrize("strategy", [GRAPH, xpupack.Only(PaddingCountingBackend())], ids=["graph", "padded-copy"])
 def test_a_package_saying_its_module_leaves_its_inputs_alone_is_checked_at_load(
-        emulated_graphs, tmp_path, fallback_calls, backend_downgrades, strategy):
+    emulated_graphs, tmp_path, fallback_calls, backend_downgrades, strategy
+):
     """Regression: ``mutates_inputs: false`` was the package's word. For a module that writes into an input,
     a replay (or a padded copy of the call) wrote into a copy, and the caller's tensor stayed as it was while
     the outputs matched. The loader now sees the write on its own check run: no recording, no padding."""
@@ -326,7 +340,8 @@ def test_a_package_saying_its_module_leaves_its_inputs_alone_is_checked_at_load(
             y = loaded(x, out)
             assert torch.allclose(out, loaded.inner.linear(x)) and torch.allclose(y, out)
     assert xpupack.stats(loaded)["inner"]["padded"] == 0
-    assert [(event.running, "in place" in event.reason) for event in backend_downgrades] == \
-        ([("eager", True)] if graph else [])
+    assert [(event.running, "in place" in event.reason) for event in backend_downgrades] == (
+        [("eager", True)] if graph else []
+    )
     # the batch of 3, which no recording takes; a module downgraded to eager runs every call itself
     assert len(fallback_calls) == (0 if graph else 1)

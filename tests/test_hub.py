@@ -28,8 +28,9 @@ TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(
 
 
 def _build(tmp_path_factory, name: str, strategy, *, seed: int = 0, modules=("layers.*.mlp",)) -> Path:
-    model = xpupack.tune(tiny_transformer(seed), tiny_transformer_samples(), modules=list(modules), device="cpu",
-                         strategy=strategy)
+    model = xpupack.tune(
+        tiny_transformer(seed), tiny_transformer_samples(), modules=list(modules), device="cpu", strategy=strategy
+    )
     return xpupack.save(model, tmp_path_factory.mktemp(name) / "pkg")
 
 
@@ -42,8 +43,7 @@ def demo_eager_package_v2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def demo_inductor_package(tmp_path_factory) -> Path:
     """One MLP compiled with Inductor: a package with compiled artifacts (built once, ~20 s on CI)."""
-    root = _build(tmp_path_factory, "inductor", xpupack.Only(xpupack.InductorBackend()),
-                  modules=("layers.0.mlp",))
+    root = _build(tmp_path_factory, "inductor", xpupack.Only(xpupack.InductorBackend()), modules=("layers.0.mlp",))
     assert [m["backend"]["name"] for m in read_manifest(root)["modules"]] == ["inductor"]
     return root
 
@@ -150,9 +150,9 @@ def test_corrupted_file_on_the_hub_is_refused(hub, demo_eager_package, tmp_path)
     torch.testing.assert_close(logits(model), reference(99))
 
 
-def test_a_repo_named_hf_colon_loads_from_the_hub_untrusted_beside_a_folder_of_its_name(hub, demo_eager_package,
-                                                                                       demo_eager_package_v2, tmp_path,
-                                                                                       monkeypatch):
+def test_a_repo_named_hf_colon_loads_from_the_hub_untrusted_beside_a_folder_of_its_name(
+    hub, demo_eager_package, demo_eager_package_v2, tmp_path, monkeypatch
+):
     """`hf download org/name --local-dir org/name` puts a folder of the repo's name in the working directory:
     a plain "org/name" is then refused (tests/test_source.py), "hf://org/name" is the repo (README: "Naming a
     package")."""
@@ -258,8 +258,9 @@ def test_unpinned_inductor_package_is_compiled_here(hub, demo_inductor_package, 
 def test_pinned_inductor_package_runs_its_compiled_artifacts(hub, demo_inductor_package, caplog):
     commit = hub.publish(demo_inductor_package, "xpupack-tests/inductor-pinned")
     with caplog.at_level(logging.INFO, logger="xpupack"):
-        model = xpupack.load(tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit,
-                             defer_compile=False)
+        model = xpupack.load(
+            tiny_transformer(99), "xpupack-tests/inductor-pinned", revision=commit, defer_compile=False
+        )
     assert "loaded Inductor cache artifacts" in caplog.text
     assert "not pinned" not in caplog.text
     assert session_of(model).modules["layers.0.mlp"].report[0].reason == "from package"
@@ -309,8 +310,13 @@ class FakeHfApi:
                 deleted.append(op.path_in_repo)
         self.commits.append({"repo_id": repo_id, "added": added, "deleted": deleted, **kwargs})
         oid = f"{len(self.commits):040x}"
-        return CommitInfo(commit_url=f"{api.endpoint}/{repo_id}/commit/{oid}", commit_message=kwargs["commit_message"],
-                          commit_description="", oid=oid, _endpoint=api.endpoint)
+        return CommitInfo(
+            commit_url=f"{api.endpoint}/{repo_id}/commit/{oid}",
+            commit_message=kwargs["commit_message"],
+            commit_description="",
+            oid=oid,
+            _endpoint=api.endpoint,
+        )
 
 
 def test_push_uploads_the_verified_package_and_a_card_in_one_commit(demo_eager_package, monkeypatch):
@@ -342,8 +348,16 @@ def test_push_refuses_a_damaged_package(demo_eager_package, tmp_path, monkeypatc
 
 def test_push_to_a_branch_replaces_an_earlier_package(demo_eager_package, monkeypatch):
     """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (README: "Hugging Face Hub")."""
-    old_files = [".gitattributes", "README.md", "xpupack.json", "modules/old/spec.json", "model.safetensors",
-                 "backends/inductor/cache.bin", "LICENSE", "docs/usage.md"]
+    old_files = [
+        ".gitattributes",
+        "README.md",
+        "xpupack.json",
+        "modules/old/spec.json",
+        "model.safetensors",
+        "backends/inductor/cache.bin",
+        "LICENSE",
+        "docs/usage.md",
+    ]
     fake = FakeHfApi(existing=old_files).install(monkeypatch)
     xpupack.push(demo_eager_package, "org/tiny", revision="candidate", private=True)
     assert fake.calls[0][1]["private"] is True
@@ -400,14 +414,16 @@ def closed_port() -> int:
         return probe.getsockname()[1]  # nothing listens there once the socket is closed
 
 
-def test_push_dry_run_shows_the_repo_files_sizes_and_message_and_contacts_nothing(demo_eager_package, monkeypatch,
-                                                                                 listening_port):
+def test_push_dry_run_shows_the_repo_files_sizes_and_message_and_contacts_nothing(
+    demo_eager_package, monkeypatch, listening_port
+):
     port = listening_port.getsockname()[1]
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    result = CliRunner().invoke(main, ["push", str(demo_eager_package), "org/tiny", "--revision", "candidate",
-                                       "--dry-run"])
+    result = CliRunner().invoke(
+        main, ["push", str(demo_eager_package), "org/tiny", "--revision", "candidate", "--dry-run"]
+    )
     assert result.exit_code == 0, result.output
     with pytest.raises(BlockingIOError):
         listening_port.accept()  # no connection was ever made
@@ -416,7 +432,7 @@ def test_push_dry_run_shows_the_repo_files_sizes_and_message_and_contacts_nothin
     assert f"repo: org/tiny, branch candidate, on http://127.0.0.1:{port}" in out
     for name in ("xpupack.json", *manifest["files"]):
         size = (demo_eager_package / name).stat().st_size
-        assert any(line.split() [:2] == [name, str(size)] for line in out.splitlines()), name
+        assert any(line.split()[:2] == [name, str(size)] for line in out.splitlines()), name
     assert "README.md" in out and "(model card)" in out
     assert "commit message: xpupack package: 2 module(s) (eager)" in out
     assert "dry run: nothing was uploaded" in out

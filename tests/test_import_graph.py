@@ -36,13 +36,12 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -
     else:
         if node.level:
             base = module.split(".") if is_package else module.split(".")[:-1]
-            base = base[:len(base) - (node.level - 1)]
+            base = base[: len(base) - (node.level - 1)]
             target = ".".join(base + ([node.module] if node.module else []))
         else:
             target = node.module or ""
         # ``from . import _device`` imports a module; ``from .errors import XpupackError`` a name of one
-        names = [f"{target}.{alias.name}" if f"{target}.{alias.name}" in MODULES else target
-                 for alias in node.names]
+        names = [f"{target}.{alias.name}" if f"{target}.{alias.name}" in MODULES else target for alias in node.names]
     return [name for name in names if name in MODULES]
 
 
@@ -63,8 +62,12 @@ def import_graphs(*, annotations: bool = False) -> tuple[dict[str, set[str]], di
             if isinstance(child, (ast.Import, ast.ImportFrom)):
                 graph = deferred if in_function else top
                 graph[module].update(t for t in _targets(child, module, is_package) if t != module)
-            visit(child, module, is_package,
-                  in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+            visit(
+                child,
+                module,
+                is_package,
+                in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+            )
 
     for name, path in MODULES.items():
         visit(ast.parse(path.read_text(encoding="utf-8")), name, path.name == "__init__.py", False)
@@ -81,7 +84,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for successor in sorted(graph.get(node, ())):
             if state.get(successor) == 1:
-                return path[path.index(successor):] + [successor]
+                return path[path.index(successor) :] + [successor]
             if successor not in state and (found := walk(successor)):
                 return found
         path.pop()
@@ -127,11 +130,28 @@ def test_no_cycle_even_counting_imports_for_annotations():
     assert find_cycle(both) is None, f"import cycle: {' -> '.join(find_cycle(both))}"
 
 
-@pytest.mark.parametrize("module", ["xpupack.manifest", "xpupack.source", "xpupack.errors", "xpupack._version",
-                                    "xpupack._fsutil", "xpupack.backends._facts", "xpupack._listeners"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "xpupack.manifest",
+        "xpupack.source",
+        "xpupack.errors",
+        "xpupack._version",
+        "xpupack._fsutil",
+        "xpupack.backends._facts",
+        "xpupack._listeners",
+    ],
+)
 def test_the_format_floor_imports_nothing_above_it(module):
     """What reads and checks a package's files and names where it came from stands on its own."""
     top, deferred = import_graphs()
-    floor = {"xpupack.manifest", "xpupack.source", "xpupack.errors", "xpupack._version", "xpupack._fsutil",
-             "xpupack.backends._facts", "xpupack._listeners"}
+    floor = {
+        "xpupack.manifest",
+        "xpupack.source",
+        "xpupack.errors",
+        "xpupack._version",
+        "xpupack._fsutil",
+        "xpupack.backends._facts",
+        "xpupack._listeners",
+    }
     assert top[module] | deferred[module] <= floor

@@ -35,7 +35,8 @@ def _load_in_fresh_process(root, run_python, cache) -> dict:
 
     ``built``: the libraries in that cache afterwards; ``carried``: the kernels the package lists.
     """
-    result = run_python(f"""
+    result = run_python(
+        f"""
         import json, torch, xpupack
         from torch._dynamo.utils import counters
         from support.models import make_stack
@@ -46,11 +47,14 @@ def _load_in_fresh_process(root, run_python, cache) -> dict:
         with torch.no_grad():
             close = torch.allclose(model(x), make_stack()(x), atol=1e-5)
         print(json.dumps({{"close": close, "stats": xpupack.stats(model), **counters["inductor"]}}))
-    """, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    """,
+        env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+    )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     report["built"] = {p.relative_to(cache).as_posix() for p in cache.rglob("*.so")}
-    report["carried"] = set(json.loads((root / "xpupack.json").read_text())["backends"]["inductor"]["config"]
-                            .get("kernels", []))
+    report["carried"] = set(
+        json.loads((root / "xpupack.json").read_text())["backends"]["inductor"]["config"].get("kernels", [])
+    )
     return report
 
 
@@ -68,8 +72,11 @@ def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_py
 
 
 def _carried_files(root) -> dict[str, bytes]:
-    return {path.relative_to(root).as_posix(): path.read_bytes()
-            for path in (root / "backends" / "inductor").rglob("*") if path.is_file()}
+    return {
+        path.relative_to(root).as_posix(): path.read_bytes()
+        for path in (root / "backends" / "inductor").rglob("*")
+        if path.is_file()
+    }
 
 
 def _generated_kernels(carried: dict[str, bytes]) -> list[str]:
@@ -89,8 +96,9 @@ def test_unrelated_compiles_stay_out_of_the_package(tmp_path):
     """Code compiled in the process, before tuning or between tuning and save, does not travel in the package."""
     x = torch.randn(3, 5)
     torch.compile(_unrelated_before)(x)
-    model = xpupack.tune(make_stack(seed=5), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    model = xpupack.tune(
+        make_stack(seed=5), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.InductorBackend())
+    )
     torch.compile(_unrelated_after)(x)
     root = xpupack.save(model, tmp_path / "pkg")
     carried = _carried_files(root)
@@ -132,8 +140,11 @@ def _forbid_artifacts(monkeypatch):
 def test_untrusted_source_compiles_locally(inductor_package, monkeypatch, caplog):
     _, root = inductor_package
     _forbid_artifacts(monkeypatch)
-    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
-                        lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
+    monkeypatch.setattr(
+        importlib.import_module("xpupack.loading"),
+        "resolve_source",
+        lambda *a, **k: Source(root, trusted=False, description="org/name@main"),
+    )
     model = xpupack.load(make_stack(), "org/name")
     tuned = xpupack.tuned.session_of(model).modules["layers.0.mlp"]
     assert tuned.backend_name == "inductor"
@@ -193,8 +204,7 @@ def test_compile_options_reach_torch_compile_at_tune_and_at_load(tmp_path, monke
 
     monkeypatch.setattr(torch, "compile", spy)
     backend = xpupack.InductorBackend(compile_options={"epilogue_fusion": False})
-    model = xpupack.tune(make_stack(seed=6), stack_samples(), modules=["layers.0.mlp"],
-                         strategy=xpupack.Only(backend))
+    model = xpupack.tune(make_stack(seed=6), stack_samples(), modules=["layers.0.mlp"], strategy=xpupack.Only(backend))
     root = xpupack.save(model, tmp_path / "pkg")
     [entry] = json.loads((root / "xpupack.json").read_text())["modules"]
     assert entry["backend"]["options"] == {"compile_options": {"epilogue_fusion": False}}
@@ -210,33 +220,41 @@ def test_compile_options_with_a_mode_keep_the_mode_settings():
     backend = xpupack.InductorBackend("max-autotune-no-cudagraphs", compile_options={"epilogue_fusion": False})
     settings = backend._settings(torch.device("cpu"))["options"]
     assert settings["max_autotune"] is True and settings["epilogue_fusion"] is False
-    assert xpupack.InductorBackend("max-autotune-no-cudagraphs")._settings(torch.device("cpu")) == \
-        {"mode": "max-autotune-no-cudagraphs"}
+    assert xpupack.InductorBackend("max-autotune-no-cudagraphs")._settings(torch.device("cpu")) == {
+        "mode": "max-autotune-no-cudagraphs"
+    }
 
 
-@pytest.mark.parametrize("options, problem", [({"no_such_setting": 1}, "not a setting"),
-                                              ({"epilogue_fusion": [1]}, "not a boolean"),
-                                              ({"epilogue_fusion": 1}, "not a boolean"),
-                                              ({"coordinate_descent_search_radius": 10**6}, "from 1 to 4"),
-                                              ("max_autotune", "give a dict"),
-                                              # names a loader must not take from a package
-                                              ({"cpp.cxx": "/tmp/evil-cc"}, "only change speed"),
-                                              ({"cuda.cutlass_dir": "/tmp/pkg"}, "only change speed"),
-                                              ({"trace.debug_dir": "/home"}, "debugging or tracing"),
-                                              ({"load_config": 1}, "not a setting"),
-                                              ({"triton.cudagraphs": True}, "GraphBackend"),
-                                              ({"_cache_config_ignore_prefix": 1}, "not a setting")])
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"no_such_setting": 1}, "not a setting"),
+        ({"epilogue_fusion": [1]}, "not a boolean"),
+        ({"epilogue_fusion": 1}, "not a boolean"),
+        ({"coordinate_descent_search_radius": 10**6}, "from 1 to 4"),
+        ("max_autotune", "give a dict"),
+        # names a loader must not take from a package
+        ({"cpp.cxx": "/tmp/evil-cc"}, "only change speed"),
+        ({"cuda.cutlass_dir": "/tmp/pkg"}, "only change speed"),
+        ({"trace.debug_dir": "/home"}, "debugging or tracing"),
+        ({"load_config": 1}, "not a setting"),
+        ({"triton.cudagraphs": True}, "GraphBackend"),
+        ({"_cache_config_ignore_prefix": 1}, "not a setting"),
+    ],
+)
 def test_compile_options_are_checked(options, problem):
     with pytest.raises(ValueError, match=problem):
         xpupack.InductorBackend(compile_options=options)
 
 
 #: settings that remove safety from what a loader compiles, and why each is refused
-UNSAFE_OPTIONS = [({"assert_indirect_indexing": False}, "safety check"),  # out-of-range ids read past a table
-                  ({"size_asserts": False}, "safety check"),
-                  ({"trace.enabled": True}, "debugging or tracing"),  # writes torch_compile_debug/ into the cwd
-                  ({"sleep_sec_TESTING_ONLY": 5}, "testing hook"),
-                  ({"freezing": True}, "safety check")]  # bakes weights in: load_state_dict would be ignored
+UNSAFE_OPTIONS = [
+    ({"assert_indirect_indexing": False}, "safety check"),  # out-of-range ids read past a table
+    ({"size_asserts": False}, "safety check"),
+    ({"trace.enabled": True}, "debugging or tracing"),  # writes torch_compile_debug/ into the cwd
+    ({"sleep_sec_TESTING_ONLY": 5}, "testing hook"),
+    ({"freezing": True}, "safety check"),
+]  # bakes weights in: load_state_dict would be ignored
 
 
 @pytest.mark.parametrize("options, problem", UNSAFE_OPTIONS)
@@ -256,15 +274,20 @@ def test_a_manifest_cannot_hand_the_loader_a_compiler():
 def _as_inductor_package(root, tmp_path, compile_options):
     """``root`` with its modules handed to Inductor with ``compile_options``, as a package's author could write it."""
     copy = copy_package(root, tmp_path / "pkg")
-    rewrite_manifest(copy, lambda manifest: [module.update(backend={
-        "name": "inductor", "options": {"compile_options": compile_options}, "config": {}})
-        for module in manifest["modules"]])
+    rewrite_manifest(
+        copy,
+        lambda manifest: [
+            module.update(backend={"name": "inductor", "options": {"compile_options": compile_options}, "config": {}})
+            for module in manifest["modules"]
+        ],
+    )
     return copy
 
 
 @pytest.mark.parametrize("options, problem", UNSAFE_OPTIONS)
-def test_a_package_with_compile_options_that_remove_safety_is_refused_at_load(eager_package, tmp_path, options,
-                                                                              problem, monkeypatch):
+def test_a_package_with_compile_options_that_remove_safety_is_refused_at_load(
+    eager_package, tmp_path, options, problem, monkeypatch
+):
     root = _as_inductor_package(eager_package, tmp_path, options)
     monkeypatch.chdir(tmp_path)
     model = make_stack()
@@ -313,8 +336,13 @@ def _dynamo_only(monkeypatch, skip: set[int] = frozenset()):
     compile_ = torch.compile
 
     def noting(graph, inputs):
-        compiled.append(next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 2
-                             and not isinstance(x, torch.nn.Parameter)))
+        compiled.append(
+            next(
+                x.shape[0]
+                for x in inputs
+                if isinstance(x, torch.Tensor) and x.dim() == 2 and not isinstance(x, torch.nn.Parameter)
+            )
+        )
         return graph.forward
 
     def spy(function, **settings):
@@ -329,8 +357,12 @@ def test_every_signature_of_a_long_batch_ladder_is_compiled(monkeypatch):
     """Dynamo stops compiling a function after 8 recompiles and runs it eagerly without a word: over the
     11-size ladder 3 sizes ran eager while stats said inductor with 11 of 11 active."""
     compiled = _dynamo_only(monkeypatch)
-    model = xpupack.tune(make_stack(), [torch.randn(n, 8) for n in LADDER], modules=["layers.0.mlp"],
-                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    model = xpupack.tune(
+        make_stack(),
+        [torch.randn(n, 8) for n in LADDER],
+        modules=["layers.0.mlp"],
+        strategy=xpupack.Only(xpupack.InductorBackend()),
+    )
     assert sorted(set(compiled)) == LADDER
     stats = xpupack.stats(model)["layers.0.mlp"]
     assert stats["active_signatures"] == stats["signatures"] == len(LADDER) and "not_compiled" not in stats
@@ -340,8 +372,12 @@ def test_stats_tell_when_a_signature_is_not_compiled(monkeypatch, fallback_calls
     """A signature Dynamo ran without compiling is no active signature of the module: its calls run the
     original module and count as fallbacks, with the reason."""
     compiled = _dynamo_only(monkeypatch, skip={3})  # signatures compile in the samples' order: 8 is skipped
-    model = xpupack.tune(make_stack(), [torch.randn(n, 8) for n in (2, 4, 8)], modules=["layers.0.mlp"],
-                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    model = xpupack.tune(
+        make_stack(),
+        [torch.randn(n, 8) for n in (2, 4, 8)],
+        modules=["layers.0.mlp"],
+        strategy=xpupack.Only(xpupack.InductorBackend()),
+    )
     [skipped] = {2, 4, 8} - set(compiled)  # the largest: no call of it can be padded up to another
     with torch.no_grad():
         model(torch.randn(skipped, 8))
@@ -359,5 +395,4 @@ def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():
     assert int8.inductor_options(torch.device("cpu")) == {}
     assert xpupack.TorchAOBackend("int8-dynamic").inductor_options(torch.device("cuda")) == {}
     composed = xpupack.InductorBackend(base=int8, compile_options={"epilogue_fusion": False})
-    assert composed._settings(torch.device("cuda")) == \
-        {"options": {"pattern_matcher": False, "epilogue_fusion": False}}
+    assert composed._settings(torch.device("cuda")) == {"options": {"pattern_matcher": False, "epilogue_fusion": False}}

@@ -27,13 +27,20 @@ xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
 
 def generate(model, ids, mode: str):
     with MODES[mode]():  # disable_compile: the untuned reference must not compile itself (it would on a GPU)
-        return model.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
-                              cache_implementation="static", disable_compile=True)
+        return model.generate(
+            ids,
+            max_new_tokens=TOKENS,
+            min_new_tokens=TOKENS,
+            do_sample=False,
+            cache_implementation="static",
+            disable_compile=True,
+        )
 
 
 @pytest.mark.parametrize("tune_mode", MODES)
-def test_a_language_model_tunes_saves_loads_and_serves_in_every_mode(emulated_graphs, tmp_path, tune_mode,
-                                                                     fallback_calls):
+def test_a_language_model_tunes_saves_loads_and_serves_in_every_mode(
+    emulated_graphs, tmp_path, tune_mode, fallback_calls
+):
     """The samples' run uses the mode (as a user's generate loop does), `tune` itself is called outside it."""
     model, reference = tiny_llama(), tiny_llama()
     xpupack.tune(model, [prompt()], run=lambda m, ids: generate(m, ids, tune_mode), strategy=GRAPH)
@@ -79,8 +86,10 @@ def test_a_plain_model_tunes_saves_loads_and_serves_in_every_mode(emulated_graph
                 with MODES[serve_mode]():
                     assert torch.allclose(tuned(sample), reference(sample), atol=1e-6), serve_mode
             stats = xpupack.stats(tuned)
-            assert all(s["backend"] == "graph" and s["fallbacks"] == 0 and s["padded"] >= 1
-                       for s in stats.values()), (serve_mode, stats)
+            assert all(s["backend"] == "graph" and s["fallbacks"] == 0 and s["padded"] >= 1 for s in stats.values()), (
+                serve_mode,
+                stats,
+            )
     assert all(not p.is_inference() for p in loaded.parameters())
 
 
@@ -133,8 +142,7 @@ def test_a_failed_cleanup_never_hides_the_error_that_stopped_tuning(monkeypatch)
 
     monkeypatch.setattr(xpupack.backends.base.ModuleSpec, "drop_samples", failing_cleanup)
     with pytest.raises(RuntimeError, match="the strategy broke"):
-        xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                     strategy=Broken([xpupack.EagerBackend()]))
+        xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=Broken([xpupack.EagerBackend()]))
 
 
 @pytest.mark.requires_graph_device
@@ -143,8 +151,9 @@ def test_real_graphs_of_a_language_model_tuned_under_inference_mode_replay_in_ev
 
     model, reference = tiny_llama().to(GRAPH_DEVICE), tiny_llama().to(GRAPH_DEVICE)
     strategy = xpupack.Only(xpupack.GraphBackend())
-    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, "inference_mode"),
-                 strategy=strategy)
+    xpupack.tune(
+        model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, "inference_mode"), strategy=strategy
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     for serve_mode in MODES:
         loaded = xpupack.load(tiny_llama().to(GRAPH_DEVICE), root)

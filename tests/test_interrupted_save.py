@@ -32,8 +32,10 @@ def test_sigkill_at_every_step_of_a_save_leaves_a_loadable_package(swap, tmp_pat
     puts the old package back (and a load says where it is)."""
     folder = tmp_path / "packages"
     folder.mkdir()
-    result = run_python(f"import json; from support import kill_points; "
-                        f"print(json.dumps(kill_points.sweep({str(folder)!r}, exchange={swap == 'exchange'})))")
+    result = run_python(
+        f"import json; from support import kill_points; "
+        f"print(json.dumps(kill_points.sweep({str(folder)!r}, exchange={swap == 'exchange'})))"
+    )
     report = json.loads(result.stdout.strip().splitlines()[-1])
     steps, cases = report["steps"], report["cases"]
     assert steps >= 20 and len(cases) == steps + 1
@@ -84,12 +86,15 @@ print("finished", flush=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("event, expected", [
-    ("os.mkdir", "old"),                 # the temporary directory is being created
-    ("open", "old"),                     # the first file is being written
-    ("ctypes.dlsym", "old"),             # looking up renameat2, right before it swaps the directories
-    ("shutil.rmtree", "new"),            # swapped; the old package is being deleted
-])
+@pytest.mark.parametrize(
+    "event, expected",
+    [
+        ("os.mkdir", "old"),  # the temporary directory is being created
+        ("open", "old"),  # the first file is being written
+        ("ctypes.dlsym", "old"),  # looking up renameat2, right before it swaps the directories
+        ("shutil.rmtree", "new"),  # swapped; the old package is being deleted
+    ],
+)
 def test_killing_xpupack_build_from_outside(event, expected, tmp_path):
     """`xpupack build` is SIGKILLed by another process while it waits at a step of `save`."""
     root = tmp_path / "pkg"
@@ -97,10 +102,16 @@ def test_killing_xpupack_build_from_outside(event, expected, tmp_path):
     xpupack.save(old, root)
     script = tmp_path / "saver.py"
     script.write_text(textwrap.dedent(_BLOCKING_SAVER))
-    env = {**os.environ, "KILL_BEFORE": event,
-           "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
-    saver = subprocess.Popen([sys.executable, str(script), str(root)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    env = {**os.environ, "KILL_BEFORE": event, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])}
+    saver = subprocess.Popen(
+        [sys.executable, str(script), str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         lines = [saver.stdout.readline()]
         while lines[-1] and not lines[-1].startswith("reached"):

@@ -66,8 +66,9 @@ def test_public_names_resolve_and_stay_functions_after_every_submodule_is_import
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eager", "inductor"])
-def test_inspect_and_verify_of_a_local_package_import_no_torch(run_python, eager_package, inductor_package,
-                                                              tmp_path, kind):
+def test_inspect_and_verify_of_a_local_package_import_no_torch(
+    run_python, eager_package, inductor_package, tmp_path, kind
+):
     root = eager_package if kind == "eager" else shutil.copytree(inductor_package[1], tmp_path / "pkg")
     output = run_python(f"""
         import json, sys
@@ -85,7 +86,7 @@ def test_inspect_and_verify_of_a_local_package_import_no_torch(run_python, eager
     from xpupack.report import verify_package
 
     expected = verify_package(root)
-    verified = json.loads(output[output.rindex('{\n  "compatibility"'):])
+    verified = json.loads(output[output.rindex('{\n  "compatibility"') :])
     assert verified["compatibility"] == expected["compatibility"]
     assert verified["environment_here"] == expected["environment_here"]
 
@@ -93,12 +94,19 @@ def test_inspect_and_verify_of_a_local_package_import_no_torch(run_python, eager
 @pytest.mark.slow
 def test_xpupack_verify_command_imports_no_torch(eager_package, tmp_path):
     """``python -m xpupack verify DIR`` as a user runs it: the process exits 99 if torch was imported."""
-    watch = ("import atexit, os, runpy, sys\n"
-             "atexit.register(lambda: 'torch' in sys.modules and os._exit(99))\n"
-             "runpy.run_module('xpupack', run_name='__main__', alter_sys=True)\n")
+    watch = (
+        "import atexit, os, runpy, sys\n"
+        "atexit.register(lambda: 'torch' in sys.modules and os._exit(99))\n"
+        "runpy.run_module('xpupack', run_name='__main__', alter_sys=True)\n"
+    )
     for command in ("verify", "inspect"):
-        result = subprocess.run([sys.executable, "-c", watch, command, str(eager_package)],
-                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-c", watch, command, str(eager_package)],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=300,
+        )
         assert result.returncode == 0, (command, result.returncode, result.stderr)
         assert "layers.0.mlp" in result.stdout
 
@@ -126,15 +134,17 @@ def test_verify_without_torch_reports_what_it_reports_with_torch(run_python, eag
     result, expected = json.loads(output), json.loads(json.dumps(verify_package(root)))
     assert not result["ok"] and result["compatibility"] == expected["compatibility"]
     assert result["compatibility"]["layers.0.mlp"]["status"].startswith("rebuilt on load: torch built 1.0.0")
-    assert [problem.split(":")[0] for problem in result["problems"]] == \
-        [problem.split(":")[0] for problem in expected["problems"]]
+    assert [problem.split(":")[0] for problem in result["problems"]] == [
+        problem.split(":")[0] for problem in expected["problems"]
+    ]
     assert "no such device" in result["problems"][0] and "describes the module" in result["problems"][1]
 
 
 def test_pytest_plugin_imports_nothing_heavy(tmp_path):
     """A project that never touches torch: the plugin (loaded into every pytest run) costs it nothing."""
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")
-    (tmp_path / "test_plain.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "test_plain.py").write_text(
+        textwrap.dedent(f"""
         import sys
 
         def test_plain():
@@ -144,12 +154,17 @@ def test_pytest_plugin_imports_nothing_heavy(tmp_path):
         def test_fixture_works_without_torch(fallback_calls):
             assert fallback_calls == []
             {NO_TORCH}
-    """))
+    """)
+    )
     registered = any(ep.value == "xpupack.testing" for ep in importlib.metadata.entry_points(group="pytest11"))
     plugin = [] if registered else ["-p", "xpupack.testing"]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,
-                             str(tmp_path / "test_plain.py")],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin, str(tmp_path / "test_plain.py")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 passed" in result.stdout
 
@@ -164,12 +179,15 @@ def test_cpu_capability_without_torch_is_torchs():
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", ["default", "avx2", "AVX2", "bogus"])
 def test_cpu_capability_without_torch_follows_aten_cpu_capability(run_python, setting):
-    run_python("""
+    run_python(
+        """
         from xpupack.environment import _cpu_capability_without_torch
         mine = _cpu_capability_without_torch()
         import torch
         assert mine in (None, torch.backends.cpu.get_cpu_capability()), (mine, torch.backends.cpu.get_cpu_capability())
-    """, env={"ATEN_CPU_CAPABILITY": setting})
+    """,
+        env={"ATEN_CPU_CAPABILITY": setting},
+    )
 
 
 def test_device_here_is_this_cpu_without_torch(run_python):
@@ -190,22 +208,40 @@ def test_device_here_is_this_cpu_without_torch(run_python):
 def _options_to_try():
     base_eager = {"name": "eager", "options": {}}
     return [
-        ("eager", {}), ("eager", {"x": 1}),
-        ("graph", {}), ("graph", {"max_recordings": 4}), ("graph", {"max_recordings": 16}),
-        ("graph", {"max_recordings": 0}), ("graph", {"max_recordings": True}), ("graph", {"max_recordings": "4"}),
-        ("graph", {"copy_outputs": False}), ("graph", {"copy_outputs": True}), ("graph", {"copy_outputs": 0}),
-        ("graph", {"max_memory": 1 << 30}), ("graph", {"max_memory": 0}), ("graph", {"max_memory": True}),
+        ("eager", {}),
+        ("eager", {"x": 1}),
+        ("graph", {}),
+        ("graph", {"max_recordings": 4}),
+        ("graph", {"max_recordings": 16}),
+        ("graph", {"max_recordings": 0}),
+        ("graph", {"max_recordings": True}),
+        ("graph", {"max_recordings": "4"}),
+        ("graph", {"copy_outputs": False}),
+        ("graph", {"copy_outputs": True}),
+        ("graph", {"copy_outputs": 0}),
+        ("graph", {"max_memory": 1 << 30}),
+        ("graph", {"max_memory": 0}),
+        ("graph", {"max_memory": True}),
         ("graph", {"max_memory": 1.5}),
         ("graph", {"base": {"name": "inductor", "options": {}}}),
         ("graph", {"base": {"name": "inductor", "options": {"mode": "default"}}, "max_recordings": 2}),
-        ("graph", {"base": {"name": "graph", "options": {}}}), ("graph", {"base": base_eager}),
+        ("graph", {"base": {"name": "graph", "options": {}}}),
+        ("graph", {"base": base_eager}),
         ("graph", {"base": {"name": "torchao", "options": {"config": "int8-weight-only"}}}),
-        ("graph", {"base": "inductor"}), ("graph", {"other": 1}),
-        ("inductor", {}), ("inductor", {"mode": "default"}), ("inductor", {"mode": "max-autotune-no-cudagraphs"}),
-        ("inductor", {"mode": None}), ("inductor", {"mode": "reduce-overhead"}), ("inductor", {"mode": 3}),
+        ("graph", {"base": "inductor"}),
+        ("graph", {"other": 1}),
+        ("inductor", {}),
+        ("inductor", {"mode": "default"}),
+        ("inductor", {"mode": "max-autotune-no-cudagraphs"}),
+        ("inductor", {"mode": None}),
+        ("inductor", {"mode": "reduce-overhead"}),
+        ("inductor", {"mode": 3}),
         ("inductor", {"base": {"name": "torchao", "options": {"config": "int8-weight-only"}}}),
         ("inductor", {"base": base_eager}),
-        ("torchao", {"config": "int8-weight-only"}), ("nope", {}), (None, {}), ("eager", None),
+        ("torchao", {"config": "int8-weight-only"}),
+        ("nope", {}),
+        (None, {}),
+        ("eager", None),
     ]
 
 
@@ -222,10 +258,21 @@ def test_backend_facts_agree_with_the_backends(name, options):
         assert name not in ("eager", "graph", "inductor") or "torchao" in json.dumps(options)
         return
     cpu = torch.device("cpu")
-    assert (facts.name, facts.label, tuple(facts.depends_on), bool(facts.compiled_artifacts), facts.rebuildable,
-            facts.pads_calls) == \
-        (real.name, real.label, tuple(real.depends_on), bool(real.compiled_artifacts), real.rebuildable,
-         real.pads_calls)
+    assert (
+        facts.name,
+        facts.label,
+        tuple(facts.depends_on),
+        bool(facts.compiled_artifacts),
+        facts.rebuildable,
+        facts.pads_calls,
+    ) == (
+        real.name,
+        real.label,
+        tuple(real.depends_on),
+        bool(real.compiled_artifacts),
+        real.rebuildable,
+        real.pads_calls,
+    )
     assert facts.available(CPU()) == real.available(cpu)
     if not real.available(cpu):
         assert facts.why_unavailable(CPU()) == real.why_unavailable(cpu)
@@ -273,8 +320,7 @@ def test_importing_everything_installs_nothing_process_wide(run_python):
     """)
 
 
-def test_tuning_saving_and_loading_a_plain_model_import_neither_dynamo_nor_dtensor(run_python, eager_package,
-                                                                                  tmp_path):
+def test_tuning_saving_and_loading_a_plain_model_import_neither_dynamo_nor_dtensor(run_python, eager_package, tmp_path):
     # a plain model holds no DTensor, and an eager package compiles nothing: a new server must not pay
     # for importing torch.distributed.tensor (2 s on an H200 host) or the compile stack to find that out
     run_python(f"""

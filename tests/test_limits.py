@@ -17,8 +17,9 @@ SPEC = "modules/layers.0.mlp/spec.json"
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
     """An eager package of the stack's MLPs: two signatures each, f32[2,8] and f32[4,8]."""
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.EagerBackend())
+    )
     return xpupack.save(model, tmp_path_factory.mktemp("limits") / "pkg")
 
 
@@ -39,8 +40,9 @@ def _refused(root, field, **load):
 def test_a_huge_spec_leaf_is_refused_before_anything_is_allocated(package, tmp_path):
     """A 40 GiB input (under the 64 GiB a single leaf may describe) is over the default total of 32 GiB."""
     root = copy_package(package, tmp_path / "pkg")
-    rewrite_json(root, SPEC, lambda spec: spec["signatures"][0]["leaves"].__setitem__(
-        0, _leaf_of([10 * 2**30], "float32")))
+    rewrite_json(
+        root, SPEC, lambda spec: spec["signatures"][0]["leaves"].__setitem__(0, _leaf_of([10 * 2**30], "float32"))
+    )
     error = _refused(root, "max_input_bytes")
     assert error.limit == 32 * 2**30 and error.actual > error.limit
     assert "LoadLimits(max_input_bytes=" in str(error) and "XPUPACK_MAX_INPUT_BYTES" in str(error)
@@ -62,9 +64,11 @@ def test_signatures_per_module_are_capped_by_an_environment_variable(package, mo
 
 def test_leaves_per_signature_are_capped(package, tmp_path):
     root = copy_package(package, tmp_path / "pkg")
+
     def add_leaves(spec):  # batch axes name every leaf: the added ones have none, so none are claimed
         spec["signatures"][0]["leaves"].extend([_leaf_of([1])] * 5000)
         spec.pop("batch_axes", None)
+
     rewrite_json(root, SPEC, add_leaves)
     error = _refused(root, "max_leaves")
     assert "signature 0 has 5002 leaves" in str(error)  # x, scale and the 5000 added
@@ -72,8 +76,12 @@ def test_leaves_per_signature_are_capped(package, tmp_path):
 
 def test_a_graph_package_cannot_claim_a_billion_recordings(package, tmp_path):
     root = copy_package(package, tmp_path / "pkg")
-    rewrite_manifest(root, lambda manifest: manifest["modules"][0].update(
-        backend={"name": "graph", "options": {"max_recordings": 10**9}, "config": {}}))
+    rewrite_manifest(
+        root,
+        lambda manifest: manifest["modules"][0].update(
+            backend={"name": "graph", "options": {"max_recordings": 10**9}, "config": {}}
+        ),
+    )
     error = _refused(root, "max_recordings")
     assert error.actual == 10**9 and error.limit == 256 and "layers.0.mlp" in str(error)
     # raised by the loader, the package's claim passes (and a CPU runs the original module instead)
@@ -83,8 +91,9 @@ def test_a_graph_package_cannot_claim_a_billion_recordings(package, tmp_path):
 
 def test_verify_refuses_what_load_refuses(package, tmp_path, monkeypatch):
     root = copy_package(package, tmp_path / "pkg")
-    rewrite_json(root, SPEC, lambda spec: spec["signatures"][0]["leaves"].__setitem__(
-        0, _leaf_of([10 * 2**30], "float32")))
+    rewrite_json(
+        root, SPEC, lambda spec: spec["signatures"][0]["leaves"].__setitem__(0, _leaf_of([10 * 2**30], "float32"))
+    )
     result = verify_package(root)
     assert not result["ok"] and any("max_input_bytes" in problem for problem in result["problems"])
     monkeypatch.setenv("XPUPACK_MAX_INPUT_BYTES", str(64 * 2**30))
@@ -93,9 +102,11 @@ def test_verify_refuses_what_load_refuses(package, tmp_path, monkeypatch):
 
 def test_state_leaves_are_never_synthesised_so_they_count_no_bytes():
     """A 70B model's KV cache is tens of GiB: a signature that carries it synthesises nothing at load."""
-    cache = {"kind": "state", "type": "transformers.DynamicCache",
-             "tensors": [{"shape": [80, 64, 8, 8192, 128], "stride": [1] * 5, "dtype": "bfloat16",
-                          "device": "cuda:0"}]}
+    cache = {
+        "kind": "state",
+        "type": "transformers.DynamicCache",
+        "tensors": [{"shape": [80, 64, 8, 8192, 128], "stride": [1] * 5, "dtype": "bfloat16", "device": "cuda:0"}],
+    }
     assert synthesized_bytes({"leaves": [_leaf_of([64, 1], "int64"), cache]}) == 0
     assert synthesized_bytes({"leaves": [_leaf_of([64, 1], "int64"), _leaf_of([3], "bfloat16")]}) == 64 * 8 + 6
 

@@ -81,7 +81,8 @@ def test_importing_xpupack_leaves_torch_compile_alone(run_python):
 
 
 def test_tuning_and_loading_another_model_leave_torch_compile_alone(run_python, tmp_path):
-    result = run_python(f"""
+    result = run_python(
+        f"""
 import torch, xpupack
 from xpupack import _device
 from support.emulated_graph import EmulatedGraphs
@@ -92,11 +93,14 @@ model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], st
 xpupack.save(model, {str(tmp_path / "pkg")!r})
 loaded = xpupack.load(make_stack(seed=1), {str(tmp_path / "pkg")!r})
 assert {{s["backend"] for s in xpupack.stats(loaded).values()}} == {{"graph"}}
-""" + COMPILE_A_MODULELIST_SLICE)
+"""
+        + COMPILE_A_MODULELIST_SLICE
+    )
     assert "no recompiles" in result.stdout
 
 
 # -- decode steps through generate() ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 def test_decode_steps_replay_and_tokens_equal_eager(emulated_graphs, make):
@@ -179,8 +183,7 @@ def test_a_caller_held_cache_is_recorded_once(emulated_graphs, fallback_calls):
 
 
 def test_new_caches_record_again_up_to_the_cap(emulated_graphs):
-    model, reference = tune_llm(strategy=xpupack.Only(xpupack.GraphBackend(max_recordings=2)),
-                                run=with_own_cache())
+    model, reference = tune_llm(strategy=xpupack.Only(xpupack.GraphBackend(max_recordings=2)), run=with_own_cache())
     caches = [static_cache(model, 16) for _ in range(4)]  # kept alive: four sets of addresses
     for cache in caches:
         ids = prompt(seed=9)
@@ -200,8 +203,9 @@ def test_prefill_and_decode_are_separate_signatures(emulated_graphs):
 def test_a_dynamic_cache_stays_eager_and_says_how_to_tune_it(emulated_graphs, fallback_calls):
     model = tiny_llama()
     with torch.no_grad():
-        xpupack.tune(model, [prompt()], run=lambda m, ids: m.generate(ids, max_new_tokens=3, do_sample=False),
-                     strategy=GRAPH)
+        xpupack.tune(
+            model, [prompt()], run=lambda m, ids: m.generate(ids, max_new_tokens=3, do_sample=False), strategy=GRAPH
+        )
     stats = whole(model)
     assert stats["backend"] == "eager"
     report = xpupack.tuned.session_of(model).modules[""].report[0].reason
@@ -246,6 +250,7 @@ def test_generate_does_not_compile_a_tuned_model(emulated_graphs):
 
 
 # -- sliding-window caches (Mistral, Gemma 2, Gemma 3) ------------------------------------------------
+
 
 @pytest.fixture
 def traced_graphs(monkeypatch):
@@ -325,6 +330,7 @@ def test_a_call_whose_tokens_fill_the_window_is_never_replayed():
 
 # -- the package ---------------------------------------------------------------------------------
 
+
 def test_state_signature_round_trips_through_the_spec(emulated_graphs, tmp_path):
     model, _ = tune_llm()
     root = xpupack.save(model, tmp_path / "pkg")
@@ -359,14 +365,23 @@ def test_inspect_describes_a_language_model_package_in_text_and_json(emulated_gr
     assert described in package_card(root, read_manifest(root))
 
 
-@pytest.mark.parametrize("bad", [
-    {"kind": "state", "type": "x.Cache", "tensors": []},
-    {"kind": "state", "type": 3, "tensors": [{"shape": [1], "stride": [1], "dtype": "float32", "device": "cpu"}]},
-    {"kind": "state", "type": "x.Cache", "tensors": [{"shape": [1, 2], "stride": [1], "dtype": "float32",
-                                                      "device": "cpu"}]},
-    {"kind": "state", "type": "x.Cache", "tensors": [{"shape": [1], "stride": [1], "dtype": "nope",
-                                                      "device": "cpu"}]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"kind": "state", "type": "x.Cache", "tensors": []},
+        {"kind": "state", "type": 3, "tensors": [{"shape": [1], "stride": [1], "dtype": "float32", "device": "cpu"}]},
+        {
+            "kind": "state",
+            "type": "x.Cache",
+            "tensors": [{"shape": [1, 2], "stride": [1], "dtype": "float32", "device": "cpu"}],
+        },
+        {
+            "kind": "state",
+            "type": "x.Cache",
+            "tensors": [{"shape": [1], "stride": [1], "dtype": "nope", "device": "cpu"}],
+        },
+    ],
+)
 def test_malformed_state_leaves_are_refused(bad):
     from xpupack.signature import _leaf_from_json
 
@@ -410,11 +425,16 @@ print("ok")
 
 # -- Inductor, and the graph over it ----------------------------------------------------------------
 
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [
-    xpupack.Only(xpupack.InductorBackend()),
-    xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
-], ids=["inductor", "graph+inductor"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        xpupack.Only(xpupack.InductorBackend()),
+        xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
+    ],
+    ids=["inductor", "graph+inductor"],
+)
 def test_compiled_decode_steps_give_eager_tokens(emulated_graphs, strategy, tmp_path):
     model, reference = tune_llm(strategy=strategy)
     ids = prompt(seed=13)
@@ -428,6 +448,7 @@ def test_compiled_decode_steps_give_eager_tokens(emulated_graphs, strategy, tmp_
 
 
 # -- one tuned module, many threads -------------------------------------------------------------
+
 
 def wrong_results_under_threads(device: str = "cpu", threads: int = 4, rounds: int = 20) -> list[int]:
     """Tunes the stack's MLPs as device graphs, then calls one MLP from several threads at once and
@@ -463,6 +484,7 @@ def test_concurrent_calls_never_return_another_threads_result(emulated_graphs):
 
 # -- real device graphs (the GPU machine) -------------------------------------------------------
 
+
 @pytest.mark.requires_graph_device
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
 def test_real_graphs_replay_decode_steps_with_eager_tokens(make):
@@ -470,8 +492,7 @@ def test_real_graphs_replay_decode_steps_with_eager_tokens(make):
 
     model, reference = make().to(GRAPH_DEVICE), None
     reference = copy.deepcopy(model)
-    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, NEW_TOKENS),
-                 strategy=GRAPH)
+    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, NEW_TOKENS), strategy=GRAPH)
     assert whole(model)["backend"] == "graph"
     for seed, new_tokens in ((21, NEW_TOKENS), (22, 24)):  # the second: a longer cache, a new size
         ids = prompt(seed=seed, device=GRAPH_DEVICE)
@@ -487,13 +508,13 @@ def test_real_graphs_in_a_decode_loop_with_one_cache(fallback_calls):
     model = tiny_llama().to(GRAPH_DEVICE)
     reference = copy.deepcopy(model)
     cache = static_cache(model, 40)
-    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: decode_loop(m, ids, 4, cache),
-                 strategy=GRAPH)
+    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: decode_loop(m, ids, 4, cache), strategy=GRAPH)
     for seed in (24, 25):
         cache.reset()
         ids = prompt(seed=seed, device=GRAPH_DEVICE)
-        assert torch.equal(decode_loop(model, ids, 24, cache),
-                           decode_loop(reference, ids, 24, static_cache(reference, 40)))
+        assert torch.equal(
+            decode_loop(model, ids, 24, cache), decode_loop(reference, ids, 24, static_cache(reference, 40))
+        )
     assert whole(model)["recordings"] >= 1
     assert [event.reason for event in fallback_calls if "[1, 8]" not in event.reason] == []  # only prefills
 
@@ -511,8 +532,9 @@ def test_real_graphs_of_a_user_state_type():
         return made
 
     tuning = cache()
-    xpupack.tune(model, [torch.randn(1, 8, device=GRAPH_DEVICE) for _ in range(3)],
-                 run=lambda m, x: m(x, tuning), strategy=GRAPH)
+    xpupack.tune(
+        model, [torch.randn(1, 8, device=GRAPH_DEVICE) for _ in range(3)], run=lambda m, x: m(x, tuning), strategy=GRAPH
+    )
     mine, theirs = cache(), cache()
     with torch.no_grad():
         for step in range(1, 10):
@@ -529,8 +551,12 @@ def test_real_graph_over_inductor_in_a_fresh_process(tmp_path, run_python):
 
     model = tiny_llama().to(GRAPH_DEVICE)
     reference = copy.deepcopy(model)
-    xpupack.tune(model, [prompt(device=GRAPH_DEVICE)], run=lambda m, ids: generate(m, ids, NEW_TOKENS),
-                 strategy=xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())))
+    xpupack.tune(
+        model,
+        [prompt(device=GRAPH_DEVICE)],
+        run=lambda m, ids: generate(m, ids, NEW_TOKENS),
+        strategy=xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     expected = generate(reference, prompt(seed=31, device=GRAPH_DEVICE), 12, eager=True).cpu()
     torch.save(expected, tmp_path / "expected.pt")

@@ -24,8 +24,9 @@ def tune_without_search(model, samples, modules=None, device=None, strategy=None
     """A ``tune`` as it was before ``search=``: the benchmark reads its signature only."""
 
 
-def tune_with_search_and_quantize(model, samples, modules=None, device=None, strategy=None, run=None, *,
-                                  search="quick", quantize=None):
+def tune_with_search_and_quantize(
+    model, samples, modules=None, device=None, strategy=None, run=None, *, search="quick", quantize=None
+):
     """A ``tune`` with ``search=`` and ``quantize=``."""
 
 
@@ -41,8 +42,9 @@ def test_quantized_variants_use_quantize_and_thorough_search_where_tune_has_them
     [torchao] = kwargs["quantize"]  # quantize= needs the thorough search; the benchmark's 20 dB floor goes along
     assert kwargs["search"] == "thorough" and torchao.label == "torchao:int8-weight-only"
     assert torchao.min_sqnr_db == 20 and how == "tune(search='thorough', quantize=[torchao:int8-weight-only])"
-    kwargs, how = llm_decode.tune_arguments("xpupack_int8", settings("--quant-search", "quick"),
-                                            tune_with_search_and_quantize)
+    kwargs, how = llm_decode.tune_arguments(
+        "xpupack_int8", settings("--quant-search", "quick"), tune_with_search_and_quantize
+    )
     assert set(kwargs) == {"strategy"} and "torchao:int8-weight-only" in how  # the one quantized chain
 
 
@@ -78,8 +80,12 @@ def test_quantized_weights_count_at_their_stored_size():
 
 def test_the_step_profile_gives_shares_of_the_step_and_the_bandwidth_of_the_matrix_products():
     # two steps of 100 µs: a 60 µs GEMV and a 20 µs fused norm each, 20 µs idle
-    kernels = [("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 0, 60), ("triton_red_fused_add_mean_mul_pow_rsqrt_0", 70, 20),
-               ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 100, 60), ("triton_red_fused_add_mean_mul_pow_rsqrt_0", 170, 20)]
+    kernels = [
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 0, 60),
+        ("triton_red_fused_add_mean_mul_pow_rsqrt_0", 70, 20),
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 100, 60),
+        ("triton_red_fused_add_mean_mul_pow_rsqrt_0", 170, 20),
+    ]
     summary = _step_profile.summarize(kernels, 2, bytes_per_step={"matmul": 3e6}, bandwidth_bytes_per_s=1e11)
     assert summary["span_us_per_step"] == 95 and summary["busy_us_per_step"] == 80
     top = summary["top_kernels"][0]
@@ -89,33 +95,69 @@ def test_the_step_profile_gives_shares_of_the_step_and_the_bandwidth_of_the_matr
     assert "bytes_per_step" not in summary["categories"]["triton_fused"]
 
 
-@pytest.mark.parametrize(("name", "category"), [
-    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4, false>", "matmul"),
-    ("triton_tem_fused_mm_0", "matmul"), ("aten::mm", "matmul"), ("triton_red_fused__to_copy_mm_mul_3", "matmul"),
-    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"), ("flash_fwd_splitkv_kernel", "attention"),
-    ("triton_poi_fused_index_copy_1", "cache_update"), ("triton_poi_fused_add_cos_mul_sin_2", "triton_fused"),
-    ("Memcpy DtoD (Device -> Device)", "copy"), ("void at::native::vectorized_elementwise_kernel<4>", "other"),
-])
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4, false>", "matmul"),
+        ("triton_tem_fused_mm_0", "matmul"),
+        ("aten::mm", "matmul"),
+        ("triton_red_fused__to_copy_mm_mul_3", "matmul"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
+        ("flash_fwd_splitkv_kernel", "attention"),
+        ("triton_poi_fused_index_copy_1", "cache_update"),
+        ("triton_poi_fused_add_cos_mul_sin_2", "triton_fused"),
+        ("Memcpy DtoD (Device -> Device)", "copy"),
+        ("void at::native::vectorized_elementwise_kernel<4>", "other"),
+    ],
+)
 def test_kernels_fall_into_categories_by_name(name, category):
     assert _step_profile.classify(name) == category
 
 
 def test_a_spent_time_budget_skips_the_variants_and_says_why(tmp_path, capsys):
     out = tmp_path / "report.json"
-    report = llm_decode.main(["--device", "cpu", "--tiny", "--variants", "xpupack_bf16,hand_graph_inductor,xpupack_int4",
-                              "--time-budget", "1", "--workdir", str(tmp_path / "work"), "--out", str(out)])
+    report = llm_decode.main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--variants",
+            "xpupack_bf16,hand_graph_inductor,xpupack_int4",
+            "--time-budget",
+            "1",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(capsys.readouterr().out) == report == json.loads(out.read_text())
-    assert report["status"] == {"xpupack_bf16": "skipped: the time budget (1 s) ran out",
-                                "hand_graph_inductor": "skipped: needs device graphs (a CUDA or XPU device)",
-                                "xpupack_int4": "skipped: TorchAO int4 weight-only runs on CUDA only "
-                                                "(README: Quantization (TorchAO))"}
+    assert report["status"] == {
+        "xpupack_bf16": "skipped: the time budget (1 s) ran out",
+        "hand_graph_inductor": "skipped: needs device graphs (a CUDA or XPU device)",
+        "xpupack_int4": "skipped: TorchAO int4 weight-only runs on CUDA only (README: Quantization (TorchAO))",
+    }
     assert report["rows"] == [] and report["ratios"] == {}
 
 
 @pytest.mark.slow  # two fresh processes, each importing torch and transformers
 def test_a_tiny_run_tunes_loads_on_empty_caches_and_checks_tokens_against_eager(tmp_path, capsys):
-    report = llm_decode.main(["--device", "cpu", "--tiny", "--variants", "xpupack_bf16", "--batch", "1,2",
-                              "--new-tokens", "4", "--profile", "--workdir", str(tmp_path)])
+    report = llm_decode.main(
+        [
+            "--device",
+            "cpu",
+            "--tiny",
+            "--variants",
+            "xpupack_bf16",
+            "--batch",
+            "1,2",
+            "--new-tokens",
+            "4",
+            "--profile",
+            "--workdir",
+            str(tmp_path),
+        ]
+    )
     capsys.readouterr()
     assert report["status"] == {"xpupack_bf16": "ok"}, report["results"]
     tune, load = report["results"]["xpupack_bf16"]["tune"], report["results"]["xpupack_bf16"]["load"]
@@ -125,20 +167,25 @@ def test_a_tiny_run_tunes_loads_on_empty_caches_and_checks_tokens_against_eager(
         row = load[f"batch{batch}"]
         assert row["check"]["passed"] and row["check"]["predictions"] == 5 * batch
         assert row["loop_tokens_per_s"] > 0 and row["hbm_limit_tokens_per_s"] == pytest.approx(
-            batch * 4.8e12 / load["weight_bytes"]["all"], rel=1e-3)
+            batch * 4.8e12 / load["weight_bytes"]["all"], rel=1e-3
+        )
     assert [row["batch"] for row in report["rows"]] == [1, 2]
     assert load["profile"]["steps"] == 8 and load["profile"]["top_kernels"] and not load["profile"].get("error")
 
 
 def test_resume_keeps_finished_variants_and_loads_a_tuned_package_without_tuning_again(tmp_path):
     (tmp_path / "pkg-xpupack_int8").mkdir()
-    results = {"xpupack_bf16": {"status": "ok", "tune": {"tune_s": 1}},
-               "xpupack_bf16_thorough": {"status": "not available: this xpupack.tune has no search= parameter"},
-               "xpupack_int8": {"status": "timed out in load", "tune": {"tune_s": 2, "package_bytes": 10}},
-               "xpupack_int4": {"status": "timed out in load", "tune": {"tune_s": 2, "package_bytes": 10}},
-               "xpupack_float8": {"status": "timed out in tune", "tune": {"error": "stopped"}}}
+    results = {
+        "xpupack_bf16": {"status": "ok", "tune": {"tune_s": 1}},
+        "xpupack_bf16_thorough": {"status": "not available: this xpupack.tune has no search= parameter"},
+        "xpupack_int8": {"status": "timed out in load", "tune": {"tune_s": 2, "package_bytes": 10}},
+        "xpupack_int4": {"status": "timed out in load", "tune": {"tune_s": 2, "package_bytes": 10}},
+        "xpupack_float8": {"status": "timed out in tune", "tune": {"error": "stopped"}},
+    }
     (tmp_path / "report.json").write_text(json.dumps({"results": results}))
     kept = llm_decode.resumed([str(tmp_path / "missing.json"), str(tmp_path / "report.json")], tmp_path)
-    assert kept == {"xpupack_bf16": results["xpupack_bf16"],
-                    "xpupack_bf16_thorough": results["xpupack_bf16_thorough"],
-                    "xpupack_int8": {"tune": {"tune_s": 2, "package_bytes": 10}, "status": "tuned"}}
+    assert kept == {
+        "xpupack_bf16": results["xpupack_bf16"],
+        "xpupack_bf16_thorough": results["xpupack_bf16_thorough"],
+        "xpupack_int8": {"tune": {"tune_s": 2, "package_bytes": 10}, "status": "tuned"},
+    }

@@ -107,8 +107,11 @@ def test_wrong_architecture_fails_before_anything_changes(package):
 def test_load_given_a_factory_says_to_call_it(package):
     from xpupack.errors import NotAModelError
 
-    with pytest.raises(NotAModelError, match="xpupack.load needs the model .* not the function make_stack — "
-                                             r"call it: xpupack.load\(make_stack\(\), \.\.\.\)"):
+    with pytest.raises(
+        NotAModelError,
+        match="xpupack.load needs the model .* not the function make_stack — "
+        r"call it: xpupack.load\(make_stack\(\), \.\.\.\)",
+    ):
         xpupack.load(make_stack, package)
 
 
@@ -169,7 +172,8 @@ def test_a_load_that_fails_midway_gives_back_the_earlier_tuning(tmp_path, reques
     assert torch.equal(_serve(model), expected)
     after = xpupack.stats(model)
     assert {path: (s["active"], s["calls"], s["fallbacks"]) for path, s in after.items()} == {
-        path: (True, s["calls"] + 1, s["fallbacks"]) for path, s in before.items()}
+        path: (True, s["calls"] + 1, s["fallbacks"]) for path, s in before.items()
+    }
     if kind == "graph":  # replayed from the recordings it had, not recorded again
         assert emulated.replays == replays + 2 and {s["rerecordings"] for s in after.values()} == {0}
 

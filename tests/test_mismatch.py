@@ -23,8 +23,14 @@ from xpupack.environment import environment
 from xpupack.errors import IncompatiblePackageError
 
 HERE = environment(torch.device("cpu"))
-OTHER = {"torch": "2.9.0", "torchao": "0.1.0", "triton": "3.0.0", "device_type": "cuda",
-         "device_name": "NVIDIA H200", "architecture": "sm_90"}
+OTHER = {
+    "torch": "2.9.0",
+    "torchao": "0.1.0",
+    "triton": "3.0.0",
+    "device_type": "cuda",
+    "device_name": "NVIDIA H200",
+    "architecture": "sm_90",
+}
 KEYS = ["torch", "torchao", "triton", "device_type", "device_name"]
 
 
@@ -117,8 +123,11 @@ def test_verify_reports_the_same(artifact_package, key):
     report = json.loads(result.output)
     assert report["ok"]
     for entry in report["compatibility"].values():
-        assert entry == {"backend": "artifact", "compatible": False,
-                         "status": f"rebuilt on load: {key} built {OTHER[key]}, here {HERE[key]}"}
+        assert entry == {
+            "backend": "artifact",
+            "compatible": False,
+            "status": f"rebuilt on load: {key} built {OTHER[key]}, here {HERE[key]}",
+        }
     text = CliRunner().invoke(main, ["verify", str(artifact_package)])
     assert text.exit_code == 2 and f"{key} built {OTHER[key]}" in text.output
 
@@ -135,16 +144,23 @@ def test_backends_without_artifacts_ignore_version_differences(kind, tmp_path, r
     if kind == "graph":
         request.getfixturevalue("emulated_graphs")
     backend = xpupack.EagerBackend() if kind == "eager" else xpupack.GraphBackend()
-    root = built_elsewhere(build(tmp_path, backend), torch="2.9.0", torchao="0.1.0", triton="3.0.0",
-                           device_name="another CPU", architecture="AVX2")
+    root = built_elsewhere(
+        build(tmp_path, backend),
+        torch="2.9.0",
+        torchao="0.1.0",
+        triton="3.0.0",
+        device_name="another CPU",
+        architecture="AVX2",
+    )
     model = xpupack.load(make_stack(), root, on_mismatch="error")
     assert {s["backend"] for s in xpupack.stats(model).values()} == {kind}
     assert CliRunner().invoke(main, ["verify", str(root)]).exit_code == 0
 
 
 def test_graph_package_from_a_gpu_records_again_here(emulated_graphs, tmp_path):
-    root = built_elsewhere(build(tmp_path, xpupack.GraphBackend()), device="cuda:0",
-                           device_type="cuda", device_name="NVIDIA H200")
+    root = built_elsewhere(
+        build(tmp_path, xpupack.GraphBackend()), device="cuda:0", device_type="cuda", device_name="NVIDIA H200"
+    )
     captures = emulated_graphs.captures
     model = xpupack.load(make_stack(), root, device="cpu", on_mismatch="error")
     assert emulated_graphs.captures == captures + 4  # both batch sizes of both modules, on this device
@@ -197,8 +213,12 @@ def test_the_environment_records_the_cpu_instruction_set():
 @pytest.fixture
 def torchao_package(tmp_path):
     samples = [torch.randn(batch, 128) for batch in (2, 4)]  # TorchAO's kernels want real sizes
-    model = xpupack.tune(make_stack(width=128), samples, modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+    model = xpupack.tune(
+        make_stack(width=128),
+        samples,
+        modules=["layers.*.mlp"],
+        strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")),
+    )
     return model, xpupack.save(model, tmp_path / "pkg")
 
 

@@ -18,8 +18,10 @@ from support.torchrun import run_ranks
 from xpupack.manifest import read_manifest
 from xpupack.tuned import session_of
 
-pytestmark = [pytest.mark.requires_cuda,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+pytestmark = [
+    pytest.mark.requires_cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 TWO = ("cuda:0", "cuda:1")
 
@@ -35,10 +37,15 @@ def _layer_devices(model):
 
 def test_a_split_model_records_graphs_on_both_devices_and_loads_in_a_fresh_process(tmp_path, run_python):
     model = xpupack.tune(make_chain(devices=TWO), chain_samples("cuda:0"), modules=["layers.*"], strategy=ONLY_GRAPH)
-    assert _layer_devices(model) == {"layers.0": "cuda:0", "layers.1": "cuda:0",
-                                     "layers.2": "cuda:1", "layers.3": "cuda:1"}
-    assert [p.device.type + ":" + str(p.device.index) for p in (model.layers[0].up.weight, model.layers[3].up.weight)] \
-        == list(TWO)  # nothing moved
+    assert _layer_devices(model) == {
+        "layers.0": "cuda:0",
+        "layers.1": "cuda:0",
+        "layers.2": "cuda:1",
+        "layers.3": "cuda:1",
+    }
+    assert [
+        p.device.type + ":" + str(p.device.index) for p in (model.layers[0].up.weight, model.layers[3].up.weight)
+    ] == list(TWO)  # nothing moved
     x = chain_samples("cuda:0")[1]
     _outputs_match(model, make_chain(devices=TWO), x)
     stats = xpupack.stats(model)
@@ -65,11 +72,21 @@ def test_a_split_model_records_graphs_on_both_devices_and_loads_in_a_fresh_proce
         print(json.dumps(out))
     """)
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["default"] == {"same": True, "fallbacks": 0, "backends": ["graph"],
-                              "devices": _layer_devices(model), "weights": ["cuda:0", "cuda:0", "cuda:1", "cuda:1"]}
+    assert out["default"] == {
+        "same": True,
+        "fallbacks": 0,
+        "backends": ["graph"],
+        "devices": _layer_devices(model),
+        "weights": ["cuda:0", "cuda:0", "cuda:1", "cuda:1"],
+    }
     swapped = ["cuda:1", "cuda:1", "cuda:0", "cuda:0"]
-    assert out["swapped"] == {"same": True, "fallbacks": 0, "backends": ["graph"],
-                              "devices": dict(zip(_layer_devices(model), swapped)), "weights": swapped}
+    assert out["swapped"] == {
+        "same": True,
+        "fallbacks": 0,
+        "backends": ["graph"],
+        "devices": dict(zip(_layer_devices(model), swapped)),
+        "weights": swapped,
+    }
 
 
 def test_an_input_on_the_other_device_is_a_counted_fallback_never_a_copy(fallback_calls):
@@ -96,17 +113,23 @@ def test_a_model_dispatched_by_accelerate_replays_behind_its_hooks(tmp_path):
     _outputs_match(loaded, make_chain(devices=TWO), x)
     stats = xpupack.stats(loaded)
     assert all(s["backend"] == "graph" and s["fallbacks"] == 0 and s["calls"] == 1 for s in stats.values())
-    assert _layer_devices(loaded) == {"layers.0": "cuda:0", "layers.1": "cuda:0", "layers.2": "cuda:1",
-                                      "layers.3": "cuda:1"}
+    assert _layer_devices(loaded) == {
+        "layers.0": "cuda:0",
+        "layers.1": "cuda:0",
+        "layers.2": "cuda:1",
+        "layers.3": "cuda:1",
+    }
 
 
 def test_torchrun_ranks_load_one_package_each_on_its_gpu(tmp_path):
-    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], device="cuda:0",
-                         strategy=ONLY_GRAPH)
+    model = xpupack.tune(
+        make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], device="cuda:0", strategy=ONLY_GRAPH
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     results = run_ranks("rank_loader.py", root, "--device", "cuda", out=tmp_path / "out")
-    assert results == [{"seeds": [0], "fallbacks": 0, "backends": ["graph"], "devices": [f"cuda:{rank}"]}
-                       for rank in range(2)]
+    assert results == [
+        {"seeds": [0], "fallbacks": 0, "backends": ["graph"], "devices": [f"cuda:{rank}"]} for rank in range(2)
+    ]
 
 
 def test_tensor_parallel_blocks_are_refused_by_the_graph_backend_and_served_eagerly(tmp_path):
@@ -115,12 +138,9 @@ def test_tensor_parallel_blocks_are_refused_by_the_graph_backend_and_served_eage
     eager alike, with the reason in its report, and the answers match eager TP and the unsharded model, from
     tuning and from a fresh load (README: "Bigger than one GPU")."""
     package = tmp_path / "pkg"
-    tuned = run_ranks("tp_worker.py", package, "tune", "--backend", "graph", "--device", "cuda",
-                      out=tmp_path / "tune")
-    loaded = run_ranks("tp_worker.py", package, "load", "--backend", "graph", "--device", "cuda",
-                       out=tmp_path / "load")
-    expected = {"matches_unsharded": True, "matches_eager_tp": True, "fallbacks": 0, "calls": 2,
-                "backends": ["eager"]}
+    tuned = run_ranks("tp_worker.py", package, "tune", "--backend", "graph", "--device", "cuda", out=tmp_path / "tune")
+    loaded = run_ranks("tp_worker.py", package, "load", "--backend", "graph", "--device", "cuda", out=tmp_path / "load")
+    expected = {"matches_unsharded": True, "matches_eager_tp": True, "fallbacks": 0, "calls": 2, "backends": ["eager"]}
     for result in tuned:
         rejected = result.pop("rejected")
         assert len(rejected) == 2 and all("collectives are not recorded" in reason for reason in rejected)

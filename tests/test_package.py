@@ -23,8 +23,13 @@ def tuned_stack():
 def test_layout_manifest_and_digests(tuned_stack, tmp_path):
     root = xpupack.save(tuned_stack, tmp_path / "pkg")
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-    assert files == ["README.md", "model.safetensors", "modules/layers.0.mlp/spec.json",
-                     "modules/layers.1.mlp/spec.json", "xpupack.json"]
+    assert files == [
+        "README.md",
+        "model.safetensors",
+        "modules/layers.0.mlp/spec.json",
+        "modules/layers.1.mlp/spec.json",
+        "xpupack.json",
+    ]
     manifest = read_manifest(root)
     check_files(root, manifest)
     assert manifest["format_version"] == 1
@@ -104,9 +109,12 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_package(tuned_stack, 
 
 def _tree(root):
     """Every file, link and folder under ``root`` with its content: what a refused save must leave as it was."""
-    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() and not p.is_symlink() else
-                                             str(os.readlink(p)) if p.is_symlink() else "dir")
-            for p in sorted(root.rglob("*"))}
+    return {
+        p.relative_to(root).as_posix(): (
+            p.read_bytes() if p.is_file() and not p.is_symlink() else str(os.readlink(p)) if p.is_symlink() else "dir"
+        )
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _project_folder(root, tuned):
@@ -134,12 +142,15 @@ def _package_with_a_link(root, tuned):
     (root / "data").symlink_to(root.parent)
 
 
-@pytest.mark.parametrize("make, unexpected", [
-    (_project_folder, "not a valid xpupack manifest"),
-    (_git_clone_of_a_package, ".git/HEAD"),
-    (_package_with_a_note, "modules/notes.txt"),
-    (_package_with_a_link, "data"),
-])
+@pytest.mark.parametrize(
+    "make, unexpected",
+    [
+        (_project_folder, "not a valid xpupack manifest"),
+        (_git_clone_of_a_package, ".git/HEAD"),
+        (_package_with_a_note, "modules/notes.txt"),
+        (_package_with_a_link, "data"),
+    ],
+)
 def test_save_replaces_only_a_package_xpupack_wrote(tuned_stack, tmp_path, make, unexpected):
     """A directory is replaced only when its manifest validates and it holds nothing the manifest does not
     list (besides the model card): anything else may be someone's work, and is left exactly as it was."""
@@ -186,8 +197,12 @@ def test_objects_in_calls_do_not_break_tuning_or_saving(tmp_path):
         def forward(self, x):
             return self.head(self.inner(x, cache=Cache()))
 
-    model = xpupack.tune(Outer(), [torch.randn(1, 4)], modules=["inner", "head"],
-                         strategy=xpupack.FirstWins([CountingBackend(), xpupack.EagerBackend()], min_speedup=None))
+    model = xpupack.tune(
+        Outer(),
+        [torch.randn(1, 4)],
+        modules=["inner", "head"],
+        strategy=xpupack.FirstWins([CountingBackend(), xpupack.EagerBackend()], min_speedup=None),
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     spec = json.loads((root / "modules/inner/spec.json").read_text())
     assert spec["signatures"] == [] and list(spec["unrecordable"].values()) == [1]

@@ -137,8 +137,10 @@ def test_a_module_whose_rows_mix_is_never_padded_and_inspect_says_why(emulated_g
     root = xpupack.save(model, tmp_path / "pkg")
     shown = CliRunner().invoke(main, ["inspect", "--json", str(root)])
     padding = {m["path"]: m["padding"] for m in json.loads(shown.output)["modules"]}
-    assert padding["mix"].startswith("never padded: rows mix") and padding["mlp"] == \
-        "smaller batches padded up to 1, 2, 4, 8"
+    assert (
+        padding["mix"].startswith("never padded: rows mix")
+        and padding["mlp"] == "smaller batches padded up to 1, 2, 4, 8"
+    )
 
 
 def test_eager_and_a_module_changing_its_inputs_are_not_padded(emulated_graphs, tmp_path, fallback_calls):
@@ -180,17 +182,19 @@ def test_padding_survives_a_fresh_process_load(emulated_graphs, tmp_path, run_py
                 assert torch.allclose(model(x), reference(x), atol=1e-5), batch
         print({{path: (s["backend"], s["padded"], s["fallbacks"]) for path, s in xpupack.stats(model).items()}})
     """)
-    assert out.stdout.strip().splitlines()[-1] == \
-        "{'layers.0.mlp': ('graph', 3, 0), 'layers.1.mlp': ('graph', 3, 0)}"
+    assert out.stdout.strip().splitlines()[-1] == "{'layers.0.mlp': ('graph', 3, 0), 'layers.1.mlp': ('graph', 3, 0)}"
 
 
-@pytest.mark.parametrize("damage", [
-    lambda spec: spec["batch_axes"].pop(),                                            # one per signature
-    lambda spec: spec["batch_axes"][0].update(inputs=[5, None]),                      # no such axis
-    lambda spec: spec["batch_axes"][0].update(inputs=[None, 0]),                      # a constant
-    lambda spec: spec["batch_axes"][0].update(inputs=[None, None]),                   # no batch at all
-    lambda spec: spec["signatures"][0]["leaves"][0].update(shape=[0, 8]),               # a batch of no rows
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda spec: spec["batch_axes"].pop(),  # one per signature
+        lambda spec: spec["batch_axes"][0].update(inputs=[5, None]),  # no such axis
+        lambda spec: spec["batch_axes"][0].update(inputs=[None, 0]),  # a constant
+        lambda spec: spec["batch_axes"][0].update(inputs=[None, None]),  # no batch at all
+        lambda spec: spec["signatures"][0]["leaves"][0].update(shape=[0, 8]),  # a batch of no rows
+    ],
+)
 def test_damaged_batch_axes_are_refused_at_load(emulated_graphs, tmp_path, damage):
     model, _ = tune_ladder()
     root = xpupack.save(model, tmp_path / "pkg")
@@ -210,6 +214,7 @@ def test_batches_between_recorded_ones_are_padded_up_through_inductor(fallback_c
 
 
 # -- batch_sizes: a ladder of recorded batches from the samples (README: "Tuning") -------------------
+
 
 def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls):
     model = make_stack()
@@ -251,19 +256,27 @@ def test_batch_sizes_must_be_positive_integers(sizes):
 # The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
 # inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
 
+
 def budget(max_memory):
-    return xpupack.FirstWins([xpupack.GraphBackend(max_memory=max_memory), xpupack.EagerBackend()],
-                             min_speedup=None)
+    return xpupack.FirstWins([xpupack.GraphBackend(max_memory=max_memory), xpupack.EagerBackend()], min_speedup=None)
 
 
 def test_recordings_report_their_memory_largest_first(emulated_graphs, fallback_calls):
     model, reference = tune_ladder()
     serve(model, reference, (3, 9))
     stats = xpupack.stats(model)["layers.0.mlp"]
-    assert stats["recording_memory"] == {"(f32[8,8], 1.0)": 512, "(f32[4,8], 1.0)": 256,
-                                         "(f32[2,8], 1.0)": 128, "(f32[1,8], 1.0)": 64}
-    assert list(stats["recording_memory"]) == ["(f32[8,8], 1.0)", "(f32[4,8], 1.0)", "(f32[2,8], 1.0)",
-                                               "(f32[1,8], 1.0)"]  # the order they were recorded in
+    assert stats["recording_memory"] == {
+        "(f32[8,8], 1.0)": 512,
+        "(f32[4,8], 1.0)": 256,
+        "(f32[2,8], 1.0)": 128,
+        "(f32[1,8], 1.0)": 64,
+    }
+    assert list(stats["recording_memory"]) == [
+        "(f32[8,8], 1.0)",
+        "(f32[4,8], 1.0)",
+        "(f32[2,8], 1.0)",
+        "(f32[1,8], 1.0)",
+    ]  # the order they were recorded in
     assert stats["memory_bytes"] == 960 and "skipped" not in stats and "max_memory" not in stats
     summed = xpupack.stats(model, totals=True)
     assert summed["modules"] == xpupack.stats(model)
@@ -278,7 +291,8 @@ def test_a_memory_budget_skips_the_smaller_batches_and_pads_their_calls_up(emula
     assert stats["memory_bytes"] == 768 and stats["max_memory"] == 768 and stats["recordings"] == 2
     assert stats["skipped"] == {
         "(f32[2,8], 1.0)": "over the memory budget (max_memory=768 bytes): it took 128 bytes with 768 spent",
-        "(f32[1,8], 1.0)": "over the memory budget (max_memory=768 bytes): recordings of more benefit took it"}
+        "(f32[1,8], 1.0)": "over the memory budget (max_memory=768 bytes): recordings of more benefit took it",
+    }
     serve(model, reference, range(1, 9))
     assert fallback_calls == [] and xpupack.stats(model)["layers.0.mlp"]["padded"] == 6  # 1, 2, 3, 5, 6, 7
 
@@ -303,8 +317,7 @@ def test_a_budget_no_recording_fits_rejects_the_graph_backend_with_the_reason(em
     assert xpupack.stats(model)["layers.0.mlp"]["backend"] == "eager"
 
 
-def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emulated_graphs, tmp_path,
-                                                                            fallback_calls):
+def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emulated_graphs, tmp_path, fallback_calls):
     model, reference = tune_ladder(budget(768))
     root = xpupack.save(model, tmp_path / "pkg")
     entry = json.loads((root / "xpupack.json").read_text())["modules"][0]
@@ -329,25 +342,35 @@ def test_the_budget_survives_save_and_load_and_applies_when_recording_again(emul
     text = CliRunner().invoke(main, ["inspect", str(root)]).output
     assert "recordings: 768 B (max_memory 768 B)" in text and "skipped (f32[1,8], 1.0)" in text
 
-    benched = CliRunner().invoke(main, ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu",
-                                        "--iterations", "1", "--json"])
+    benched = CliRunner().invoke(
+        main,
+        ["bench", str(root), "--model", "support.models:make_stack", "--device", "cpu", "--iterations", "1", "--json"],
+    )
     assert benched.exit_code == 0, benched.output
     assert json.loads(benched.output)["recording_memory"] == {
-        "modules": {"layers.0.mlp": 768, "layers.1.mlp": 768}, "total_bytes": 1536,
-        "skipped": {path: stats["skipped"] for path in ("layers.0.mlp", "layers.1.mlp")}}
+        "modules": {"layers.0.mlp": 768, "layers.1.mlp": 768},
+        "total_bytes": 1536,
+        "skipped": {path: stats["skipped"] for path in ("layers.0.mlp", "layers.1.mlp")},
+    }
 
 
-@pytest.mark.parametrize("recorded", [{"memory_bytes": 768, "skipped": ["(f32[1,8], 1.0)"]},
-                                      {"memory_bytes": 768, "max_memory": "768"},
-                                      {"memory_bytes": 768, "recording_memory": {"(f32[8,8], 1.0)": None}},
-                                      {"memory_bytes": True}])
+@pytest.mark.parametrize(
+    "recorded",
+    [
+        {"memory_bytes": 768, "skipped": ["(f32[1,8], 1.0)"]},
+        {"memory_bytes": 768, "max_memory": "768"},
+        {"memory_bytes": 768, "recording_memory": {"(f32[8,8], 1.0)": None}},
+        {"memory_bytes": True},
+    ],
+)
 def test_inspect_shows_no_recordings_for_an_entry_of_another_shape(emulated_graphs, tmp_path, recorded):
     """The recordings' memory is for people only, so a package's entry of any other shape is not shown,
     rather than failing `inspect` with a TypeError."""
     model, _ = tune_ladder(budget(768))
     root = xpupack.save(model, tmp_path / "pkg")
-    rewrite_json(root, "xpupack.json", lambda manifest: manifest["modules"][0]["backend"]["config"].update(
-        recorded=recorded))
+    rewrite_json(
+        root, "xpupack.json", lambda manifest: manifest["modules"][0]["backend"]["config"].update(recorded=recorded)
+    )
     shown = CliRunner().invoke(main, ["inspect", "--json", str(root)])
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.output)["modules"][0]["recorded"] is None
@@ -362,6 +385,7 @@ def test_max_memory_must_be_a_positive_number_of_bytes(value):
 
 
 # -- batch_axis: the samples' batch axis when it is not the first -------------------------------------
+
 
 class SequenceFirst(nn.Module):
     """Takes ``[sequence, batch, 8]``: adds the sequence's mean (positions mix), rows of the batch stay apart."""
@@ -402,12 +426,15 @@ def test_without_the_declaration_the_ladder_resizes_axis_0_and_padding_there_is_
     assert spec.batch_axes == {} and spec.padding_refused.startswith("rows mix")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"batch_axis": 1}, "pass batch_sizes too"),
-    ({"batch_sizes": [1, 2], "batch_axis": -1}, "non-negative integer"),
-    ({"batch_sizes": [1, 2], "batch_axis": True}, "non-negative integer"),
-    ({"batch_sizes": [1, 2], "batch_axis": 3}, r"a batch axis 3, not tensors of shapes \[\[4, 3, 8\]\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_axis": 1}, "pass batch_sizes too"),
+        ({"batch_sizes": [1, 2], "batch_axis": -1}, "non-negative integer"),
+        ({"batch_sizes": [1, 2], "batch_axis": True}, "non-negative integer"),
+        ({"batch_sizes": [1, 2], "batch_axis": 3}, r"a batch axis 3, not tensors of shapes \[\[4, 3, 8\]\]"),
+    ],
+)
 def test_batch_axis_errors_say_what_to_pass(kwargs, message):
     with pytest.raises(xpupack.TuningError, match=message):
         xpupack.tune(sequence_first_model(), [torch.randn(4, 3, 8)], modules=["0"], **kwargs)
@@ -415,17 +442,43 @@ def test_batch_axis_errors_say_what_to_pass(kwargs, message):
 
 def test_build_records_a_ladder_from_the_command_line(tmp_path):
     out = tmp_path / "pkg"
-    result = CliRunner().invoke(main, ["build", "support.models:make_stack",
-                                       "--samples", "support.models:stack_samples",
-                                       "--modules", "layers.0.mlp", "--backends", "eager", "--batch-sizes", "1,8",
-                                       "--batch-axis", "0", "--out", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "support.models:make_stack",
+            "--samples",
+            "support.models:stack_samples",
+            "--modules",
+            "layers.0.mlp",
+            "--backends",
+            "eager",
+            "--batch-sizes",
+            "1,8",
+            "--batch-axis",
+            "0",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     spec = json.loads((out / "modules/layers.0.mlp/spec.json").read_text())
     assert [s["leaves"][0]["shape"][0] for s in spec["signatures"]] == [2, 4, 1, 8]
     assert spec["signature_calls"] == [1, 1, 2, 2]  # batches 1 and 8 made from each of the two samples
     assert spec["batch_axes"] == [{"inputs": [0, None], "outputs": [0]}] * 4
-    bad = CliRunner().invoke(main, ["build", "support.models:make_stack", "--samples", "support.models:stack_samples",
-                                    "--batch-sizes", "1,x", "--out", str(tmp_path / "other")])
+    bad = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "support.models:make_stack",
+            "--samples",
+            "support.models:stack_samples",
+            "--batch-sizes",
+            "1,x",
+            "--out",
+            str(tmp_path / "other"),
+        ],
+    )
     assert bad.exit_code != 0 and "give batch sizes separated by commas" in bad.output
 
 
@@ -440,6 +493,7 @@ def test_half_precision_rows_that_mix_are_still_refused(emulated_graphs):
 
 # -- a package's batch axes are a claim: checked before a loaded model pads with them ---------------
 
+
 def _wrong_output_axes(spec):
     for axes in spec["batch_axes"]:
         axes["outputs"] = [1]  # the columns: of the same size as the rows only for the batch of 8
@@ -447,8 +501,9 @@ def _wrong_output_axes(spec):
 
 @pytest.mark.parametrize("strategy", [GRAPH, xpupack.Only(PaddingCountingBackend())], ids=["graph", "padded-copy"])
 @pytest.mark.parametrize("checked_at_load", [True, False], ids=["at-load", "first-call"])
-def test_output_batch_axes_that_name_the_wrong_rows_never_cut_an_answer(emulated_graphs, tmp_path, fallback_calls,
-                                                                        monkeypatch, strategy, checked_at_load):
+def test_output_batch_axes_that_name_the_wrong_rows_never_cut_an_answer(
+    emulated_graphs, tmp_path, fallback_calls, monkeypatch, strategy, checked_at_load
+):
     """Regression (found by tests/test_fuzz.py): a spec rewritten with its digest to cut the outputs along
     the wrong axis gave padded calls outputs of the wrong shape, or, where the shapes happen to agree
     (8 x 8), the wrong values. Axes that do not fit the outputs are refused; the load checks the axes on
@@ -468,8 +523,9 @@ def test_output_batch_axes_that_name_the_wrong_rows_never_cut_an_answer(emulated
     assert (stats["layers.1.mlp"]["padded"], stats["layers.1.mlp"]["fallbacks"]) == (4, 0)  # untouched: checked once
 
 
-def test_a_loaded_package_checks_its_first_padded_call_per_recording_only(emulated_graphs, tmp_path, fallback_calls,
-                                                                          monkeypatch):
+def test_a_loaded_package_checks_its_first_padded_call_per_recording_only(
+    emulated_graphs, tmp_path, fallback_calls, monkeypatch
+):
     model, reference = tune_ladder()
     root = xpupack.save(model, tmp_path / "pkg")
     loaded = xpupack.load(make_stack(), root)
@@ -504,6 +560,7 @@ def test_the_first_padded_call_check_allows_half_precision_rounding_as_tuning_do
 
 # -- what a loaded package says about its module is established from the module itself ---------------
 
+
 class MaxMixing(nn.Module):
     """Adds each column's maximum over the batch: zero rows padded in change it only where every real row
     is below zero, so a padded call can agree with the module on one input and not on the next."""
@@ -522,7 +579,8 @@ def _claim_batch_axes(spec):
 
 
 def test_batch_axes_a_package_claims_for_a_module_whose_rows_mix_are_refused_at_load(
-        emulated_graphs, tmp_path, fallback_calls):
+    emulated_graphs, tmp_path, fallback_calls
+):
     """Regression: the axes were checked on the first padded call only; a call of positive rows passed,
     and a later one of negative rows came back wrong. The loader now checks the rows the way tuning does,
     on inputs of its own, before any call is padded."""
@@ -557,7 +615,8 @@ class RowCounter(nn.Module):
 
 
 def test_a_module_that_writes_its_own_buffers_is_never_padded_and_tuning_leaves_them_as_the_samples_did(
-        emulated_graphs, fallback_calls):
+    emulated_graphs, fallback_calls
+):
     """Padding would feed its zero rows into the buffers (a row counter counts them)."""
     model, reference = tune_ladder(model=nn.Sequential(RowCounter()), modules=("0",))
     assert spec_of(model, "0").batch_axes == {} and "buffer" in spec_of(model, "0").padding_refused
@@ -569,7 +628,8 @@ def test_a_module_that_writes_its_own_buffers_is_never_padded_and_tuning_leaves_
 
 
 def test_a_loaded_module_that_writes_its_own_buffers_is_not_padded_and_loading_leaves_them_alone(
-        emulated_graphs, tmp_path, fallback_calls):
+    emulated_graphs, tmp_path, fallback_calls
+):
     """Regression: a package made from a module that does not count (its axes honest there) loaded into
     one that does: loading left the counter at what its recordings and checks counted, and the first
     padded call counted its rows twice (7 for a call of 3)."""
@@ -599,8 +659,12 @@ def test_batch_axes_over_integer_inputs_alone_are_kept_only_from_a_trusted_sourc
     compiled code would (a local folder, a pinned Hub commit, trust_compiled=True)."""
     generator = torch.Generator().manual_seed(0)
     model = nn.Sequential(Embed())
-    xpupack.tune(model, [torch.randint(0, 16, (batch, 4), generator=generator) for batch in LADDER], modules=["0"],
-                 strategy=GRAPH)
+    xpupack.tune(
+        model,
+        [torch.randint(0, 16, (batch, 4), generator=generator) for batch in LADDER],
+        modules=["0"],
+        strategy=GRAPH,
+    )
     tuned = spec_of(model, "0")
     assert tuned.batch_axes
     xpupack.deactivate(model)  # the checks run the original forward

@@ -54,8 +54,12 @@ def graph_artifact_package(tmp_path, monkeypatch):
     graphs; when the test body runs, this machine has no device graphs again."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(xpupack._device.GRAPH_APIS, "cpu", EmulatedGraphs())
-        model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                             strategy=xpupack.Only(xpupack.GraphBackend(base=ArtifactBackend())))
+        model = xpupack.tune(
+            make_stack(),
+            stack_samples(),
+            modules=["layers.*.mlp"],
+            strategy=xpupack.Only(xpupack.GraphBackend(base=ArtifactBackend())),
+        )
         root = xpupack.save(model, tmp_path / "pkg")
     assert "cpu" not in xpupack._device.GRAPH_APIS
     return root
@@ -63,10 +67,12 @@ def graph_artifact_package(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["rebuild", "fallback"])
 @pytest.mark.parametrize("trusted", [True, False])
-def test_the_base_a_fallback_runs_uses_artifacts_only_when_trusted(graph_artifact_package, monkeypatch,
-                                                                     mode, trusted):
-    source = (Source(graph_artifact_package, trusted=True, description="pkg", trust_reason="local directory")
-              if trusted else untrusted(graph_artifact_package))
+def test_the_base_a_fallback_runs_uses_artifacts_only_when_trusted(graph_artifact_package, monkeypatch, mode, trusted):
+    source = (
+        Source(graph_artifact_package, trusted=True, description="pkg", trust_reason="local directory")
+        if trusted
+        else untrusted(graph_artifact_package)
+    )
     model = load_from(monkeypatch, source, on_mismatch=mode)
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"artifact"}
     assert [runner.from_artifacts for runner in runners(model)] == [trusted, trusted]
@@ -93,12 +99,16 @@ def test_rebuild_rebuilds_the_base_when_the_environment_changed_too(graph_artifa
 
 
 @pytest.mark.parametrize("trusted", [True, False])
-def test_a_failed_restore_falls_back_under_the_same_trust_rule(graph_artifact_package, monkeypatch, emulated_graphs,
-                                                               trusted):
+def test_a_failed_restore_falls_back_under_the_same_trust_rule(
+    graph_artifact_package, monkeypatch, emulated_graphs, trusted
+):
     """Device graphs exist here, but recording fails: the module runs the base, with artifacts only if trusted."""
     emulated_graphs.fail_capture = lambda: True
-    source = (Source(graph_artifact_package, trusted=True, description="pkg", trust_reason="local directory")
-              if trusted else untrusted(graph_artifact_package))
+    source = (
+        Source(graph_artifact_package, trusted=True, description="pkg", trust_reason="local directory")
+        if trusted
+        else untrusted(graph_artifact_package)
+    )
     model = load_from(monkeypatch, source)
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"artifact"}
     assert [runner.from_artifacts for runner in runners(model)] == [trusted, trusted]
@@ -107,8 +117,9 @@ def test_a_failed_restore_falls_back_under_the_same_trust_rule(graph_artifact_pa
 def test_verify_and_inspect_say_what_load_runs(graph_artifact_package):
     verified = verify_package(untrusted(graph_artifact_package))
     statuses = {entry["status"] for entry in verified["compatibility"].values()}
-    assert statuses == {f"no device graphs on cpu: runs artifact; compiled artifacts not trusted ({UNTRUSTED}): "
-                        "compiled on load"}
+    assert statuses == {
+        f"no device graphs on cpu: runs artifact; compiled artifacts not trusted ({UNTRUSTED}): compiled on load"
+    }
     local = verify_package(graph_artifact_package)
     assert {entry["status"] for entry in local["compatibility"].values()} == {"no device graphs on cpu: runs artifact"}
     report = package_report(untrusted(graph_artifact_package))
@@ -153,12 +164,12 @@ def test_the_planted_artifacts_do_reach_torch_when_trusted(graph_inductor_packag
     root = copy_package(graph_inductor_package[1], tmp_path / "pkg")
     plant_kernels(root)
     _, blobs, copied = load_watching_artifacts(
-        monkeypatch, tmp_path, Source(root, trusted=True, description=str(root), trust_reason="local"))
+        monkeypatch, tmp_path, Source(root, trusted=True, description=str(root), trust_reason="local")
+    )
     assert blobs and copied
 
 
-def test_graph_over_inductor_from_an_unpinned_revision_never_unpickles(graph_inductor_package, tmp_path,
-                                                                       monkeypatch):
+def test_graph_over_inductor_from_an_unpinned_revision_never_unpickles(graph_inductor_package, tmp_path, monkeypatch):
     root = copy_package(graph_inductor_package[1], tmp_path / "pkg")
     plant_kernels(root)
     model, blobs, copied = load_watching_artifacts(monkeypatch, tmp_path, untrusted(root))
@@ -170,8 +181,7 @@ def test_graph_over_inductor_from_an_unpinned_revision_never_unpickles(graph_ind
         torch.testing.assert_close(model(x), make_stack()(x))
 
 
-def test_graph_over_inductor_from_a_local_package_uses_its_artifacts(graph_inductor_package, tmp_path,
-                                                                     monkeypatch):
+def test_graph_over_inductor_from_a_local_package_uses_its_artifacts(graph_inductor_package, tmp_path, monkeypatch):
     """The trusted case of the same fallback: the base runs with the package's Inductor artifacts."""
     root = copy_package(graph_inductor_package[1], tmp_path / "pkg")
     blobs = []
@@ -183,4 +193,5 @@ def test_graph_over_inductor_from_a_local_package_uses_its_artifacts(graph_induc
     result = CliRunner().invoke(main, ["verify", str(root), "--json"])
     assert result.exit_code == 2
     assert {e["status"] for e in json.loads(result.stdout)["compatibility"].values()} == {
-        "no device graphs on cpu: runs inductor"}
+        "no device graphs on cpu: runs inductor"
+    }

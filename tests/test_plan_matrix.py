@@ -35,8 +35,7 @@ def _build(root, backend, *, graphs: bool = False):
     with pytest.MonkeyPatch.context() as patch:
         if graphs:
             patch.setitem(_device.GRAPH_APIS, "cpu", EmulatedGraphs())
-        model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"],
-                             strategy=xpupack.Only(backend))
+        model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(backend))
         return xpupack.save(model, root)
 
 
@@ -102,8 +101,11 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
     root = copy_package(packages[backend], tmp_path / "pkg")
     if mismatch:
         rewrite_manifest(root, lambda m: m["environment"].update(BUILT_ELSEWHERE))
-    source = (Source(root, trusted=True, description=str(root), trust_reason="local directory") if trusted
-              else Source(root, trusted=False, description="org/name@main", trust_reason=UNTRUSTED))
+    source = (
+        Source(root, trusted=True, description=str(root), trust_reason="local directory")
+        if trusted
+        else Source(root, trusted=False, description="org/name@main", trust_reason=UNTRUSTED)
+    )
 
     said = _verdicts(source, on_mismatch)
 
@@ -126,16 +128,19 @@ def test_verify_says_what_load_does(packages, tmp_path, monkeypatch, backend, mi
         did = "refused"
     else:
         stats = xpupack.stats(model)
-        did = {path: (stats[path]["backend"], _used_artifacts(model, path, stats[path]["backend"], restored))
-               for path in stats}
+        did = {
+            path: (stats[path]["backend"], _used_artifacts(model, path, stats[path]["backend"], restored))
+            for path in stats
+        }
         x = torch.randn(2, 8)
         with torch.no_grad():  # whatever runs answers as the packaged model would
             torch.testing.assert_close(model(x), make_stack().eval()(x), atol=0.05, rtol=0.05)
 
     assert did == said
     # Inductor unpickles the package's cache exactly when a module runs it with the artifacts
-    assert bool(blobs) == (did != "refused" and any(name == "inductor" and artifacts
-                                                     for name, artifacts in did.values()))
+    assert bool(blobs) == (
+        did != "refused" and any(name == "inductor" and artifacts for name, artifacts in did.values())
+    )
     # the trust rule applies to what runs: no compiled artifact from an untrusted source
     if not trusted:
         assert blobs == []
@@ -149,8 +154,10 @@ def test_the_cli_reports_for_the_on_mismatch_it_is_given(packages, tmp_path):
     from xpupack.cli import main
 
     root = copy_package(packages["graph"], tmp_path / "pkg")
-    for mode, expected in [("rebuild", "no device graphs on cpu: runs the original module"),
-                           ("error", "cannot load here: ")]:
+    for mode, expected in [
+        ("rebuild", "no device graphs on cpu: runs the original module"),
+        ("error", "cannot load here: "),
+    ]:
         result = CliRunner().invoke(main, ["verify", str(root), "--on-mismatch", mode, "--json"])
         assert result.exit_code == 2, result.output
         statuses = {e["status"] for e in json.loads(result.stdout)["compatibility"].values()}

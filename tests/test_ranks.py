@@ -17,8 +17,7 @@ RESULT = {"seeds": [0], "fallbacks": 0, "devices": ["cpu"]}
 
 
 def _package(tmp_path, backend, name="pkg"):
-    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(backend))
+    model = xpupack.tune(make_stack(seed=0), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(backend))
     return xpupack.save(model, tmp_path / name)
 
 
@@ -33,8 +32,13 @@ def test_two_ranks_load_one_local_package_at_once(kind, tmp_path, request):
         root = _package(tmp_path, xpupack.EagerBackend())
     before = {relative: sha256_of(root / relative) for relative in listed_files(root)}
     flags = ["--emulated-graphs"] if kind == "graph" else []
-    results = run_ranks("rank_loader.py", root, *flags, out=tmp_path / "out",
-                        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared-inductor-cache")})
+    results = run_ranks(
+        "rank_loader.py",
+        root,
+        *flags,
+        out=tmp_path / "out",
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared-inductor-cache")},
+    )
     assert results == [{**RESULT, "backends": [kind]}] * 2
     assert {relative: sha256_of(root / relative) for relative in listed_files(root)} == before  # untouched
 
@@ -47,9 +51,17 @@ def test_two_ranks_download_one_hub_revision_once(pinned, hub, tmp_path):
     commit = hub.publish(root, "xpupack-tests/ranks")
     before = len(hub.requests())
     revision = ["--revision", commit] if pinned else []
-    results = run_ranks("rank_loader.py", "xpupack-tests/ranks", *revision, out=tmp_path / "out",
-                        env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "shared-hf-home")})
+    results = run_ranks(
+        "rank_loader.py",
+        "xpupack-tests/ranks",
+        *revision,
+        out=tmp_path / "out",
+        env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "shared-hf-home")},
+    )
     assert results == [{**RESULT, "backends": ["eager"]}] * 2
-    downloads = [r.split("/resolve/", 1)[1].split("/", 1)[1] for r in hub.requests()[before:]
-                 if r.startswith("GET") and "/resolve/" in r]
+    downloads = [
+        r.split("/resolve/", 1)[1].split("/", 1)[1]
+        for r in hub.requests()[before:]
+        if r.startswith("GET") and "/resolve/" in r
+    ]
     assert sorted(downloads) == sorted(["xpupack.json", *read_manifest(root)["files"]])

@@ -15,9 +15,11 @@ from click.testing import CliRunner
 from xpupack.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
-INSTALL_AND_BUILD = ("pip install torch==2.13.0 && pip install -e '.[test]' && xpupack build "
-                     "xpupack.examples:tiny_transformer --samples xpupack.examples:tiny_transformer_samples "
-                     "--modules 'layers.*.mlp' --out tiny-pkg")
+INSTALL_AND_BUILD = (
+    "pip install torch==2.13.0 && pip install -e '.[test]' && xpupack build "
+    "xpupack.examples:tiny_transformer --samples xpupack.examples:tiny_transformer_samples "
+    "--modules 'layers.*.mlp' --out tiny-pkg"
+)
 TEST = "python -m pytest -q"
 
 
@@ -31,8 +33,10 @@ def test_the_readme_starts_with_the_install_and_build_command_then_the_test_comm
 
 
 def test_getting_started_starts_with_the_same_two_commands():
-    assert fenced_blocks(ROOT / "docs" / "getting-started.md")[:2] == [("bash", INSTALL_AND_BUILD + "\n"),
-                                                                       ("bash", TEST + "\n")]
+    assert fenced_blocks(ROOT / "docs" / "getting-started.md")[:2] == [
+        ("bash", INSTALL_AND_BUILD + "\n"),
+        ("bash", TEST + "\n"),
+    ]
 
 
 def test_ci_runs_the_readmes_test_command_and_builds_the_docs_strictly():

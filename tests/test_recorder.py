@@ -29,27 +29,30 @@ def test_nested_selection_is_refused():
         select_modules(make_stack(), ["layers.*", "layers.*.mlp"])
 
 
-@pytest.mark.parametrize("pattern, path, matches", [
-    ("model.layers.*", "model.layers.0", True),
-    ("model.layers.*", "model.layers.0.self_attn", False),   # `*` is one segment: it never crosses a dot
-    ("model.layers.*", "model.layers", False),
-    ("layers.*.mlp", "layers.10.mlp", True),
-    ("layers.*.mlp", "layers.0.block.mlp", False),
-    ("layers.**.mlp", "layers.0.block.mlp", True),
-    ("layers.**.mlp", "layers.mlp", True),                    # `**` may match no segment at all
-    ("**.mlp", "mlp", True),
-    ("**.mlp", "layers.0.mlp", True),
-    ("**.mlp", "layers.0.mlp.fc", False),
-    ("**", "a.b.c", True),
-    ("model.**.**.proj", "model.proj", True),
-    ("layers.1?", "layers.12", True),
-    ("layers.1?", "layers.1", False),
-    ("layers.[01].mlp", "layers.1.mlp", True),
-    ("layers.[01].mlp", "layers.2.mlp", False),
-    ("lay*", "layers.0", False),
-    ("layers.0.mlp", "layers.0.mlp", True),
-    ("layers.0", "layers.0.mlp", False),
-])
+@pytest.mark.parametrize(
+    "pattern, path, matches",
+    [
+        ("model.layers.*", "model.layers.0", True),
+        ("model.layers.*", "model.layers.0.self_attn", False),  # `*` is one segment: it never crosses a dot
+        ("model.layers.*", "model.layers", False),
+        ("layers.*.mlp", "layers.10.mlp", True),
+        ("layers.*.mlp", "layers.0.block.mlp", False),
+        ("layers.**.mlp", "layers.0.block.mlp", True),
+        ("layers.**.mlp", "layers.mlp", True),  # `**` may match no segment at all
+        ("**.mlp", "mlp", True),
+        ("**.mlp", "layers.0.mlp", True),
+        ("**.mlp", "layers.0.mlp.fc", False),
+        ("**", "a.b.c", True),
+        ("model.**.**.proj", "model.proj", True),
+        ("layers.1?", "layers.12", True),
+        ("layers.1?", "layers.1", False),
+        ("layers.[01].mlp", "layers.1.mlp", True),
+        ("layers.[01].mlp", "layers.2.mlp", False),
+        ("lay*", "layers.0", False),
+        ("layers.0.mlp", "layers.0.mlp", True),
+        ("layers.0", "layers.0.mlp", False),
+    ],
+)
 def test_globs_match_by_path_segment(pattern, path, matches):
     assert path_matches(path, pattern) is matches
 
@@ -84,8 +87,11 @@ def test_one_segment_star_selects_the_decoder_layers_of_a_llama():
     assert list(select_modules(model, ["model.layers.*"])) == ["model.layers.0", "model.layers.1"]
     assert list(select_modules(model, "**.mlp")) == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert list(select_modules(model, ["model.layers.*.self_attn.*_proj"])) == [
-        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
-        "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.o_proj"]
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
     with pytest.raises(TuningError, match="both 'model.layers.0' and its submodule 'model.layers.0.mlp'"):
         select_modules(model, ["model.layers.*", "**.mlp"])
 
@@ -128,8 +134,12 @@ class WithCache(nn.Module):
 def test_calls_with_objects_are_counted_not_recorded():
     model = nn.Sequential(WithCache())
     modules = select_modules(model, ["0"])
-    specs = record(model, modules, [{"x": torch.randn(1, 4)}, torch.randn(1, 4)],
-                   run=lambda m, s: m[0](**s) if isinstance(s, dict) else m[0](s, cache=Cache()))
+    specs = record(
+        model,
+        modules,
+        [{"x": torch.randn(1, 4)}, torch.randn(1, 4)],
+        run=lambda m, s: m[0](**s) if isinstance(s, dict) else m[0](s, cache=Cache()),
+    )
     spec = specs["0"]
     assert spec.calls == 2
     assert len(spec.signatures) == 1
@@ -155,9 +165,14 @@ def test_snapshots_keep_named_tuples():
     assert torch.equal(copy.x, original.x) and copy.x is not original.x
 
 
-@pytest.mark.parametrize("given, says", [(make_stack, "the function make_stack — call it: xpupack.tune(make_stack()"),
-                                         (nn.Linear, "the class Linear — build it: xpupack.tune(Linear(...)"),
-                                         ([1, 2], "a list")])
+@pytest.mark.parametrize(
+    "given, says",
+    [
+        (make_stack, "the function make_stack — call it: xpupack.tune(make_stack()"),
+        (nn.Linear, "the class Linear — build it: xpupack.tune(Linear(...)"),
+        ([1, 2], "a list"),
+    ],
+)
 def test_tune_given_something_else_than_a_model_says_so(given, says):
     import xpupack
     from xpupack.errors import NotAModelError

@@ -64,9 +64,12 @@ def any_package(request, tmp_path):
         request.getfixturevalue("emulated_graphs")
         return build(tmp_path, xpupack.Only(xpupack.GraphBackend()))
     if request.param == "torchao":  # quantized weights in modules/*/torchao/; TorchAO wants real sizes
-        model = xpupack.tune(make_stack(width=128), [torch.randn(batch, 128) for batch in (2, 4)],
-                             modules=["layers.*.mlp"],
-                             strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+        model = xpupack.tune(
+            make_stack(width=128),
+            [torch.randn(batch, 128) for batch in (2, 4)],
+            modules=["layers.*.mlp"],
+            strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")),
+        )
         return xpupack.save(model, tmp_path / "pkg")
     return copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg")
 
@@ -89,6 +92,7 @@ def assert_names_file_and_fix(error, relative):
 
 # -- every file of a package: flipped, truncated, grown, missing, replaced by a link ------------------
 
+
 def _flip(path, position):
     data = bytearray(path.read_bytes())
     data[position % len(data)] ^= 0x01
@@ -105,7 +109,10 @@ DAMAGES = {
     "delete": lambda path, outside: path.unlink(),
     "replace by a directory": lambda path, outside: (path.unlink(), path.mkdir()),
     "symlink to an identical copy outside": lambda path, outside: (
-        outside.write_bytes(path.read_bytes()), path.unlink(), path.symlink_to(outside)),
+        outside.write_bytes(path.read_bytes()),
+        path.unlink(),
+        path.symlink_to(outside),
+    ),
 }
 
 
@@ -125,15 +132,26 @@ def test_the_packages_damaged_above_hold_every_kind_of_file(inductor_package, tm
     files = listed_files(inductor_package[1])
     assert "backends/inductor/cache.bin" in files
     assert any(f.endswith(".so") for f in files)  # the carried kernels: native code
-    model = xpupack.tune(make_stack(width=128), [torch.randn(2, 128)], modules=["layers.*.mlp"],
-                         strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+    model = xpupack.tune(
+        make_stack(width=128),
+        [torch.randn(2, 128)],
+        modules=["layers.*.mlp"],
+        strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")),
+    )
     assert "modules/layers.0.mlp/torchao/weights.safetensors" in listed_files(xpupack.save(model, tmp_path / "q"))
 
 
-@pytest.mark.parametrize("extra", [
-    "extra.bin", ".hidden", "modules/layers.0.mlp/extra.json", "modules/new/spec.json", "backends/x/cache.bin",
-    "modules/layers.0.mlp/eager/weights.safetensors",
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "extra.bin",
+        ".hidden",
+        "modules/layers.0.mlp/extra.json",
+        "modules/new/spec.json",
+        "backends/x/cache.bin",
+        "modules/layers.0.mlp/eager/weights.safetensors",
+    ],
+)
 def test_an_unlisted_file_anywhere_is_refused(package, extra):
     (package / extra).parent.mkdir(parents=True, exist_ok=True)
     (package / extra).write_bytes(b"\x80\x04N.")  # a pickle, as an attacker would add
@@ -175,8 +193,9 @@ def test_harmless_unlisted_things_load(package):
 
 def _ignoring_unlisted(monkeypatch, root):
     """Loads of ``root`` see it as a Hub snapshot does (a trusted pin): unlisted files are not refused."""
-    source = Source(root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash",
-                    ignore_unlisted=True)
+    source = Source(
+        root, trusted=True, description="org/name@pinned", trust_reason="pinned by commit hash", ignore_unlisted=True
+    )
     monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source", lambda *a, **k: source)
     return "org/name"
 
@@ -192,8 +211,12 @@ def test_files_the_manifest_does_not_list_are_never_read(kind, tmp_path, monkeyp
         rewrite_manifest(root, lambda m: m["modules"][0]["backend"]["config"].update(artifact="planted.json"))
         model = make_stack(seed=5)
     else:  # the quantized weights, unlisted, with another content than the build wrote
-        model = xpupack.tune(make_stack(width=128), [torch.randn(2, 128)], modules=["layers.*.mlp"],
-                             strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")))
+        model = xpupack.tune(
+            make_stack(width=128),
+            [torch.randn(2, 128)],
+            modules=["layers.*.mlp"],
+            strategy=xpupack.Only(xpupack.TorchAOBackend("int8-weight-only")),
+        )
         root = xpupack.save(model, tmp_path / "pkg")
         planted = root / "modules/layers.0.mlp/torchao/weights.safetensors"
         rewrite_manifest(root, lambda m: m["files"].pop("modules/layers.0.mlp/torchao/weights.safetensors"))
@@ -238,15 +261,17 @@ def test_a_manifest_that_is_not_json_or_not_the_schema_is_refused(package, damag
     elif damage == "NaN sizes":
         path.write_text(text.replace('"size": ', '"size": NaN, "x": '))
     else:
-        {"missing key": lambda: data.pop("files"), "wrong type": lambda: data.update(modules={}),
-         "unknown key": lambda: data.update(run_this="rm -rf /")}[damage]()
+        {
+            "missing key": lambda: data.pop("files"),
+            "wrong type": lambda: data.update(modules={}),
+            "unknown key": lambda: data.update(run_this="rm -rf /"),
+        }[damage]()
         path.write_text(json.dumps(data))
     error = refused(package, PackageFormatError)
     assert_names_file_and_fix(error, MANIFEST)
 
 
-@pytest.mark.parametrize("version, fix", [(2, "upgrade xpupack"), (99, "upgrade xpupack"),
-                                          (0, "rebuild the package")])
+@pytest.mark.parametrize("version, fix", [(2, "upgrade xpupack"), (99, "upgrade xpupack"), (0, "rebuild the package")])
 def test_other_format_versions_say_what_to_do(package, version, fix):
     rewrite_manifest(package, lambda m: m.update(format_version=version))
     error = refused(package, PackageFormatError)
@@ -260,8 +285,22 @@ def test_a_future_spec_version_says_upgrade(package):
     assert "spec.json" in str(error) and "upgrade xpupack" in str(error)
 
 
-BAD_PATHS = ["../outside", "/etc/passwd", "modules/../../outside", "C:/Windows/x", "modules\\x", "~/x",
-             ".cache/x", ".git/config", "x\0y", "", ".", "./model.safetensors", "modules//x", "modules/"]
+BAD_PATHS = [
+    "../outside",
+    "/etc/passwd",
+    "modules/../../outside",
+    "C:/Windows/x",
+    "modules\\x",
+    "~/x",
+    ".cache/x",
+    ".git/config",
+    "x\0y",
+    "",
+    ".",
+    "./model.safetensors",
+    "modules//x",
+    "modules/",
+]
 PATH_FIELDS = {
     "files": lambda m, bad: m["files"].update({bad: {"sha256": "0" * 64, "size": 1}}),
     "module folder": lambda m, bad: m["modules"][0].update(folder=bad),
@@ -280,21 +319,37 @@ def test_paths_that_leave_the_package_are_refused_in_every_field(package, field,
     assert (repr(bad) in str(error) or bad in str(error)) if bad else "non-empty" in str(error)
 
 
-@pytest.mark.parametrize("change, error, words", [
-    (lambda m: m["modules"].append(dict(m["modules"][0])), PackageFormatError, "twice"),
-    (lambda m: m["modules"].append({**m["modules"][0], "path": "layers.0"}), PackageFormatError, "overlap"),
-    (lambda m: m["modules"].append({**m["modules"][0], "path": ""}), PackageFormatError, "overlap"),
-    (lambda m: m["files"].pop("modules/layers.0.mlp/spec.json"), PackageFormatError, "does not list it"),
-    (lambda m: m["model"].update(weights="nothing.safetensors"), PackageFormatError, "does not list it"),
-    (lambda m: m.update(device="warp:0"), PackageFormatError, "unknown device 'warp:0'"),
-    (lambda m: m["modules"][0]["backend"].update(options={"bogus": 1}), UnknownConfigError, "cannot take the options"),
-    (lambda m: m["modules"][0]["backend"].update(name="counting", options={"offset": 1.0}),
-     UnknownConfigError, "does not write the options"),
-    (lambda m: m["modules"][0]["backend"].update(name="graph", options={"base": "inductor"}),
-     PackageFormatError, "backend/options/base"),
-    (lambda m: m["modules"][0]["backend"].update(name="graph", options={"base": {"options": {}}}),
-     PackageFormatError, "backend/options/base"),
-])
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (lambda m: m["modules"].append(dict(m["modules"][0])), PackageFormatError, "twice"),
+        (lambda m: m["modules"].append({**m["modules"][0], "path": "layers.0"}), PackageFormatError, "overlap"),
+        (lambda m: m["modules"].append({**m["modules"][0], "path": ""}), PackageFormatError, "overlap"),
+        (lambda m: m["files"].pop("modules/layers.0.mlp/spec.json"), PackageFormatError, "does not list it"),
+        (lambda m: m["model"].update(weights="nothing.safetensors"), PackageFormatError, "does not list it"),
+        (lambda m: m.update(device="warp:0"), PackageFormatError, "unknown device 'warp:0'"),
+        (
+            lambda m: m["modules"][0]["backend"].update(options={"bogus": 1}),
+            UnknownConfigError,
+            "cannot take the options",
+        ),
+        (
+            lambda m: m["modules"][0]["backend"].update(name="counting", options={"offset": 1.0}),
+            UnknownConfigError,
+            "does not write the options",
+        ),
+        (
+            lambda m: m["modules"][0]["backend"].update(name="graph", options={"base": "inductor"}),
+            PackageFormatError,
+            "backend/options/base",
+        ),
+        (
+            lambda m: m["modules"][0]["backend"].update(name="graph", options={"base": {"options": {}}}),
+            PackageFormatError,
+            "backend/options/base",
+        ),
+    ],
+)
 def test_inconsistent_manifests_are_refused_before_anything_changes(package, change, error, words):
     rewrite_manifest(package, change)
     caught = refused(package, error)
@@ -302,26 +357,37 @@ def test_inconsistent_manifests_are_refused_before_anything_changes(package, cha
     assert MANIFEST in str(caught) or "backend" in str(caught)
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda s: s.update(path="layers.1.mlp"), "describes the module 'layers.1.mlp'"),
-    (lambda s: s["signatures"][0]["leaves"][0].update(device="warp:0"), "unknown device 'warp:0'"),
-    (lambda s: s["signatures"][0]["leaves"][0].update(dtype="_dynamo"), "unknown dtype '_dynamo'"),
-    (lambda s: s["signatures"][0].update(tree=json.dumps([1, {"type": "collections.defaultdict", "context": None,
-                                                             "children_spec": []}])), "(args, kwargs)"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (lambda s: s.update(path="layers.1.mlp"), "describes the module 'layers.1.mlp'"),
+        (lambda s: s["signatures"][0]["leaves"][0].update(device="warp:0"), "unknown device 'warp:0'"),
+        (lambda s: s["signatures"][0]["leaves"][0].update(dtype="_dynamo"), "unknown dtype '_dynamo'"),
+        (
+            lambda s: s["signatures"][0].update(
+                tree=json.dumps([1, {"type": "collections.defaultdict", "context": None, "children_spec": []}])
+            ),
+            "(args, kwargs)",
+        ),
+    ],
+)
 def test_specs_that_parse_wrong_are_refused_even_with_right_digests(package, change, words):
     rewrite_json(package, "modules/layers.0.mlp/spec.json", change)
     caught = refused(package, PackageFormatError)
     assert words in str(caught) and "modules/layers.0.mlp/spec.json" in str(caught) and "rebuild" in str(caught)
 
 
-@pytest.mark.parametrize("change", [
-    lambda s: s["batch_axes"][0].update(inputs=[0, None, 0]),  # more axes than leaves
-    lambda s: s["batch_axes"][0].update(inputs=[0, 0]),  # an axis of a constant
-    lambda s: s["batch_axes"][0].update(inputs=[5, None]),  # beyond the tensor's rank
-    lambda s: s["batch_axes"].append(s["batch_axes"][0]),  # more entries than signatures
-    lambda s: s["batch_axes"].pop(),
-], ids=["more-axes-than-leaves", "axis-of-a-constant", "axis-beyond-rank", "extra-entry", "missing-entry"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s["batch_axes"][0].update(inputs=[0, None, 0]),  # more axes than leaves
+        lambda s: s["batch_axes"][0].update(inputs=[0, 0]),  # an axis of a constant
+        lambda s: s["batch_axes"][0].update(inputs=[5, None]),  # beyond the tensor's rank
+        lambda s: s["batch_axes"].append(s["batch_axes"][0]),  # more entries than signatures
+        lambda s: s["batch_axes"].pop(),
+    ],
+    ids=["more-axes-than-leaves", "axis-of-a-constant", "axis-beyond-rank", "extra-entry", "missing-entry"],
+)
 def test_batch_axes_that_do_not_fit_are_refused_by_load_inspect_and_verify(package, change):
     """`inspect` read them with bare indexing (KeyError, IndexError); now `read_spec` checks them for all three."""
     from xpupack.report import package_report, verify_package
@@ -355,8 +421,13 @@ def test_inductor_cache_path_cannot_leave_the_package(inductor_package, tmp_path
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: loaded.append(blob))
     elsewhere = tmp_path / "elsewhere.bin"
     elsewhere.write_bytes(b"\x80\x04N.")
-    for bad, error in [(str(elsewhere), PackageFormatError), ("../../../elsewhere.bin", PackageFormatError),
-                       (7, PackageFormatError), (".", PackageFormatError), ("missing.bin", IntegrityError)]:
+    for bad, error in [
+        (str(elsewhere), PackageFormatError),
+        ("../../../elsewhere.bin", PackageFormatError),
+        (7, PackageFormatError),
+        (".", PackageFormatError),
+        ("missing.bin", IntegrityError),
+    ]:
         root = copy_package(inductor_package[1], tmp_path / f"pkg-{len(loaded)}-{abs(hash(str(bad)))}")
         rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"].update(cache=bad))  # noqa: B023 (called now)
         caught = refused(root, error)
@@ -364,12 +435,19 @@ def test_inductor_cache_path_cannot_leave_the_package(inductor_package, tmp_path
     assert loaded == []
 
 
-@pytest.mark.parametrize("kernels, error", [
-    (["../../../../elsewhere.so"], PackageFormatError), (["/tmp/elsewhere.so"], PackageFormatError),
-    ("ab/c.so", PackageFormatError), ([3], PackageFormatError), (["zz/not-in-the-package.so"], IntegrityError),
-])
-def test_carried_inductor_kernels_cannot_come_from_or_go_outside(inductor_package, tmp_path, monkeypatch,
-                                                                   kernels, error):
+@pytest.mark.parametrize(
+    "kernels, error",
+    [
+        (["../../../../elsewhere.so"], PackageFormatError),
+        (["/tmp/elsewhere.so"], PackageFormatError),
+        ("ab/c.so", PackageFormatError),
+        ([3], PackageFormatError),
+        (["zz/not-in-the-package.so"], IntegrityError),
+    ],
+)
+def test_carried_inductor_kernels_cannot_come_from_or_go_outside(
+    inductor_package, tmp_path, monkeypatch, kernels, error
+):
     """Carried kernels are copied into the local Inductor cache: neither end may leave its folder."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     before = sorted(cache.rglob("*"))
@@ -409,6 +487,7 @@ def test_the_temporary_directory_of_a_save_is_not_a_package(package, tmp_path):
 
 # -- no pickle, and compiled artifacts only under the trust rule ------------------------------------
 
+
 class _Forbidden(AssertionError):
     pass
 
@@ -422,9 +501,13 @@ def no_unpickling(monkeypatch):
     def forbidden(*args, **kwargs):
         raise _Forbidden("loading a package must not unpickle")
 
-    for module, names in ((pickle, ("load", "loads", "Unpickler")), (_pickle, ("load", "loads", "Unpickler")),
-                          (torch, ("load",)), (torch.serialization, ("load",)),
-                          (torch.compiler, ("load_cache_artifacts",))):
+    for module, names in (
+        (pickle, ("load", "loads", "Unpickler")),
+        (_pickle, ("load", "loads", "Unpickler")),
+        (torch, ("load",)),
+        (torch.serialization, ("load",)),
+        (torch.compiler, ("load_cache_artifacts",)),
+    ):
         for name in names:
             monkeypatch.setattr(module, name, forbidden)
     state = _AUDIT
@@ -450,15 +533,20 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed: this one does nothing
 
 def _opened_inside(root, state):
     root = str(Path(root).resolve())
-    return {str(Path(p).resolve().relative_to(root)) for p in state["opened"]
-            if str(Path(p).resolve()).startswith(root + os.sep)}
+    return {
+        str(Path(p).resolve().relative_to(root))
+        for p in state["opened"]
+        if str(Path(p).resolve()).startswith(root + os.sep)
+    }
 
 
 @pytest.mark.parametrize("kind", ["eager", "graph", "graph over counting", "torchao", "graph over torchao"])
 def test_loading_a_package_never_unpickles(kind, tmp_path, request):
     width = 128 if "torchao" in kind else 8  # TorchAO's kernels want real sizes
-    base = {"graph over counting": CountingBackend(),
-            "graph over torchao": xpupack.TorchAOBackend("int8-weight-only")}.get(kind)
+    base = {
+        "graph over counting": CountingBackend(),
+        "graph over torchao": xpupack.TorchAOBackend("int8-weight-only"),
+    }.get(kind)
     if kind.startswith("graph"):
         request.getfixturevalue("emulated_graphs")
         backend = xpupack.GraphBackend(base=base)
@@ -480,8 +568,11 @@ def test_untrusted_compiled_artifacts_are_only_hashed(inductor_package, tmp_path
     """From an unpinned Hub revision, Inductor compiles here: the package's artifacts are read once, for
     their digest, and never handed to the loader that unpickles them."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
-    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
-                        lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
+    monkeypatch.setattr(
+        importlib.import_module("xpupack.loading"),
+        "resolve_source",
+        lambda *a, **k: Source(root, trusted=False, description="org/name@main"),
+    )
 
     def forbidden(blob):
         raise _Forbidden("untrusted compiled artifacts must not be loaded")
@@ -506,8 +597,9 @@ def test_trusted_compiled_artifacts_are_used(inductor_package, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("mode", ["rebuild", "error"])
-def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(inductor_package, tmp_path, monkeypatch,
-                                                                           caplog, mode):
+def test_a_cache_pytorch_cannot_load_is_compiled_here_or_an_xpupack_error(
+    inductor_package, tmp_path, monkeypatch, caplog, mode
+):
     """PyTorch's loader raises whatever it meets in a malformed (but listed and digest-checked) cache.bin,
     e.g. AttributeError after unpickling; a user sees an xpupack error or a module compiled here."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
@@ -550,14 +642,24 @@ def test_tuning_on_a_device_this_machine_lacks_is_refused_before_anything_change
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("call, error, words", [
-    (lambda: xpupack.tune(make_stack(), stack_samples(), batch_sizes=[1, 10**30]), xpupack.TuningError,
-     "give a list of integers from 1 to 2147483647"),
-    (lambda: xpupack.GraphBackend("5"), ValueError, "GraphBackend(base='5'): give a backend"),
-    (lambda: __import__("xpupack.bench").bench.benchmark(
-        xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER), iterations=0),
-     xpupack.XpupackError, "iterations=0, warmup=5: time at least one call"),
-])
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (
+            lambda: xpupack.tune(make_stack(), stack_samples(), batch_sizes=[1, 10**30]),
+            xpupack.TuningError,
+            "give a list of integers from 1 to 2147483647",
+        ),
+        (lambda: xpupack.GraphBackend("5"), ValueError, "GraphBackend(base='5'): give a backend"),
+        (
+            lambda: __import__("xpupack.bench").bench.benchmark(
+                xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=EAGER), iterations=0
+            ),
+            xpupack.XpupackError,
+            "iterations=0, warmup=5: time at least one call",
+        ),
+    ],
+)
 def test_arguments_out_of_range_are_refused_by_name(call, error, words):
     with pytest.raises(error) as caught:
         call()
@@ -565,6 +667,7 @@ def test_arguments_out_of_range_are_refused_by_name(call, error, words):
 
 
 # -- the wrong model ---------------------------------------------------------------------------------
+
 
 class Renamed(nn.Module):
     """The stack's tensors under other names."""
@@ -635,6 +738,7 @@ def test_the_same_architecture_under_another_class_loads(package):
 
 # -- the load-time check against eager, and failures while restoring -----------------------------------
 
+
 def _wrong_backend_package(tmp_path):
     """A package whose manifest is consistent but whose backend gives other outputs than eager."""
     root = build(tmp_path, xpupack.Only(CountingBackend()))
@@ -688,16 +792,27 @@ def test_a_failed_load_undoes_what_a_backend_replaced(tmp_path, monkeypatch):
 
 # -- verify and load agree: what load refuses, verify reports as damaged (README: "Safety and reliability") --
 
+
 def _bad_weights_header(root):
-    (root / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{\"a\": \"b\"}      ")
+    (root / "model.safetensors").write_bytes(b'\x10\0\0\0\0\0\0\0{"a": "b"}      ')
     redigest(root)
 
 
 def _defaultdict_tree(root):
     defaultdict = {"type": "collections.defaultdict", "context": "null", "children_spec": []}
-    node = json.dumps([1, {"type": "builtins.tuple", "context": "null", "children_spec": [
-        {"type": "builtins.tuple", "context": "null", "children_spec": [defaultdict]},
-        {"type": "builtins.dict", "context": "[]", "children_spec": []}]}])
+    node = json.dumps(
+        [
+            1,
+            {
+                "type": "builtins.tuple",
+                "context": "null",
+                "children_spec": [
+                    {"type": "builtins.tuple", "context": "null", "children_spec": [defaultdict]},
+                    {"type": "builtins.dict", "context": "[]", "children_spec": []},
+                ],
+            },
+        ]
+    )
     rewrite_json(root, "modules/layers.0.mlp/spec.json", lambda s: s["signatures"][0].update(tree=node))
 
 
@@ -705,27 +820,32 @@ def _unlisted_kernel(root):
     rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"]["kernels"].append("zz/absent.so"))
 
 
-@pytest.mark.parametrize("damage, kind, error, words", [
-    (_bad_weights_header, "eager", PackageFormatError, "not a readable safetensors file"),
-    (_defaultdict_tree, "eager", PackageFormatError, "tree node type 'collections.defaultdict' is not allowed"),
-    (_unlisted_kernel, "inductor", IntegrityError, "names backends/inductor/kernels/zz/absent.so, which"),
-])
+@pytest.mark.parametrize(
+    "damage, kind, error, words",
+    [
+        (_bad_weights_header, "eager", PackageFormatError, "not a readable safetensors file"),
+        (_defaultdict_tree, "eager", PackageFormatError, "tree node type 'collections.defaultdict' is not allowed"),
+        (_unlisted_kernel, "inductor", IntegrityError, "names backends/inductor/kernels/zz/absent.so, which"),
+    ],
+)
 def test_verify_reports_as_damaged_what_load_refuses(damage, kind, error, words, tmp_path, request):
     """`xpupack.load` makes the checks `xpupack verify` makes (`manifest.check_package`, then `read_spec` per
     module), so the two agree on every damaged package; the load refuses it before anything changes, trusted
     or not."""
     from xpupack.report import verify_package
 
-    root = (copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg") if kind == "inductor"
-            else build(tmp_path))
+    root = (
+        copy_package(request.getfixturevalue("inductor_package")[1], tmp_path / "pkg")
+        if kind == "inductor"
+        else build(tmp_path)
+    )
     damage(root)
     result = verify_package(root)
     assert not result["ok"] and words in result["problems"][0]
     for trusted in (True, False):
         source = Source(root, trusted=trusted, description="pkg", trust_reason="test")
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
-                          lambda *a, **k: source)  # noqa: B023 (used within this iteration)
+            patch.setattr(importlib.import_module("xpupack.loading"), "resolve_source", lambda *a, **k: source)  # noqa: B023 (used within this iteration)
             assert words in str(refused(root, error))
 
 

@@ -72,12 +72,16 @@ def candidates(model, path=""):
 
 # -- what each search tries ------------------------------------------------------------------------------
 
+
 def test_the_quick_search_is_the_default_strategy_unchanged(monkeypatch):
     for device in (CPU, CUDA):
         assert repr(search_strategy("quick", device)) == repr(default_strategy(device))
     asked = []
-    monkeypatch.setattr(xpupack.strategies, "default_strategy",  # what tune uses unless told otherwise
-                        lambda device: asked.append(device) or xpupack.FirstWins([xpupack.EagerBackend()]))
+    monkeypatch.setattr(
+        xpupack.strategies,
+        "default_strategy",  # what tune uses unless told otherwise
+        lambda device: asked.append(device) or xpupack.FirstWins([xpupack.EagerBackend()]),
+    )
     for options in ({}, {"search": "quick"}):
         xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"], **options)
     assert asked == [CPU, CPU]
@@ -85,10 +89,15 @@ def test_the_quick_search_is_the_default_strategy_unchanged(monkeypatch):
 
 def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_quantized_configs():
     labels = [backend.label for backend in thorough_backends(CUDA, quantize=True)]
-    assert labels == ["graph+inductor", "graph+inductor[coordinate_descent_tuning]",
-                      "graph+inductor[max-autotune-no-cudagraphs]",
-                      *(f"graph+inductor[coordinate_descent_tuning]+torchao:{name}" for name in QUANTIZE_CONFIGS),
-                      "graph", "inductor", "eager"]
+    assert labels == [
+        "graph+inductor",
+        "graph+inductor[coordinate_descent_tuning]",
+        "graph+inductor[max-autotune-no-cudagraphs]",
+        *(f"graph+inductor[coordinate_descent_tuning]+torchao:{name}" for name in QUANTIZE_CONFIGS),
+        "graph",
+        "inductor",
+        "eager",
+    ]
     strategy = search_strategy("thorough", CUDA)
     assert isinstance(strategy, xpupack.Fastest) and strategy.startup_margin == DEFAULT_STARTUP_MARGIN
     assert not any("torchao" in backend.label for backend in strategy.backends)  # quantization is opt-in
@@ -97,8 +106,14 @@ def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_qua
 def test_the_thorough_search_on_a_cpu_compiles_without_graphs_and_skips_coordinate_descent():
     """A CPU's kernels are C++, which coordinate descent (a Triton tuner) leaves as they are."""
     labels = [backend.label for backend in thorough_backends(CPU, quantize=["int8-weight-only"])]
-    assert labels == ["graph", "inductor", "inductor[max-autotune-no-cudagraphs]", "inductor+torchao:int8-weight-only",
-                      "torchao:int8-weight-only", "eager"]
+    assert labels == [
+        "graph",
+        "inductor",
+        "inductor[max-autotune-no-cudagraphs]",
+        "inductor+torchao:int8-weight-only",
+        "torchao:int8-weight-only",
+        "eager",
+    ]
 
 
 def test_a_quantized_config_of_ones_own_keeps_its_settings():
@@ -107,13 +122,16 @@ def test_a_quantized_config_of_ones_own_keeps_its_settings():
     assert [b.base.base for b in backends if "torchao" in b.label] == [own]
 
 
-@pytest.mark.parametrize("arguments, message", [
-    ({"search": "exhaustive"}, "search='exhaustive'"),
-    ({"quantize": True}, "pass search='thorough' too"),
-    ({"search": "thorough", "strategy": xpupack.Only(xpupack.EagerBackend())}, "names its candidates itself"),
-    ({"search": "thorough", "quantize": ["int3-weight-only"]}, "unknown torchao config 'int3-weight-only'"),
-    ({"search": "thorough", "quantize": [xpupack.EagerBackend()]}, "neither a TorchAO config name"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"search": "exhaustive"}, "search='exhaustive'"),
+        ({"quantize": True}, "pass search='thorough' too"),
+        ({"search": "thorough", "strategy": xpupack.Only(xpupack.EagerBackend())}, "names its candidates itself"),
+        ({"search": "thorough", "quantize": ["int3-weight-only"]}, "unknown torchao config 'int3-weight-only'"),
+        ({"search": "thorough", "quantize": [xpupack.EagerBackend()]}, "neither a TorchAO config name"),
+    ],
+)
 def test_search_options_that_do_not_fit_are_refused_before_any_recording(arguments, message):
     def never(model, item):
         raise AssertionError("recorded")
@@ -125,14 +143,20 @@ def test_search_options_that_do_not_fit_are_refused_before_any_recording(argumen
 def test_inductor_labels_show_their_settings():
     assert xpupack.InductorBackend().label == "inductor"
     assert xpupack.InductorBackend("default").label == "inductor"
-    assert xpupack.GraphBackend(base=xpupack.InductorBackend(
-        compile_options={"coordinate_descent_tuning": True, "max_fusion_size": 32})).label == \
-        "graph+inductor[coordinate_descent_tuning,max_fusion_size=32]"
-    assert xpupack.InductorBackend("max-autotune-no-cudagraphs", base=xpupack.TorchAOBackend()).label == \
-        "inductor[max-autotune-no-cudagraphs]+torchao:int8-weight-only"
+    assert (
+        xpupack.GraphBackend(
+            base=xpupack.InductorBackend(compile_options={"coordinate_descent_tuning": True, "max_fusion_size": 32})
+        ).label
+        == "graph+inductor[coordinate_descent_tuning,max_fusion_size=32]"
+    )
+    assert (
+        xpupack.InductorBackend("max-autotune-no-cudagraphs", base=xpupack.TorchAOBackend()).label
+        == "inductor[max-autotune-no-cudagraphs]+torchao:int8-weight-only"
+    )
 
 
 # -- how the fastest is chosen ----------------------------------------------------------------------------
+
 
 def test_a_candidate_that_fails_correctness_never_wins_however_fast():
     model = SlowEager(delay=0.005)
@@ -145,7 +169,8 @@ def test_a_candidate_that_fails_correctness_never_wins_however_fast():
 
 
 def test_the_fastest_compiled_candidate_gives_way_to_a_plain_one_within_the_margin_and_every_loser_says_why(
-        monkeypatch):
+    monkeypatch,
+):
     from xpupack import _timing
 
     def within_the_margin(self, heavy, light, threshold, **options):  # side by side: 1.02x, 1.0-1.04x
@@ -153,14 +178,19 @@ def test_the_fastest_compiled_candidate_gives_way_to_a_plain_one_within_the_marg
 
     monkeypatch.setattr(xpupack.strategies._SpeedGate, "between", within_the_margin)
     model = SlowEager(delay=0.005)
-    strategy = xpupack.Fastest([FastArtifactBackend(), CpuOnlyNever(), SleepyShortcutBackend(), xpupack.EagerBackend()],
-                               iterations=3, startup_margin=1.05)
+    strategy = xpupack.Fastest(
+        [FastArtifactBackend(), CpuOnlyNever(), SleepyShortcutBackend(), xpupack.EagerBackend()],
+        iterations=3,
+        startup_margin=1.05,
+    )
     xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
     entries = {entry.backend: entry for entry in candidates(model)}
     assert list(entries) == ["fast-artifact", "never", "sleepy-shortcut", "eager"]  # the order tried
     assert entries["fast-artifact"].status == "rejected" and entries["fast-artifact"].startup_ratio == 1.02
     assert "not clearly above the start-up margin 1.05x" in entries["fast-artifact"].reason
-    assert entries["sleepy-shortcut"].status == "chosen" and "with no compiled code" in entries["sleepy-shortcut"].reason
+    assert (
+        entries["sleepy-shortcut"].status == "chosen" and "with no compiled code" in entries["sleepy-shortcut"].reason
+    )
     assert entries["never"].status == "rejected" and "never available" in entries["never"].reason
     assert entries["eager"].status == "accepted"
     assert entries["eager"].reason.startswith("passed at 1x eager's speed; fast-artifact was faster")
@@ -180,8 +210,11 @@ def test_the_two_fastest_by_speedup_over_eager_are_timed_head_to_head_and_the_fa
 
     monkeypatch.setattr(xpupack.strategies._SpeedGate, "between", second_is_faster)
     model = SlowEager(delay=0.005)
-    strategy = xpupack.Fastest([ShortcutBackend(), SleepyShortcutBackend(delay=0.002), xpupack.EagerBackend()],
-                               iterations=3, startup_margin=None)
+    strategy = xpupack.Fastest(
+        [ShortcutBackend(), SleepyShortcutBackend(delay=0.002), xpupack.EagerBackend()],
+        iterations=3,
+        startup_margin=None,
+    )
     xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
     entries = {entry.backend: entry for entry in candidates(model)}
     by_speedup = sorted(("shortcut", "sleepy-shortcut"), key=lambda name: -entries[name].speedup)
@@ -195,8 +228,11 @@ def test_the_two_fastest_by_speedup_over_eager_are_timed_head_to_head_and_the_fa
 
 def test_the_fastest_compiled_candidate_clearly_ahead_of_the_plain_one_is_kept():
     model = SlowEager(delay=0.005)
-    strategy = xpupack.Fastest([SleepyShortcutBackend(delay=0.002), FastArtifactBackend(), xpupack.EagerBackend()],
-                               iterations=3, startup_margin=1.05)
+    strategy = xpupack.Fastest(
+        [SleepyShortcutBackend(delay=0.002), FastArtifactBackend(), xpupack.EagerBackend()],
+        iterations=3,
+        startup_margin=1.05,
+    )
     xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
     entries = {entry.backend: entry for entry in candidates(model)}
     assert entries["fast-artifact"].status == "chosen" and entries["fast-artifact"].startup_ratio > 1.05
@@ -210,11 +246,28 @@ def test_the_fastest_compiled_candidate_clearly_ahead_of_the_plain_one_is_kept()
 
 OLD_ENTRIES = [  # as xpupack wrote them before entries were a dataclass (and one from a newer xpupack)
     {"backend": "graph", "status": "rejected", "reason": "no device graphs on cpu"},
-    {"backend": "inductor", "status": "rejected", "median_us": 120.5, "speedup": 0.91,
-     "speedup_interval": [0.85, 0.97], "rounds": 40, "noisy": False, "reason": "not faster than eager: ..."},
-    {"backend": "graph+inductor", "status": "chosen", "reason": "first to pass", "median_us": 12.0, "speedup": 2.5,
-     "speedup_interval": [2.4, 2.6], "rounds": 20, "noisy": False, "startup_ratio": 1.2,
-     "startup_ratio_interval": [1.1, 1.3]},
+    {
+        "backend": "inductor",
+        "status": "rejected",
+        "median_us": 120.5,
+        "speedup": 0.91,
+        "speedup_interval": [0.85, 0.97],
+        "rounds": 40,
+        "noisy": False,
+        "reason": "not faster than eager: ...",
+    },
+    {
+        "backend": "graph+inductor",
+        "status": "chosen",
+        "reason": "first to pass",
+        "median_us": 12.0,
+        "speedup": 2.5,
+        "speedup_interval": [2.4, 2.6],
+        "rounds": 20,
+        "noisy": False,
+        "startup_ratio": 1.2,
+        "startup_ratio_interval": [1.1, 1.3],
+    },
     {"backend": "eager", "status": "accepted"},
     {"backend": "future", "status": "rejected", "reason": "x", "energy_j": 3.5},
 ]
@@ -231,8 +284,9 @@ def test_a_candidate_status_must_be_one_a_manifest_allows():
 
 
 def test_inspect_lists_every_candidate_with_its_timing_and_reason_also_from_an_older_package(tmp_path):
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.0.mlp"], strategy=xpupack.Only(xpupack.EagerBackend())
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     manifest = json.loads((root / "xpupack.json").read_text())
     manifest["modules"][0]["candidates"] = OLD_ENTRIES
@@ -250,12 +304,14 @@ def test_inspect_lists_every_candidate_with_its_timing_and_reason_also_from_an_o
 
 def test_inspect_shows_settings_in_brackets_as_text(tmp_path):
     """Rich reads ``[...]`` as markup: a label's settings must still print."""
-    model = xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"],
-                         strategy=xpupack.Only(xpupack.EagerBackend()))
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.0.mlp"], strategy=xpupack.Only(xpupack.EagerBackend())
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     manifest = json.loads((root / "xpupack.json").read_text())
     manifest["modules"][0]["candidates"] = [
-        {"backend": "graph+inductor[coordinate_descent_tuning]", "status": "chosen", "reason": "fastest"}]
+        {"backend": "graph+inductor[coordinate_descent_tuning]", "status": "chosen", "reason": "fastest"}
+    ]
     (root / "xpupack.json").write_text(json.dumps(manifest))
     result = CliRunner().invoke(main, ["inspect", str(root)])
     assert "graph+inductor[coordinate_descent_tuning]: chosen" in " ".join(result.output.split())
@@ -263,8 +319,13 @@ def test_inspect_shows_settings_in_brackets_as_text(tmp_path):
 
 # -- the command line ---------------------------------------------------------------------------------------
 
-DEMO = ["xpupack.examples:tiny_transformer", "--samples", "xpupack.examples:tiny_transformer_samples",
-        "--modules", "layers.0.mlp"]
+DEMO = [
+    "xpupack.examples:tiny_transformer",
+    "--samples",
+    "xpupack.examples:tiny_transformer_samples",
+    "--modules",
+    "layers.0.mlp",
+]
 
 
 def test_build_search_thorough_times_every_candidate_and_inspect_lists_them(tmp_path, monkeypatch):
@@ -276,24 +337,32 @@ def test_build_search_thorough_times_every_candidate_and_inspect_lists_them(tmp_
 
     monkeypatch.setattr(xpupack.strategies, "thorough_backends", cheap_candidates)
     out = tmp_path / "pkg"
-    result = CliRunner().invoke(main, ["build", *DEMO, "--out", str(out), "--device", "cpu", "--search", "thorough",
-                                       "--min-speedup", "none"])
+    result = CliRunner().invoke(
+        main, ["build", *DEMO, "--out", str(out), "--device", "cpu", "--search", "thorough", "--min-speedup", "none"]
+    )
     assert result.exit_code == 0, result.output
     assert asked == [("cpu", False)]
     stored = json.loads((out / "xpupack.json").read_text())["modules"][0]["candidates"]
     assert [(entry["backend"], entry["status"] != "rejected") for entry in stored] == [
-        ("never", False), ("counting", False), ("counting", True), ("eager", True)]
+        ("never", False),
+        ("counting", False),
+        ("counting", True),
+        ("eager", True),
+    ]
     assert [entry["status"] for entry in stored].count("chosen") == 1
     assert all("median_us" in entry for entry in stored[2:])  # every passing candidate was timed
     text = " ".join(CliRunner().invoke(main, ["inspect", str(out)]).output.split())
     assert "never: rejected — never available" in text and "x eager" in text and "µs" in text
 
 
-@pytest.mark.parametrize("options, message", [
-    (["--quantize", "int8-weight-only"], "add --search thorough"),
-    (["--search", "thorough", "--backends", "graph,eager"], "pass one or the other"),
-    (["--search", "thorough", "--quantize", "int3"], "unknown torchao config 'int3'"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--quantize", "int8-weight-only"], "add --search thorough"),
+        (["--search", "thorough", "--backends", "graph,eager"], "pass one or the other"),
+        (["--search", "thorough", "--quantize", "int3"], "unknown torchao config 'int3'"),
+    ],
+)
 def test_build_refuses_search_options_that_do_not_fit(tmp_path, options, message):
     result = CliRunner().invoke(main, ["build", *DEMO, "--out", str(tmp_path / "pkg"), *options])
     assert result.exit_code == 2 and message in result.output
@@ -301,23 +370,52 @@ def test_build_refuses_search_options_that_do_not_fit(tmp_path, options, message
 
 def test_build_search_quantize_all_asks_for_every_named_config(tmp_path, monkeypatch):
     asked = []
-    monkeypatch.setattr(xpupack.strategies, "thorough_backends",
-                        lambda device, quantize=False: asked.append(quantize) or [xpupack.EagerBackend()])
-    result = CliRunner().invoke(main, ["build", *DEMO, "--out", str(tmp_path / "pkg"), "--device", "cpu",
-                                       "--search", "thorough", "--quantize", "all"])
+    monkeypatch.setattr(
+        xpupack.strategies,
+        "thorough_backends",
+        lambda device, quantize=False: asked.append(quantize) or [xpupack.EagerBackend()],
+    )
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            *DEMO,
+            "--out",
+            str(tmp_path / "pkg"),
+            "--device",
+            "cpu",
+            "--search",
+            "thorough",
+            "--quantize",
+            "all",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert asked == [True]
 
 
 # -- with Inductor (slow: real compiles) ---------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_thorough_search_on_a_cpu_compiles_each_setting_and_records_each_with_a_timing_or_a_reason(tmp_path):
-    model = xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.0.mlp"], device="cpu",
-                         search="thorough", quantize=["int4-weight-only"])
+    model = xpupack.tune(
+        tiny_transformer(),
+        tiny_transformer_samples(),
+        modules=["layers.0.mlp"],
+        device="cpu",
+        search="thorough",
+        quantize=["int4-weight-only"],
+    )
     entries = {entry.backend: entry for entry in candidates(model, "layers.0.mlp")}
-    assert list(entries) == ["graph", "inductor", "inductor[max-autotune-no-cudagraphs]",
-                             "inductor+torchao:int4-weight-only", "torchao:int4-weight-only", "eager"]
+    assert list(entries) == [
+        "graph",
+        "inductor",
+        "inductor[max-autotune-no-cudagraphs]",
+        "inductor+torchao:int4-weight-only",
+        "torchao:int4-weight-only",
+        "eager",
+    ]
     assert "no device graphs on cpu" in entries["graph"].reason
     assert "needs CUDA" in entries["torchao:int4-weight-only"].reason
     for name in ("inductor", "inductor[max-autotune-no-cudagraphs]"):  # built, checked and timed
@@ -360,7 +458,8 @@ BENCHMARKS = ("coordesc_tuning_bench", "select_algorithm_autotune", "combo_autot
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.requires_cuda)])
 def test_a_package_tuned_with_coordinate_descent_loads_on_a_fresh_machine_without_compiling_or_tuning(
-        tmp_path, run_python, device):
+    tmp_path, run_python, device
+):
     """The settings travel (a loader compiling with others would miss the carried graphs) and so do the
     tuning results: a fresh process with empty caches compiles nothing and runs no benchmark. The same
     kernels are compiled and tuned once before in the tuning process, as a thorough search's earlier
@@ -370,9 +469,13 @@ def test_a_package_tuned_with_coordinate_descent_loads_on_a_fresh_machine_withou
     # tuned in a process of its own: this one's Inductor settings are whatever earlier tests (torchao's
     # process-wide ones among them) left, which a compile's cache key includes and a fresh loader lacks
     root = tmp_path / "pkg"
-    run_python(TUNE_TWICE.format(root=str(root), device=device),
-               env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"),
-                    "TRITON_CACHE_DIR": str(tmp_path / "build-triton")})
+    run_python(
+        TUNE_TWICE.format(root=str(root), device=device),
+        env={
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "build-inductor"),
+            "TRITON_CACHE_DIR": str(tmp_path / "build-triton"),
+        },
+    )
     empty = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     result = run_python(LOAD_AND_COUNT.format(root=str(root), device=device), env=empty)
     counters = json.loads(result.stdout.strip().splitlines()[-1])

@@ -23,7 +23,11 @@ def test_smoke_run_replays_or_pads_every_call_of_the_stream(emulated_graphs, cap
     exact, ladder = result["variants"]["exact"], result["variants"]["ladder"]
     assert result["config"]["ladder"] == [1, 2, 4] and result["config"]["distinct_batches"] == 4
     assert (exact["backend"], exact["replayed_exact"], exact["padded"], exact["fallen_back"]) == (
-        "graph", 1.0, 0.0, 0.0)
+        "graph",
+        1.0,
+        0.0,
+        0.0,
+    )
     assert ladder["backend"] == "graph" and ladder["fallen_back"] == 0.0 and 0 < ladder["padded"] < 1
     assert ladder["replayed_exact"] + ladder["padded"] == pytest.approx(1.0)
     assert ladder["signatures"] == 3  # the ladder only: its sample had the largest batch

@@ -16,15 +16,18 @@ def test_signature_key_equals_call_key():
     assert signature.key == key_of(x, scale=2.0, mask=None)
 
 
-@pytest.mark.parametrize("other", [
-    lambda x: ((torch.randn(4, 3),), {"scale": 2.0, "mask": None}),          # batch size
-    lambda x: ((x,), {"scale": 3.0, "mask": None}),                          # constant
-    lambda x: ((x,), {"scale": 2, "mask": None}),                            # int vs float constant
-    lambda x: ((x,), {"scale": 2.0}),                                        # missing kwarg
-    lambda x: ((x.double(),), {"scale": 2.0, "mask": None}),                 # dtype
-    lambda x: ((x, 2.0), {"mask": None}),                                    # positional vs keyword
-    lambda x: ((x,), {"scale": 2.0, "mask": torch.ones(2, 3)}),              # None vs tensor
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x: ((torch.randn(4, 3),), {"scale": 2.0, "mask": None}),  # batch size
+        lambda x: ((x,), {"scale": 3.0, "mask": None}),  # constant
+        lambda x: ((x,), {"scale": 2, "mask": None}),  # int vs float constant
+        lambda x: ((x,), {"scale": 2.0}),  # missing kwarg
+        lambda x: ((x.double(),), {"scale": 2.0, "mask": None}),  # dtype
+        lambda x: ((x, 2.0), {"mask": None}),  # positional vs keyword
+        lambda x: ((x,), {"scale": 2.0, "mask": torch.ones(2, 3)}),  # None vs tensor
+    ],
+)
 def test_any_static_difference_changes_the_key(other):
     x = torch.randn(2, 3)
     base = key_of(x, scale=2.0, mask=None)
@@ -52,8 +55,10 @@ def test_kwargs_order_does_not_matter():
 
 def test_json_round_trip_keeps_the_key():
     x = torch.randn(2, 3)
-    signature = Signature.of_call((x, [x, (1, "mode")]), {"dtype": torch.float16, "eps": float("inf"),
-                                                          "device": torch.device("cpu"), "flag": True})
+    signature = Signature.of_call(
+        (x, [x, (1, "mode")]),
+        {"dtype": torch.float16, "eps": float("inf"), "device": torch.device("cpu"), "flag": True},
+    )
     restored = Signature.from_json(json.loads(json.dumps(signature.to_json())))
     assert restored == signature
     assert restored.key == signature.key
@@ -81,12 +86,17 @@ def test_on_device_maps_tensor_leaves():
     assert moved.leaves[0] == TensorLeaf((1,), torch.float32, torch.device("meta"))
 
 
-@pytest.mark.parametrize("bad", [
-    {"tree": "not json", "leaves": []},
-    {"tree": Signature.of_call((torch.randn(1),), {}).to_json()["tree"], "leaves": []},
-    {"tree": Signature.of_call((torch.randn(1),), {}).to_json()["tree"],
-     "leaves": [{"kind": "tensor", "shape": [1], "dtype": "no_such_dtype", "device": "cpu"}]},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"tree": "not json", "leaves": []},
+        {"tree": Signature.of_call((torch.randn(1),), {}).to_json()["tree"], "leaves": []},
+        {
+            "tree": Signature.of_call((torch.randn(1),), {}).to_json()["tree"],
+            "leaves": [{"kind": "tensor", "shape": [1], "dtype": "no_such_dtype", "device": "cpu"}],
+        },
+    ],
+)
 def test_from_json_rejects_malformed_input(bad):
     with pytest.raises((ValueError, KeyError)):
         Signature.from_json(bad)
@@ -107,47 +117,85 @@ def _tree_with_kwargs_context(context):
     return {**data, "tree": json.dumps(tree)}
 
 
-@pytest.mark.parametrize("tree", [
-    # torch's parser imports the module an enum key names
-    lambda name: _tree_with_kwargs_context(json.dumps([{"__enum__": True, "fqn": f"{name}:E", "name": "a"}])),
-    # ... and the module a defaultdict's default_factory names
-    lambda name: {"leaves": [], "tree": json.dumps(
-        [1, {"type": "builtins.tuple", "context": "null", "children_spec": [
-            {"type": "builtins.tuple", "context": "null", "children_spec": [
-                {"type": "collections.defaultdict",
-                 "context": {"default_factory_module": name, "default_factory_name": "E", "dict_context": []},
-                 "children_spec": []}]},
-            {"type": "builtins.dict", "context": "[]", "children_spec": []}]}])},
-])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        # torch's parser imports the module an enum key names
+        lambda name: _tree_with_kwargs_context(json.dumps([{"__enum__": True, "fqn": f"{name}:E", "name": "a"}])),
+        # ... and the module a defaultdict's default_factory names
+        lambda name: {
+            "leaves": [],
+            "tree": json.dumps(
+                [
+                    1,
+                    {
+                        "type": "builtins.tuple",
+                        "context": "null",
+                        "children_spec": [
+                            {
+                                "type": "builtins.tuple",
+                                "context": "null",
+                                "children_spec": [
+                                    {
+                                        "type": "collections.defaultdict",
+                                        "context": {
+                                            "default_factory_module": name,
+                                            "default_factory_name": "E",
+                                            "dict_context": [],
+                                        },
+                                        "children_spec": [],
+                                    }
+                                ],
+                            },
+                            {"type": "builtins.dict", "context": "[]", "children_spec": []},
+                        ],
+                    },
+                ]
+            ),
+        },
+    ],
+)
 def test_parsing_a_hostile_tree_never_imports_a_module(tree, tmp_path, monkeypatch):
     probe = tmp_path / "xpupack_import_probe.py"
-    probe.write_text("import enum, pathlib\n"
-                     f"pathlib.Path({str(tmp_path / 'imported')!r}).write_text('yes')\n"
-                     "class E(enum.Enum):\n    a = 1\n")
+    probe.write_text(
+        "import enum, pathlib\n"
+        f"pathlib.Path({str(tmp_path / 'imported')!r}).write_text('yes')\n"
+        "class E(enum.Enum):\n    a = 1\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match="context|not allowed"):
         Signature.from_json(tree("xpupack_import_probe"))
     assert not (tmp_path / "imported").exists()
 
 
-@pytest.mark.parametrize("bad", [
-    None, [], {"tree": 1, "leaves": []}, {"tree": "[1, {}]", "leaves": []}, {"tree": "[2, null]", "leaves": []},
-    {"tree": json.dumps([1, {"type": None, "context": None, "children_spec": []}]), "leaves": [{}]},
-    {"tree": "[" * 10000 + "]" * 10000, "leaves": []},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        [],
+        {"tree": 1, "leaves": []},
+        {"tree": "[1, {}]", "leaves": []},
+        {"tree": "[2, null]", "leaves": []},
+        {"tree": json.dumps([1, {"type": None, "context": None, "children_spec": []}]), "leaves": [{}]},
+        {"tree": "[" * 10000 + "]" * 10000, "leaves": []},
+    ],
+)
 def test_from_json_raises_only_value_errors(bad):
     with pytest.raises(ValueError):
         Signature.from_json(bad)
 
 
-@pytest.mark.parametrize("leaf", [
-    {"kind": "tensor", "shape": [1], "dtype": "float32", "device": "no-such-device"},
-    {"kind": "tensor", "shape": [-1], "dtype": "float32", "device": "cpu"},
-    {"kind": "tensor", "shape": [1], "dtype": "_dynamo", "device": "cpu"},
-    {"kind": "constant", "value": {"device": "warp:0"}},
-    {"kind": "constant", "value": [1, 2]},
-    {"kind": "mystery"},
-])
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        {"kind": "tensor", "shape": [1], "dtype": "float32", "device": "no-such-device"},
+        {"kind": "tensor", "shape": [-1], "dtype": "float32", "device": "cpu"},
+        {"kind": "tensor", "shape": [1], "dtype": "_dynamo", "device": "cpu"},
+        {"kind": "constant", "value": {"device": "warp:0"}},
+        {"kind": "constant", "value": [1, 2]},
+        {"kind": "mystery"},
+    ],
+)
 def test_bad_leaves_are_value_errors(leaf):
     data = Signature.of_call((torch.randn(1),), {}).to_json()
     with pytest.raises(ValueError):
@@ -168,7 +216,10 @@ def test_a_terabyte_tensor_claim_is_refused_when_parsed(kind):
     from xpupack.signature import _leaf_from_json
 
     huge = {"shape": [1024, 1024, 1024, 1024], "dtype": "float32", "device": "cpu"}
-    data = {"kind": "tensor", **huge} if kind == "tensor" else \
-        {"kind": "state", "type": "x.Cache", "tensors": [{**huge, "stride": [2**30, 2**20, 2**10, 1]}]}
+    data = (
+        {"kind": "tensor", **huge}
+        if kind == "tensor"
+        else {"kind": "state", "type": "x.Cache", "tensors": [{**huge, "stride": [2**30, 2**20, 2**10, 1]}]}
+    )
     with pytest.raises(ValueError, match="4096 GiB"):
         _leaf_from_json(data)

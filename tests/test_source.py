@@ -29,20 +29,23 @@ def shadowing_folder(demo_eager_package, tmp_path, monkeypatch) -> Path:
     return shutil.copytree(demo_eager_package, tmp_path / "org" / "name")
 
 
-@pytest.mark.parametrize("name, folder, repo_id", [
-    ("org/name", None, "org/name"),
-    ("hf://org/name", None, "org/name"),
-    ("hf://gpt2", None, "gpt2"),
-    ("./org/name", "org/name", None),
-    ("../org/name", "../org/name", None),
-    ("org/name/", "org/name", None),
-    ("/abs/org/name", "/abs/org/name", None),
-    ("tiny-pkg", "tiny-pkg", None),
-    ("out/x/pkg", "out/x/pkg", None),
-    ("my pkgs/tiny", "my pkgs/tiny", None),  # no repo id has a space
-    ("org/.hidden", "org/.hidden", None),
-    (".", ".", None),
-])
+@pytest.mark.parametrize(
+    "name, folder, repo_id",
+    [
+        ("org/name", None, "org/name"),
+        ("hf://org/name", None, "org/name"),
+        ("hf://gpt2", None, "gpt2"),
+        ("./org/name", "org/name", None),
+        ("../org/name", "../org/name", None),
+        ("org/name/", "org/name", None),
+        ("/abs/org/name", "/abs/org/name", None),
+        ("tiny-pkg", "tiny-pkg", None),
+        ("out/x/pkg", "out/x/pkg", None),
+        ("my pkgs/tiny", "my pkgs/tiny", None),  # no repo id has a space
+        ("org/.hidden", "org/.hidden", None),
+        (".", ".", None),
+    ],
+)
 def test_names_read_as_a_folder_or_a_hub_repo(name, folder, repo_id):
     read = read_name(name)
     assert (read.folder, read.repo_id) == (Path(folder) if folder else None, repo_id)
@@ -70,8 +73,10 @@ def test_a_hub_id_that_is_also_a_folder_here_is_refused_not_loaded_as_the_truste
     torch.testing.assert_close(model(TOKENS), before)  # untouched
 
 
-@pytest.mark.parametrize("how", [lambda: "./org/name", lambda: Path("org/name"), lambda: "org/name/",
-                                 lambda: str(Path.cwd() / "org" / "name")])
+@pytest.mark.parametrize(
+    "how",
+    [lambda: "./org/name", lambda: Path("org/name"), lambda: "org/name/", lambda: str(Path.cwd() / "org" / "name")],
+)
 def test_a_folder_named_as_a_folder_loads_trusted(shadowing_folder, how):
     source = resolve_source(how())
     assert source.trusted and source.root.resolve() == shadowing_folder.resolve()
@@ -89,10 +94,14 @@ def test_the_explicit_hub_form_never_reads_the_folder(shadowing_folder, monkeypa
 def test_a_missing_folder_is_said_at_once_without_asking_the_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: a request would fail, slowly
-    for name, hint in [("./pkgs/tiny", "name it 'pkgs/tiny' or 'hf://pkgs/tiny'"), ("pkgs/x/tiny", ""),
-                       ("tiny", "a Hub repo is named 'org/name'")]:
-        with pytest.raises(xpupack.SourceError, match=f"there is no folder {tmp_path / name.removeprefix('./')}"
-                           ) as caught:
+    for name, hint in [
+        ("./pkgs/tiny", "name it 'pkgs/tiny' or 'hf://pkgs/tiny'"),
+        ("pkgs/x/tiny", ""),
+        ("tiny", "a Hub repo is named 'org/name'"),
+    ]:
+        with pytest.raises(
+            xpupack.SourceError, match=f"there is no folder {tmp_path / name.removeprefix('./')}"
+        ) as caught:
             xpupack.load(tiny_transformer(), name)
         assert hint in str(caught.value)
 
@@ -104,8 +113,10 @@ def test_a_plain_repo_id_with_no_folder_and_no_hub_answers_at_once_naming_both(t
     started = time.monotonic()
     result = CliRunner().invoke(main, ["inspect", "pkgs/tiny"])
     assert result.exit_code == 1
-    assert result.stderr.startswith(f"error: 'pkgs/tiny' names a Hub repo (no folder {tmp_path / 'pkgs/tiny'} "
-                                    "exists here either; a folder is named './pkgs/tiny'): cannot reach the Hub")
+    assert result.stderr.startswith(
+        f"error: 'pkgs/tiny' names a Hub repo (no folder {tmp_path / 'pkgs/tiny'} "
+        "exists here either; a folder is named './pkgs/tiny'): cannot reach the Hub"
+    )
     assert time.monotonic() - started < 10  # not a timing threshold on speed: the retries alone take 23 s
 
 
@@ -115,8 +126,14 @@ def test_revision_for_a_folder_is_a_value_error_with_a_fix(demo_eager_package):
     assert isinstance(caught.value, ValueError)
 
 
-@pytest.mark.parametrize("command", [["inspect", "org/name"], ["verify", "org/name"],
-                                     ["bench", "org/name", "--model", "xpupack.examples:tiny_transformer"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect", "org/name"],
+        ["verify", "org/name"],
+        ["bench", "org/name", "--model", "xpupack.examples:tiny_transformer"],
+    ],
+)
 def test_the_commands_refuse_a_hub_id_that_is_also_a_folder(shadowing_folder, command):
     result = CliRunner().invoke(main, command)
     assert result.exit_code == (3 if command[0] == "verify" else 1)
@@ -132,8 +149,9 @@ def test_the_commands_read_a_folder_named_as_one(shadowing_folder):
 
 
 def test_push_reads_its_package_as_a_folder_only_when_named_as_one(shadowing_folder, monkeypatch):
-    with pytest.raises(xpupack.SourceError, match="names the Hub repo org/name, not a folder; name the folder as "
-                       "'./org/name'"):
+    with pytest.raises(
+        xpupack.SourceError, match="names the Hub repo org/name, not a folder; name the folder as './org/name'"
+    ):
         xpupack.push("org/name", "org/other")
     assert local_folder("./org/name") == Path("org/name")
     with pytest.raises(xpupack.SourceError, match="push needs a Hub repo named 'org/name'"):

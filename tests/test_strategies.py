@@ -21,8 +21,14 @@ def report(model, path="layers.0.mlp"):
 
 def test_first_wins_skips_unavailable_wrong_and_broken_candidates():
     model = make_stack()
-    strategy = xpupack.FirstWins([CpuOnlyNever(), CountingBackend(offset=1.0),
-                                  CountingBackend(build_error="no kernel for this op"), xpupack.EagerBackend()])
+    strategy = xpupack.FirstWins(
+        [
+            CpuOnlyNever(),
+            CountingBackend(offset=1.0),
+            CountingBackend(build_error="no kernel for this op"),
+            xpupack.EagerBackend(),
+        ]
+    )
     xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"], strategy=strategy)
     entries = report(model)
     assert [e["status"] for e in entries] == ["rejected", "rejected", "rejected", "chosen"]
@@ -52,8 +58,12 @@ def test_on_a_gpu_the_default_weighs_graph_over_inductor_against_the_plain_graph
 def test_compiled_code_no_faster_than_a_lighter_candidate_gives_way_to_it():
     model = SlowEager(delay=0.005)
     # the compiled candidate runs the slow forward, the lighter one the shortcut
-    strategy = xpupack.FirstWins([ArtifactBackend(), ShortcutBackend(), xpupack.EagerBackend()],
-                                 min_speedup=None, iterations=3, startup_margin=1.05)
+    strategy = xpupack.FirstWins(
+        [ArtifactBackend(), ShortcutBackend(), xpupack.EagerBackend()],
+        min_speedup=None,
+        iterations=3,
+        startup_margin=1.05,
+    )
     xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
     entries = {e["backend"]: e for e in report(model, "")}
     assert entries["artifact"]["status"] == "rejected" and entries["shortcut"]["status"] == "chosen"
@@ -66,8 +76,12 @@ def test_compiled_code_no_faster_than_a_lighter_candidate_gives_way_to_it():
 
 def test_compiled_code_clearly_faster_than_the_lighter_candidate_is_kept():
     model = SlowEager(delay=0.005)
-    strategy = xpupack.FirstWins([FastArtifactBackend(), CpuOnlyNever(), DelayBackend(), xpupack.EagerBackend()],
-                                 min_speedup=None, iterations=3, startup_margin=1.05)
+    strategy = xpupack.FirstWins(
+        [FastArtifactBackend(), CpuOnlyNever(), DelayBackend(), xpupack.EagerBackend()],
+        min_speedup=None,
+        iterations=3,
+        startup_margin=1.05,
+    )
     xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy)
     entries = report(model, "")
     assert [(e["backend"], e["status"]) for e in entries] == [("fast-artifact", "chosen"), ("delay", "rejected")]
@@ -77,8 +91,9 @@ def test_compiled_code_clearly_faster_than_the_lighter_candidate_is_kept():
 
 def test_without_a_startup_margin_the_first_compiled_candidate_wins_untimed_against_later_ones():
     model = SlowEager(delay=0.005)
-    xpupack.tune(model, [torch.randn(2, 8)], strategy=xpupack.FirstWins(
-        [ArtifactBackend(), ShortcutBackend()], min_speedup=None))
+    xpupack.tune(
+        model, [torch.randn(2, 8)], strategy=xpupack.FirstWins([ArtifactBackend(), ShortcutBackend()], min_speedup=None)
+    )
     assert report(model, "") == [{"backend": "artifact", "status": "chosen", "reason": "first to pass"}]
 
 
@@ -91,14 +106,19 @@ def test_a_startup_margin_below_one_or_not_a_number_is_refused(margin):
 def test_first_wins_with_no_passing_candidate_explains_each():
     model = make_stack()
     with pytest.raises(NoCandidateError, match=r"(?s)never.*counting.*EagerBackend"):
-        xpupack.tune(model, stack_samples(), modules=["layers.0.mlp"],
-                     strategy=xpupack.FirstWins([CpuOnlyNever(), CountingBackend(offset=1.0)]))
+        xpupack.tune(
+            model,
+            stack_samples(),
+            modules=["layers.0.mlp"],
+            strategy=xpupack.FirstWins([CpuOnlyNever(), CountingBackend(offset=1.0)]),
+        )
 
 
 def test_only_raises_the_backend_error():
     with pytest.raises(NoCandidateError, match="max abs difference"):
-        xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"],
-                     strategy=xpupack.Only(CountingBackend(offset=0.5)))
+        xpupack.tune(
+            make_stack(), stack_samples(), modules=["layers.0.mlp"], strategy=xpupack.Only(CountingBackend(offset=0.5))
+        )
 
 
 class _UnregisteredCache:
@@ -122,23 +142,29 @@ def test_only_raises_when_its_backend_can_take_none_of_the_calls():
     model = _UsesCache().eval()
     cache = _UnregisteredCache()
     with pytest.raises(NoCandidateError, match=r"(?s)<model>.*counting.*none of its 3 calls.*_UnregisteredCache"):
-        xpupack.tune(model, [torch.randn(1, 8) for _ in range(3)], run=lambda m, x: m(x, cache),
-                     strategy=xpupack.Only(CountingBackend()))
+        xpupack.tune(
+            model,
+            [torch.randn(1, 8) for _ in range(3)],
+            run=lambda m, x: m(x, cache),
+            strategy=xpupack.Only(CountingBackend()),
+        )
 
 
 def test_only_eager_keeps_a_module_whose_calls_cannot_be_recorded():
     model = _UsesCache().eval()
     cache = _UnregisteredCache()
-    xpupack.tune(model, [torch.randn(1, 8)], run=lambda m, x: m(x, cache),
-                 strategy=xpupack.Only(xpupack.EagerBackend()))
+    xpupack.tune(
+        model, [torch.randn(1, 8)], run=lambda m, x: m(x, cache), strategy=xpupack.Only(xpupack.EagerBackend())
+    )
     assert xpupack.stats(model)[""]["backend"] == "eager"
 
 
 def test_fastest_times_every_passing_candidate_and_keeps_one():
     model = make_stack()
     # CountingBackend runs eager's forward: as fast as eager, so the speed gate is off here
-    strategy = xpupack.Fastest([CountingBackend(), xpupack.EagerBackend(), CountingBackend(offset=1.0)],
-                               iterations=3, min_speedup=None)
+    strategy = xpupack.Fastest(
+        [CountingBackend(), xpupack.EagerBackend(), CountingBackend(offset=1.0)], iterations=3, min_speedup=None
+    )
     xpupack.tune(model, stack_samples(), modules=["layers.0.mlp"], strategy=strategy)
     entries = report(model)
     assert [e["status"] for e in entries].count("chosen") == 1
@@ -152,11 +178,16 @@ def test_fastest_times_every_passing_candidate_and_keeps_one():
 
 # -- the speed gate: never slower than eager (README: "Tuning") --------------------------------------
 
+
 @pytest.mark.parametrize("kind", [xpupack.FirstWins, xpupack.Fastest])
 def test_a_candidate_slower_than_eager_is_rejected_with_its_speedup(kind, tmp_path):
     model = make_stack()
-    xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"],
-                 strategy=kind([DelayBackend(delay=0.005), xpupack.EagerBackend()], iterations=3))
+    xpupack.tune(
+        model,
+        stack_samples(),
+        modules=["layers.*.mlp"],
+        strategy=kind([DelayBackend(delay=0.005), xpupack.EagerBackend()], iterations=3),
+    )
     slow, eager = report(model)
     assert slow["backend"] == "delay" and slow["status"] == "rejected"
     assert 0 < slow["speedup"] < 1 and f"{slow['speedup']}x eager's speed" in slow["reason"]
@@ -177,8 +208,11 @@ def test_a_candidate_slower_than_eager_is_rejected_with_its_speedup(kind, tmp_pa
 
 def test_a_candidate_faster_than_eager_is_kept_with_its_speedup():
     model = SlowEager(delay=0.005)
-    xpupack.tune(model, [torch.randn(2, 8)], strategy=xpupack.FirstWins([ShortcutBackend(), xpupack.EagerBackend()],
-                                                                         iterations=3))
+    xpupack.tune(
+        model,
+        [torch.randn(2, 8)],
+        strategy=xpupack.FirstWins([ShortcutBackend(), xpupack.EagerBackend()], iterations=3),
+    )
     entries = report(model, "")
     assert [(e["backend"], e["status"]) for e in entries] == [("shortcut", "chosen")]
     assert entries[0]["speedup"] > 1 and entries[0]["median_us"] > 0
@@ -186,12 +220,19 @@ def test_a_candidate_faster_than_eager_is_kept_with_its_speedup():
 
 def test_a_min_speedup_above_the_candidates_rejects_it_and_none_keeps_a_slower_one():
     model = SlowEager(delay=0.005)
-    xpupack.tune(model, [torch.randn(2, 8)], strategy=xpupack.FirstWins([ShortcutBackend(), xpupack.EagerBackend()],
-                                                                         min_speedup=1e6, iterations=3))
+    xpupack.tune(
+        model,
+        [torch.randn(2, 8)],
+        strategy=xpupack.FirstWins([ShortcutBackend(), xpupack.EagerBackend()], min_speedup=1e6, iterations=3),
+    )
     assert [e["status"] for e in report(model, "")] == ["rejected", "chosen"]
     model = make_stack()
-    xpupack.tune(model, stack_samples(), modules=["layers.0.mlp"],
-                 strategy=xpupack.FirstWins([DelayBackend(), xpupack.EagerBackend()], min_speedup=None))
+    xpupack.tune(
+        model,
+        stack_samples(),
+        modules=["layers.0.mlp"],
+        strategy=xpupack.FirstWins([DelayBackend(), xpupack.EagerBackend()], min_speedup=None),
+    )
     assert report(model) == [{"backend": "delay", "status": "chosen", "reason": "first to pass"}]
 
 
@@ -202,16 +243,28 @@ def test_only_is_never_timed_against_eager():
 
 
 def test_the_speed_option_round_trips_in_repr_and_is_checked():
-    namespace = {"xpupack": xpupack, "FirstWins": xpupack.FirstWins, "Fastest": xpupack.Fastest,
-                 "EagerBackend": xpupack.EagerBackend, "GraphBackend": xpupack.GraphBackend}
-    for strategy in (xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()]),
-                     xpupack.FirstWins([xpupack.EagerBackend()], min_speedup=None),
-                     xpupack.Fastest([xpupack.EagerBackend()], min_speedup=1.25, iterations=5)):
+    namespace = {
+        "xpupack": xpupack,
+        "FirstWins": xpupack.FirstWins,
+        "Fastest": xpupack.Fastest,
+        "EagerBackend": xpupack.EagerBackend,
+        "GraphBackend": xpupack.GraphBackend,
+    }
+    for strategy in (
+        xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()]),
+        xpupack.FirstWins([xpupack.EagerBackend()], min_speedup=None),
+        xpupack.Fastest([xpupack.EagerBackend()], min_speedup=1.25, iterations=5),
+    ):
         again = eval(repr(strategy), namespace)
-        assert (type(again), again.min_speedup, again.iterations) == \
-            (type(strategy), strategy.min_speedup, strategy.iterations)
-    assert repr(xpupack.FirstWins([xpupack.EagerBackend()], min_speedup=None)) == \
-        "FirstWins([EagerBackend()], min_speedup=None)"
+        assert (type(again), again.min_speedup, again.iterations) == (
+            type(strategy),
+            strategy.min_speedup,
+            strategy.iterations,
+        )
+    assert (
+        repr(xpupack.FirstWins([xpupack.EagerBackend()], min_speedup=None))
+        == "FirstWins([EagerBackend()], min_speedup=None)"
+    )
     assert repr(xpupack.FirstWins([xpupack.EagerBackend()])) == "FirstWins([EagerBackend()])"
     for bad in (0, -1.0, True, "fast"):
         with pytest.raises(ValueError, match="min_speedup"):
@@ -222,14 +275,17 @@ def test_timing_is_weighted_by_how_often_each_signature_was_called(tmp_path):
     import json
 
     samples = [torch.randn(2, 8), torch.randn(4, 8), torch.randn(2, 8), torch.randn(2, 8)]
-    model = xpupack.tune(make_stack(), samples, modules=["layers.0.mlp"],
-                         strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
+    model = xpupack.tune(
+        make_stack(), samples, modules=["layers.0.mlp"], strategy=xpupack.FirstWins([xpupack.EagerBackend()])
+    )
     spec = xpupack.tuned.session_of(model).modules["layers.0.mlp"].spec
     assert spec.signature_calls == [3, 1]
     root = xpupack.save(model, tmp_path / "pkg")
     assert json.loads((root / "modules/layers.0.mlp/spec.json").read_text())["signature_calls"] == [3, 1]
-    assert xpupack.tuned.session_of(xpupack.load(make_stack(), root)).modules["layers.0.mlp"].spec.signature_calls \
-        == [3, 1]
+    assert xpupack.tuned.session_of(xpupack.load(make_stack(), root)).modules["layers.0.mlp"].spec.signature_calls == [
+        3,
+        1,
+    ]
 
 
 def test_a_call_with_state_is_timed_from_the_recorded_state_every_time(emulated_graphs):
@@ -244,8 +300,12 @@ def test_a_call_with_state_is_timed_from_the_recorded_state_every_time(emulated_
     with torch.no_grad():
         for x in steps:
             reference(x, expected_cache)
-    xpupack.tune(model, steps, run=lambda m, x: m(x, cache),
-                 strategy=xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], iterations=5))
+    xpupack.tune(
+        model,
+        steps,
+        run=lambda m, x: m(x, cache),
+        strategy=xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()], iterations=5),
+    )
     graph = report(model, "")[0]
     assert graph["backend"] == "graph" and graph["speedup"] > 0
     assert torch.equal(cache.total, expected_cache.total) and int(cache.steps) == 3
@@ -255,7 +315,7 @@ def test_candidates_are_checked_against_eager_per_dtype():
     from xpupack._compare import mismatch
 
     x = torch.ones(4, dtype=torch.float16)
-    assert mismatch(x + 5e-3, x) is None            # within float16 tolerance
+    assert mismatch(x + 5e-3, x) is None  # within float16 tolerance
     assert mismatch(x + 0.1, x) is not None
     assert mismatch(torch.ones(4) + 1e-3, torch.ones(4)) is not None  # float32 is tighter
     assert mismatch(torch.tensor([1, 2]), torch.tensor([1, 3])) == "output 0: values differ from eager"
@@ -264,6 +324,7 @@ def test_candidates_are_checked_against_eager_per_dtype():
 
 
 # -- timing on a shared machine: rounds, an interval, and "could not tell" -----------------------------
+
 
 def metered_tune(monkeypatch, clock, eager_us, fast_us, *, strategy=xpupack.FirstWins, **options):
     """Tunes a `Metered` model with `MeteredBackend` against eager, timed on ``clock``; returns its report."""
@@ -275,8 +336,7 @@ def metered_tune(monkeypatch, clock, eager_us, fast_us, *, strategy=xpupack.Firs
 
     monkeypatch.setattr(_timing, "compare", functools.partial(_timing.compare, clock=clock))
     model = Metered(clock, eager_us, fast_us)
-    xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy([MeteredBackend(), xpupack.EagerBackend()],
-                                                               **options))
+    xpupack.tune(model, [torch.randn(2, 8)], strategy=strategy([MeteredBackend(), xpupack.EagerBackend()], **options))
     return model, report(model, "")
 
 
@@ -289,9 +349,16 @@ def test_compare_takes_turns_each_round_and_switches_sides_through_the_hooks():
 
     clock = FakeClock()
     events = []
-    result = _timing.compare([lambda: events.append("C")], [lambda: events.append("E")], torch.device("cpu"),
-                             rounds=3, warmup=1, to_eager=lambda: events.append("undo"),
-                             to_candidate=lambda: events.append("redo"), clock=clock)
+    result = _timing.compare(
+        [lambda: events.append("C")],
+        [lambda: events.append("E")],
+        torch.device("cpu"),
+        rounds=3,
+        warmup=1,
+        to_eager=lambda: events.append("undo"),
+        to_candidate=lambda: events.append("redo"),
+        clock=clock,
+    )
     assert "".join(e[0] for e in events) == "uErC" + "uErC" + "CuE" + "ErC"
     assert result.rounds == 3 and result.candidate.iterations == result.eager.iterations == 3
 
@@ -301,9 +368,13 @@ def test_a_candidate_signature_that_falls_back_costs_eager_s_time_of_the_same_ro
     from xpupack import _timing
 
     clock = FakeClock()
-    result = _timing.compare([lambda: clock.spend("candidate", 10), None],
-                             [lambda: clock.spend("eager", 40), lambda: clock.spend("eager", 100)],
-                             torch.device("cpu"), weights=[3, 1], clock=clock)
+    result = _timing.compare(
+        [lambda: clock.spend("candidate", 10), None],
+        [lambda: clock.spend("eager", 40), lambda: clock.spend("eager", 100)],
+        torch.device("cpu"),
+        weights=[3, 1],
+        clock=clock,
+    )
     # per recorded call: eager (3*40 + 100) / 4 = 55, the candidate (3*10 + 100) / 4 = 32.5
     assert result.speedup == result.low == pytest.approx(55 / 32.5) and result.high == pytest.approx(55 / 32.5)
     assert result.eager.median_us == pytest.approx(55) and not result.noisy
@@ -321,8 +392,10 @@ def test_timings_that_cannot_tell_get_more_rounds_but_a_bounded_number():
     # slow calls stop at the time budget (a few rounds first, no more after twice the budget)
     clock = FakeClock(scattered(seed=0, spread=3.0))
     slow = ([lambda: clock.spend("candidate", 1e6)], [lambda: clock.spend("eager", 1e6)])
-    assert _timing.compare(*slow, torch.device("cpu"), threshold=1.0, budget_s=4.0, clock=clock).rounds == \
-        _timing.MIN_ROUNDS
+    assert (
+        _timing.compare(*slow, torch.device("cpu"), threshold=1.0, budget_s=4.0, clock=clock).rounds
+        == _timing.MIN_ROUNDS
+    )
 
 
 def test_the_median_s_interval_comes_from_order_statistics():
@@ -368,8 +441,9 @@ def test_timings_that_cannot_tell_keep_eager_and_say_they_were_noisy(monkeypatch
     from support.clock import FakeClock, scattered
     from xpupack.cli import main
 
-    model, (metered, eager) = metered_tune(monkeypatch, FakeClock(scattered(seed=1, spread=3.0)),
-                                           eager_us=100, fast_us=95, iterations=10)
+    model, (metered, eager) = metered_tune(
+        monkeypatch, FakeClock(scattered(seed=1, spread=3.0)), eager_us=100, fast_us=95, iterations=10
+    )
     assert metered["status"] == "rejected" and metered["noisy"] is True and metered["rounds"] == 40
     low, high = metered["speedup_interval"]
     assert low <= 1.0 < high
@@ -385,13 +459,16 @@ def test_timings_that_cannot_tell_keep_eager_and_say_they_were_noisy(monkeypatch
 def test_a_candidate_clearly_faster_on_noisy_timings_is_kept_and_marked_noisy(monkeypatch, kind, reason):
     from support.clock import FakeClock, scattered
 
-    model, entries = metered_tune(monkeypatch, FakeClock(scattered(seed=2, spread=1.5)), eager_us=300,
-                                  fast_us=100, strategy=kind)
+    model, entries = metered_tune(
+        monkeypatch, FakeClock(scattered(seed=2, spread=1.5)), eager_us=300, fast_us=100, strategy=kind
+    )
     metered = entries[0]
     low, high = metered["speedup_interval"]
     assert metered["status"] == "chosen" and metered["noisy"] is True and 1.0 < low < high
-    assert metered["reason"] == f"{reason}; noisy timings: 95% interval {low}-{high}x eager's speed over " \
-                                f"{metered['rounds']} rounds"
+    assert (
+        metered["reason"] == f"{reason}; noisy timings: 95% interval {low}-{high}x eager's speed over "
+        f"{metered['rounds']} rounds"
+    )
 
 
 def test_fastest_keeps_the_highest_speedup_over_eager_timed_alongside_it(monkeypatch):
@@ -399,7 +476,8 @@ def test_fastest_keeps_the_highest_speedup_over_eager_timed_alongside_it(monkeyp
     to eager, each timed alongside eager, can. Eager counts 1.0."""
     from support.clock import FakeClock
 
-    _, entries = metered_tune(monkeypatch, FakeClock(), eager_us=100, fast_us=150, strategy=xpupack.Fastest,
-                              min_speedup=None)
+    _, entries = metered_tune(
+        monkeypatch, FakeClock(), eager_us=100, fast_us=150, strategy=xpupack.Fastest, min_speedup=None
+    )
     assert [(e["backend"], e["status"]) for e in entries] == [("metered", "accepted"), ("eager", "chosen")]
     assert entries[0]["speedup"] == pytest.approx(100 / 150, abs=1e-3) and "speedup" not in entries[1]

@@ -59,14 +59,20 @@ def test_dtensor_arguments_are_never_recorded(emulated_graphs, fallback_calls):
     mesh = init_device_mesh("cpu", (1,))
     block = lambda model, x: model.layers[0](x)  # noqa: E731 (the block takes the DTensor; Blocks would add it to its output)
     samples = [distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])]
-    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"], run=block,
-                         strategy=xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()]))
+    model = xpupack.tune(
+        shard(make_blocks(seed=0, depth=1), mesh),
+        samples,
+        modules=["layers.*"],
+        run=block,
+        strategy=xpupack.FirstWins([xpupack.GraphBackend(), xpupack.EagerBackend()]),
+    )
     stats = xpupack.stats(model)["layers.0"]
     assert stats["backend"] == "eager" and stats["signatures"] == 0
     x = distribute_tensor(torch.randn(2, 8), mesh, [Replicate()])
     with torch.no_grad():
-        torch.testing.assert_close(torch.as_tensor(block(model, x)),
-                                   block(make_blocks(seed=0, depth=1), x.full_tensor()))
+        torch.testing.assert_close(
+            torch.as_tensor(block(model, x)), block(make_blocks(seed=0, depth=1), x.full_tensor())
+        )
     assert fallback_calls == []  # an eager module runs every call itself: none is a fallback
 
 
@@ -78,8 +84,12 @@ def test_moving_a_sharded_module_records_it_again(emulated_graphs, fallback_call
 
     mesh = init_device_mesh("cpu", (1,))
     samples = [torch.randn(2, 8)]
-    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"],
-                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    model = xpupack.tune(
+        shard(make_blocks(seed=0, depth=1), mesh),
+        samples,
+        modules=["layers.*"],
+        strategy=xpupack.Only(xpupack.GraphBackend()),
+    )
     with torch.no_grad():
         model(samples[0])
     assert xpupack.stats(model)["layers.0"]["rerecordings"] == 0
@@ -98,7 +108,8 @@ def graphs_without_collectives(emulated_graphs, monkeypatch):
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_a_sharded_module_is_refused_before_any_capture_where_collectives_cannot_be_recorded(
-        graphs_without_collectives, tmp_path):
+    graphs_without_collectives, tmp_path
+):
     """A failed capture of an all-reduce left two H200 ranks hung: the graph backend does not try it, every
     rank refuses alike, and the next backend serves (README: "Bigger than one GPU")."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -134,8 +145,7 @@ def test_record_collectives_opts_in_and_is_stored_in_the_package(graphs_without_
 
 
 @pytest.mark.usefixtures("one_rank_group")
-def test_the_loader_decides_whether_a_package_records_collectives(graphs_without_collectives, tmp_path,
-                                                                  monkeypatch):
+def test_the_loader_decides_whether_a_package_records_collectives(graphs_without_collectives, tmp_path, monkeypatch):
     """A package's record_collectives is honoured from a trusted source only (an unpinned Hub revision is
     not one), and the loader can refuse it or take it (README: "Safety and reliability")."""
     import importlib
@@ -152,12 +162,17 @@ def test_the_loader_decides_whether_a_package_records_collectives(graphs_without
     backend = {}
     for name, load in {"local": {}, "local, refused": {"record_collectives": False}}.items():
         backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), root, **load))[
-            "layers.0"]["backend"]
-    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "resolve_source",
-                        lambda *a, **k: Source(root, trusted=False, description="org/name@main"))
+            "layers.0"
+        ]["backend"]
+    monkeypatch.setattr(
+        importlib.import_module("xpupack.loading"),
+        "resolve_source",
+        lambda *a, **k: Source(root, trusted=False, description="org/name@main"),
+    )
     for name, load in {"hub": {}, "hub, taken": {"record_collectives": True}}.items():
         backend[name] = xpupack.stats(xpupack.load(shard(make_blocks(seed=9, depth=1), mesh), "org/name", **load))[
-            "layers.0"]["backend"]
+            "layers.0"
+        ]["backend"]
     assert backend == {"local": "graph", "local, refused": "eager", "hub": "eager", "hub, taken": "graph"}
 
 
@@ -168,15 +183,20 @@ def test_record_collectives_takes_only_a_bool():
 
 @pytest.mark.usefixtures("one_rank_group")
 def test_a_graph_package_of_a_sharded_module_loads_on_a_device_that_cannot_record_its_collectives(
-        emulated_graphs, tmp_path, monkeypatch):
+    emulated_graphs, tmp_path, monkeypatch
+):
     """Built where collectives record, loaded where they do not: the module is refused before any capture
     and runs the original forward, with the same answers."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1,))
     samples = [torch.randn(2, 8)]
-    model = xpupack.tune(shard(make_blocks(seed=0, depth=1), mesh), samples, modules=["layers.*"],
-                         strategy=xpupack.Only(xpupack.GraphBackend()))
+    model = xpupack.tune(
+        shard(make_blocks(seed=0, depth=1), mesh),
+        samples,
+        modules=["layers.*"],
+        strategy=xpupack.Only(xpupack.GraphBackend()),
+    )
     assert xpupack.stats(model)["layers.0"]["backend"] == "graph"
     root = xpupack.save(model, tmp_path / "pkg")
     monkeypatch.setattr(emulated_graphs, "records_collectives", False, raising=False)

@@ -28,7 +28,8 @@ def test_fallback_without_the_fixture_fails_and_with_it_is_recorded(pytester, fa
     import os
 
     pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__)))
-    pytester.makepyfile(test_user="""
+    pytester.makepyfile(
+        test_user="""
         import torch
 
         def test_recorded_batch(model):
@@ -44,11 +45,13 @@ def test_fallback_without_the_fixture_fails_and_with_it_is_recorded(pytester, fa
                 model(torch.randn(16, 8))
             assert [e.path for e in fallback_calls] == ["layers.0.mlp", "layers.1.mlp"]
             assert "f32" in fallback_calls[0].reason or "float32" in fallback_calls[0].reason
-    """)
+    """
+    )
     result = pytester.runpytest()
     result.assert_outcomes(passed=3, errors=1)
-    result.stdout.fnmatch_lines(["*2 call(s) of tuned modules ran the original module*",
-                                 "*layers.0.mlp: no recorded signature fits*"])
+    result.stdout.fnmatch_lines(
+        ["*2 call(s) of tuned modules ran the original module*", "*layers.0.mlp: no recorded signature fits*"]
+    )
 
 
 USER_TESTS = """
@@ -65,16 +68,16 @@ USER_TESTS = """
 """
 
 
-def test_the_marker_allows_fallbacks_under_strict_markers_and_the_failure_names_the_switches(
-        pytester, fallback_calls):
+def test_the_marker_allows_fallbacks_under_strict_markers_and_the_failure_names_the_switches(pytester, fallback_calls):
     import os
 
     pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__)))
     pytester.makepyfile(test_user=USER_TESTS)
     result = pytester.runpytest("--strict-markers")
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*take the `fallback_calls` fixture*@pytest.mark.xpupack_allow_fallbacks*"
-                                 "xpupack_fail_on_fallback = false*"])
+    result.stdout.fnmatch_lines(
+        ["*take the `fallback_calls` fixture*@pytest.mark.xpupack_allow_fallbacks*xpupack_fail_on_fallback = false*"]
+    )
     assert "xpupack_allow_fallbacks" in pytester.runpytest("--markers").stdout.str()
 
 
@@ -152,7 +155,8 @@ DOWNGRADED_TESTS = """
 
 
 def test_a_module_running_another_backend_than_its_package_fails_the_test_that_calls_it(
-        pytester, fallback_calls, backend_downgrades):
+    pytester, fallback_calls, backend_downgrades
+):
     """Regression: a graph package loaded on a CPU, or a package whose backend failed to restore, ran the
     original module for every call and no fallback was ever reported: deploy tests passed. (This test takes
     both fixtures itself because pytester runs the inner session in-process.)"""
@@ -162,19 +166,27 @@ def test_a_module_running_another_backend_than_its_package_fails_the_test_that_c
     pytester.makepyfile(test_user=DOWNGRADED_TESTS)
     result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5, errors=2)
-    result.stdout.fnmatch_lines([
-        "*ERROR at teardown of test_graph_package_on_a_cpu*",
-        "*2 tuned module(s) ran another backend than their package's*",
-        "*layers.0.mlp: package graph, runs eager (graph -> original module (no device graphs on cpu))*",
-        "*ERROR at teardown of test_restore_failed_at_load*",
-        "*layers.0.mlp: package counting, runs eager*restore failed: the compile failed*"])
-    result.stdout.fnmatch_lines(["*take the `backend_downgrades` fixture*@pytest.mark.xpupack_allow_downgrades*"
-                                 "xpupack_fail_on_downgrade = false*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_graph_package_on_a_cpu*",
+            "*2 tuned module(s) ran another backend than their package's*",
+            "*layers.0.mlp: package graph, runs eager (graph -> original module (no device graphs on cpu))*",
+            "*ERROR at teardown of test_restore_failed_at_load*",
+            "*layers.0.mlp: package counting, runs eager*restore failed: the compile failed*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*take the `backend_downgrades` fixture*@pytest.mark.xpupack_allow_downgrades*"
+            "xpupack_fail_on_downgrade = false*"
+        ]
+    )
     assert "xpupack_allow_downgrades" in pytester.runpytest("--markers").stdout.str()
 
 
-def test_the_ini_option_lets_a_project_run_other_backends_than_its_packages(pytester, fallback_calls,
-                                                                              backend_downgrades):
+def test_the_ini_option_lets_a_project_run_other_backends_than_its_packages(
+    pytester, fallback_calls, backend_downgrades
+):
     import os
 
     pytester.makeconftest(LOADED_CONFTEST.format(tests=os.path.dirname(__file__)))
@@ -188,13 +200,18 @@ def test_a_deploy_test_of_eager_modules_passes_on_any_batch(pytester, fallback_c
     """An eager module runs every call as it would untuned: no call of it is a fallback to fail a test on."""
     import os
 
-    pytester.makeconftest(CONFTEST.format(tests=os.path.dirname(__file__))
-                          .replace("Only(CountingBackend())", "Only(xpupack.EagerBackend())"))
-    pytester.makepyfile(test_user="""
+    pytester.makeconftest(
+        CONFTEST.format(tests=os.path.dirname(__file__)).replace(
+            "Only(CountingBackend())", "Only(xpupack.EagerBackend())"
+        )
+    )
+    pytester.makepyfile(
+        test_user="""
         import torch
 
         def test_unrecorded_batch_in_training_mode(model):
             model.train()
             model(torch.randn(16, 8))
-    """)
+    """
+    )
     pytester.runpytest().assert_outcomes(passed=1)

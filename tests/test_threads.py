@@ -36,8 +36,9 @@ def _tuned():
 
 
 def _errors_of(model):
-    return {path: entry.get("backend_errors") for path, entry in xpupack.stats(model).items()
-            if entry.get("backend_errors")}
+    return {
+        path: entry.get("backend_errors") for path, entry in xpupack.stats(model).items() if entry.get("backend_errors")
+    }
 
 
 def test_deactivating_while_a_call_replays_never_moves_its_signature_to_eager(emulated_graphs):
@@ -104,8 +105,13 @@ def test_two_threads_loading_into_one_model_leave_it_running_the_load_that_came_
     activating left the model's modules running the replaced session's forwards: `stats` missed their
     calls and `deactivate` could not take them off. Loads into one model now run one after the other."""
     eager = xpupack.FirstWins([xpupack.EagerBackend()])
-    roots = [xpupack.save(xpupack.tune(make_stack(seed=seed), stack_samples(), modules=["layers.*.mlp"],
-                                       strategy=eager), tmp_path / f"pkg{seed}") for seed in (0, 1)]
+    roots = [
+        xpupack.save(
+            xpupack.tune(make_stack(seed=seed), stack_samples(), modules=["layers.*.mlp"], strategy=eager),
+            tmp_path / f"pkg{seed}",
+        )
+        for seed in (0, 1)
+    ]
     model = make_stack(seed=5)
     load_module = importlib.import_module("xpupack.loading")
     attach, attached, second_done = load_module.attach, threading.Event(), threading.Event()

@@ -21,8 +21,12 @@ pytest.importorskip("torchao")
 WIDTH = 128
 MODULES = ["layers.*.mlp"]
 CPU_CONFIGS = ["int8-weight-only", "int8-dynamic", "float8-weight-only"]
-TENSOR_TYPE = {"int8-weight-only": "Int8Tensor", "int8-dynamic": "Int8Tensor",
-               "float8-weight-only": "Float8Tensor", "int4-weight-only": "Int4TilePackedTo4dTensor"}
+TENSOR_TYPE = {
+    "int8-weight-only": "Int8Tensor",
+    "int8-dynamic": "Int8Tensor",
+    "float8-weight-only": "Float8Tensor",
+    "int4-weight-only": "Int4TilePackedTo4dTensor",
+}
 
 
 def samples(device="cpu", dtype=torch.float32):
@@ -49,8 +53,10 @@ def package_weight_bytes(root):
 
 
 def snapshot(model):
-    return ({name: (id(p), type(p).__name__, p.detach().clone()) for name, p in model.named_parameters()},
-            [("forward" in m.__dict__) for m in model.modules()])
+    return (
+        {name: (id(p), type(p).__name__, p.detach().clone()) for name, p in model.named_parameters()},
+        [("forward" in m.__dict__) for m in model.modules()],
+    )
 
 
 def assert_unchanged(model, before):
@@ -66,7 +72,8 @@ def assert_unchanged(model, before):
 
 CASES = [pytest.param(config, "cpu", torch.float32, id=f"{config}-cpu") for config in CPU_CONFIGS] + [
     pytest.param(config, "cuda", torch.bfloat16, id=f"{config}-cuda", marks=pytest.mark.requires_cuda)
-    for config in (*CPU_CONFIGS, "int4-weight-only")]
+    for config in (*CPU_CONFIGS, "int4-weight-only")
+]
 
 FRESH_LOAD = """
 import pickle, sys, torch
@@ -115,15 +122,21 @@ def fresh_load(run_python, model, root, tmp_path, *, device="cpu", dtype=torch.f
     with torch.inference_mode():
         y = model(x)
     save_file({"x": x.cpu(), "y": y.cpu()}, str(tmp_path / "expected.safetensors"))
-    code = FRESH_LOAD.format(width=WIDTH, dtype=dtype, root=str(root), device=device, backend=backend,
-                             expected=str(tmp_path / "expected.safetensors"), exact=device == "cpu")
+    code = FRESH_LOAD.format(
+        width=WIDTH,
+        dtype=dtype,
+        root=str(root),
+        device=device,
+        backend=backend,
+        expected=str(tmp_path / "expected.safetensors"),
+        exact=device == "cpu",
+    )
     return run_python(code).stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("config", "device", "dtype"), CASES)
-def test_package_loads_in_a_fresh_process_without_quantize_or_pickle(config, device, dtype, tmp_path,
-                                                                       run_python):
+def test_package_loads_in_a_fresh_process_without_quantize_or_pickle(config, device, dtype, tmp_path, run_python):
     model = tune_quantized(config, device=device, dtype=dtype)
     assert set(weight_types(model).values()) == {TENSOR_TYPE[config]}
     root = xpupack.save(model, tmp_path / "pkg")
@@ -159,6 +172,7 @@ def test_fallback_runs_the_quantized_module(fallback_calls):
 
 # -- configs: names, instances, the allow-list ---------------------------------------
 
+
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(UnknownConfigError) as error:
         xpupack.TorchAOBackend("int3-magic")
@@ -171,10 +185,12 @@ def test_unknown_name_lists_the_known_ones():
 def test_options_round_trip_through_json():
     from torchao.quantization import IntxWeightOnlyConfig, PerGroup
 
-    for backend in (xpupack.TorchAOBackend("int8-dynamic"),
-                    xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=33),
-                    xpupack.TorchAOBackend(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))),
-                    xpupack.GraphBackend(base=xpupack.TorchAOBackend("float8-weight-only"))):
+    for backend in (
+        xpupack.TorchAOBackend("int8-dynamic"),
+        xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=33),
+        xpupack.TorchAOBackend(IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))),
+        xpupack.GraphBackend(base=xpupack.TorchAOBackend("float8-weight-only")),
+    ):
         options = json.loads(json.dumps(backend.options()))
         again = backend_from_json(backend.name, options)
         assert again.options() == backend.options()
@@ -207,11 +223,14 @@ def instance_package(tmp_path):
     return xpupack.save(tune_quantized(strategy=xpupack.Only(backend)), tmp_path / "pkg")
 
 
-@pytest.mark.parametrize(("change", "named"), [
-    (lambda config: config.update(_type="EvilConfig"), "EvilConfig"),
-    (lambda config: config["_data"]["granularity"].update(_type="os.system"), "os.system"),
-    (lambda config: config["_data"].update(group_size={"_type": "torch.dtype", "_data": "load"}), "'load'"),
-])
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda config: config.update(_type="EvilConfig"), "EvilConfig"),
+        (lambda config: config["_data"]["granularity"].update(_type="os.system"), "os.system"),
+        (lambda config: config["_data"].update(group_size={"_type": "torch.dtype", "_data": "load"}), "'load'"),
+    ],
+)
 def test_manifest_naming_an_unknown_config_class_is_refused(tmp_path, change, named):
     root = instance_package(tmp_path)
     manifest = json.loads((root / "xpupack.json").read_text())
@@ -283,11 +302,11 @@ def test_a_weights_header_nested_too_deep_is_a_format_error(tmp_path, depth):
 
 # -- accuracy --------------------------------------------------------------------------
 
+
 def test_an_impossible_tolerance_rejects_the_candidate_with_the_reason():
     model = make_stack(0, WIDTH)
     before = snapshot(model)
-    strategy = xpupack.FirstWins([xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=200),
-                                  xpupack.EagerBackend()])
+    strategy = xpupack.FirstWins([xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=200), xpupack.EagerBackend()])
     xpupack.tune(model, samples(), modules=MODULES, strategy=strategy)
     rejected = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0]
     assert rejected.status == "rejected"
@@ -315,6 +334,7 @@ def test_sqnr_measures_relative_noise():
 
 # -- composition -------------------------------------------------------------------
 
+
 def test_graph_records_the_quantized_module(emulated_graphs, tmp_path, monkeypatch):
     backend = xpupack.GraphBackend(base=xpupack.TorchAOBackend("int8-weight-only"))
     model = tune_quantized(strategy=xpupack.Only(backend))
@@ -341,9 +361,15 @@ def test_graph_records_the_quantized_module(emulated_graphs, tmp_path, monkeypat
 
 
 def test_fastest_compares_quantized_candidates_from_the_original_weights(emulated_graphs):
-    strategy = xpupack.Fastest([xpupack.TorchAOBackend("int8-weight-only"),
-                                xpupack.GraphBackend(base=xpupack.TorchAOBackend("int8-weight-only")),
-                                xpupack.EagerBackend()], iterations=3, min_speedup=None)
+    strategy = xpupack.Fastest(
+        [
+            xpupack.TorchAOBackend("int8-weight-only"),
+            xpupack.GraphBackend(base=xpupack.TorchAOBackend("int8-weight-only")),
+            xpupack.EagerBackend(),
+        ],
+        iterations=3,
+        min_speedup=None,
+    )
     model = tune_quantized(strategy=strategy)
     for path, tuned in xpupack.tuned.session_of(model).modules.items():
         statuses = [entry.status for entry in tuned.report]
@@ -377,11 +403,25 @@ def test_cli_builds_quantized_packages(tmp_path):
     assert plain.label == "torchao:float8-weight-only"
 
     out = tmp_path / "pkg"
-    result = CliRunner().invoke(main, ["build", "xpupack.examples:tiny_transformer", "--samples",
-                                       "xpupack.examples:tiny_transformer_samples", "--modules", "layers.*.mlp",
-                                       "--device", "cpu", "--backends", "graph+torchao,torchao:int8-weight-only,eager",
-                                       "--min-speedup", "none",  # torchao's CPU kernels are slower than eager
-                                       "--out", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "xpupack.examples:tiny_transformer",
+            "--samples",
+            "xpupack.examples:tiny_transformer_samples",
+            "--modules",
+            "layers.*.mlp",
+            "--device",
+            "cpu",
+            "--backends",
+            "graph+torchao,torchao:int8-weight-only,eager",
+            "--min-speedup",
+            "none",  # torchao's CPU kernels are slower than eager
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "xpupack.json").read_text())
     assert {m["backend"]["name"] for m in manifest["modules"]} == {"torchao"}
@@ -389,6 +429,7 @@ def test_cli_builds_quantized_packages(tmp_path):
 
 
 # -- loading leaves the model as it was on failure ---------------------------------------
+
 
 def test_failed_load_puts_the_original_parameters_back(tmp_path, monkeypatch):
     root = xpupack.save(tune_quantized(), tmp_path / "pkg")
@@ -418,8 +459,9 @@ def test_loading_and_tuning_again_start_from_the_original_parameters(tmp_path):
 
 def test_without_torchao_a_quantized_package_says_how_to_install(tmp_path, monkeypatch):
     root = xpupack.save(tune_quantized(), tmp_path / "pkg")
-    monkeypatch.setattr("xpupack.backends.torchao.torchao_missing", lambda: "torchao is not installed; "
-                        "pip install 'xpupack[torchao]'")
+    monkeypatch.setattr(
+        "xpupack.backends.torchao.torchao_missing", lambda: "torchao is not installed; pip install 'xpupack[torchao]'"
+    )
     assert not xpupack.TorchAOBackend().available(torch.device("cpu"))
     model = make_stack(4, WIDTH)
     before = snapshot(model)
@@ -444,7 +486,10 @@ def test_quantized_cuda_graph_in_a_fresh_process(tmp_path, run_python):
 
 
 CONFIG_EXAMPLES = [  # enums, a NamedTuple, lists, dtypes and granularities inside configs
-    "int8-weight-only", "int8-dynamic", "int4-weight-only", "float8-weight-only",
+    "int8-weight-only",
+    "int8-dynamic",
+    "int4-weight-only",
+    "float8-weight-only",
     lambda q: q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=q.PerGroup(32)),
     lambda q: q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow()),
     lambda q: q.Int8DynamicActivationInt8WeightConfig(granularity=q.PerTensor(), set_inductor_config=False),
@@ -490,19 +535,25 @@ def test_every_allow_listed_config_class_and_part_exists_in_this_torchao():
         assert _torchao_class(name, "test").__name__ == name
 
 
-@pytest.mark.parametrize(("change", "named"), [
-    (lambda config: config["_data"].update(__class__="os"), "__class__"),
-    (lambda config: config["_data"]["granularity"]["_data"].update(callback="print"), "callback"),
-    (lambda config: config["_data"].update(granularity={"_type": "MappingType", "_data": "__class__"}), "__class__"),
-    (lambda config: config["_data"].update(granularity={"_type": "PerRow", "_data": "dim"}), "PerRow"),
-    (lambda config: config["_data"].update(group_size={"inner": {"_type": "EvilConfig"}}), "EvilConfig"),
-    # a ``_type`` that is no name, and a ``_version`` that is no number, are refused as such
-    (lambda config: config["_data"].update(group_size={"_type": None, "_data": 1}), "None"),
-    (lambda config: config["_data"].update(group_size={"_type": ["PerRow"], "_data": {}}), "PerRow"),
-    (lambda config: config.update(_type=["Int8WeightOnlyConfig"]), "Int8WeightOnlyConfig"),
-    (lambda config: config.update(_version={"_type": "os.system"}), "version"),
-    (lambda config: config.update(_version="2"), "version"),
-])
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda config: config["_data"].update(__class__="os"), "__class__"),
+        (lambda config: config["_data"]["granularity"]["_data"].update(callback="print"), "callback"),
+        (
+            lambda config: config["_data"].update(granularity={"_type": "MappingType", "_data": "__class__"}),
+            "__class__",
+        ),
+        (lambda config: config["_data"].update(granularity={"_type": "PerRow", "_data": "dim"}), "PerRow"),
+        (lambda config: config["_data"].update(group_size={"inner": {"_type": "EvilConfig"}}), "EvilConfig"),
+        # a ``_type`` that is no name, and a ``_version`` that is no number, are refused as such
+        (lambda config: config["_data"].update(group_size={"_type": None, "_data": 1}), "None"),
+        (lambda config: config["_data"].update(group_size={"_type": ["PerRow"], "_data": {}}), "PerRow"),
+        (lambda config: config.update(_type=["Int8WeightOnlyConfig"]), "Int8WeightOnlyConfig"),
+        (lambda config: config.update(_version={"_type": "os.system"}), "version"),
+        (lambda config: config.update(_version="2"), "version"),
+    ],
+)
 def test_a_stored_config_may_set_only_its_class_fields_and_enum_members(change, named):
     from torchao.core.config import config_to_dict
 

@@ -42,16 +42,24 @@ def test_fitting_calls_run_the_backend(tuned, fallback_calls):
     assert runs(model, "layers.0.mlp") == 1 and not fallback_calls
 
 
-@pytest.mark.parametrize("case", ["larger batch", "other constant", "int constant", "tensor for None",
-                                  "dtype", "training mode", "grad needed"])
+@pytest.mark.parametrize(
+    "case",
+    ["larger batch", "other constant", "int constant", "tensor for None", "dtype", "training mode", "grad needed"],
+)
 def test_calls_that_do_not_fit_fall_back_to_exact_eager(tuned, fallback_calls, case):
     model, reference = tuned
     mlp, ref_mlp = model.layers[0]["mlp"], reference.layers[0]["mlp"]
     x = torch.randn(2, 8)
     fits = {"scale": 1.0}
-    kwargs = {"larger batch": (fits, torch.randn(16, 8)), "other constant": ({"scale": 3.0}, x),
-              "int constant": ({"scale": 1}, x), "tensor for None": ({**fits, "bias": torch.ones(8)}, x),
-              "dtype": (fits, x.double()), "training mode": (fits, x), "grad needed": (fits, x)}[case]
+    kwargs = {
+        "larger batch": (fits, torch.randn(16, 8)),
+        "other constant": ({"scale": 3.0}, x),
+        "int constant": ({"scale": 1}, x),
+        "tensor for None": ({**fits, "bias": torch.ones(8)}, x),
+        "dtype": (fits, x.double()),
+        "training mode": (fits, x),
+        "grad needed": (fits, x),
+    }[case]
     extra, inputs = kwargs
     if case == "dtype":
         ref_mlp = ref_mlp.double()

@@ -115,9 +115,11 @@ def test_a_scratch_copy_has_zeroed_state_of_the_same_layout():
 def test_a_step_that_takes_no_symbolic_sizes_is_compiled_per_shape(monkeypatch, tmp_path, fallback_calls):
     """Where the compile with sizes as symbols fails, Inductor compiles calls with state per shape, at
     tune time and, told by the package, at load time."""
+
     def fake_compile(function, *, dynamic, **settings):  # no Inductor here: the static "compile" is eager
         def symbolic(*args, **kwargs):
             raise RuntimeError("no symbolic sizes here")
+
         return symbolic if dynamic else function
 
     monkeypatch.setattr(torch, "compile", fake_compile)
@@ -125,8 +127,12 @@ def test_a_step_that_takes_no_symbolic_sizes_is_compiled_per_shape(monkeypatch, 
     monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
     xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
     model, cache = Accumulator().eval(), RunningCache()
-    xpupack.tune(model, [torch.randn(1, 8) for _ in range(2)], run=lambda m, x: m(x, cache),
-                 strategy=xpupack.Only(xpupack.InductorBackend()))
+    xpupack.tune(
+        model,
+        [torch.randn(1, 8) for _ in range(2)],
+        run=lambda m, x: m(x, cache),
+        strategy=xpupack.Only(xpupack.InductorBackend()),
+    )
     root = xpupack.save(model, tmp_path / "pkg")
     [entry] = read_manifest(root)["modules"]
     assert entry["backend"]["config"]["state_sizes"] == "per shape"
@@ -185,20 +191,32 @@ print("ok", compiles, stats)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [
-    xpupack.Only(xpupack.InductorBackend()),
-    xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
-], ids=["inductor", "graph+inductor"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        xpupack.Only(xpupack.InductorBackend()),
+        xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend())),
+    ],
+    ids=["inductor", "graph+inductor"],
+)
 def test_a_fresh_process_serves_unseen_generate_lengths_without_compiling_on_the_callers_path(
-        emulated_graphs, strategy, tmp_path, run_python, fallback_calls):
+    emulated_graphs, strategy, tmp_path, run_python, fallback_calls
+):
     model, reference = tune_llm(strategy)
     root = xpupack.save(model, tmp_path / "pkg")
-    expected = {UNSEEN: generate(reference, prompt(seed=11), UNSEEN),
-                OTHER_UNSEEN: generate(reference, prompt(seed=12), OTHER_UNSEEN)}
+    expected = {
+        UNSEEN: generate(reference, prompt(seed=11), UNSEEN),
+        OTHER_UNSEEN: generate(reference, prompt(seed=12), OTHER_UNSEEN),
+    }
     torch.save(expected, tmp_path / "expected.pt")
-    result = run_python(FRESH_PROCESS.format(graph=isinstance(strategy.backends[0], xpupack.GraphBackend),
-                                             expected=str(tmp_path / "expected.pt"), root=str(root),
-                                             unseen=UNSEEN, other=OTHER_UNSEEN),
-                        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                             "TRITON_CACHE_DIR": str(tmp_path / "triton")})
+    result = run_python(
+        FRESH_PROCESS.format(
+            graph=isinstance(strategy.backends[0], xpupack.GraphBackend),
+            expected=str(tmp_path / "expected.pt"),
+            root=str(root),
+            unseen=UNSEEN,
+            other=OTHER_UNSEEN,
+        ),
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")},
+    )
     assert "ok" in result.stdout

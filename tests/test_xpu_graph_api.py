@@ -101,13 +101,23 @@ class StandInXPU:
             "MemPool": _checked(calls, "MemPool", REAL.MemPool, lambda *a, **k: _MemPool(("pool", 1))),
             "Stream": lambda *a, **k: self._stream("side"),
             "current_stream": _checked(calls, "current_stream", REAL.current_stream, lambda *a: self.current),
-            "set_stream": _checked(calls, "set_stream", REAL.set_stream,
-                                   lambda stream: setattr(self, "current", stream)),
-            "stream": _checked(calls, "stream", REAL.stream, lambda stream: _Context(
-                lambda: setattr(self, "outer", self.current) or setattr(self, "current", stream),
-                lambda: setattr(self, "current", self.outer))),
-            "device": lambda device: (inspect.signature(REAL.device.__init__).bind(None, device),
-                                      calls.append("device"), _Context())[-1],
+            "set_stream": _checked(
+                calls, "set_stream", REAL.set_stream, lambda stream: setattr(self, "current", stream)
+            ),
+            "stream": _checked(
+                calls,
+                "stream",
+                REAL.stream,
+                lambda stream: _Context(
+                    lambda: setattr(self, "outer", self.current) or setattr(self, "current", stream),
+                    lambda: setattr(self, "current", self.outer),
+                ),
+            ),
+            "device": lambda device: (
+                inspect.signature(REAL.device.__init__).bind(None, device),
+                calls.append("device"),
+                _Context(),
+            )[-1],
             "memory_reserved": _checked(calls, "memory_reserved", REAL.memory_reserved, memory_reserved),
             "synchronize": _checked(calls, "synchronize", REAL.synchronize),
             "current_device": _checked(calls, "current_device", REAL.current_device, 0),
@@ -130,8 +140,10 @@ class StandInXPU:
         if name.startswith("_") or not hasattr(REAL, name):
             raise AttributeError(name)  # as torch.xpu: no set_sync_debug_mode, for one
         if name not in self._names:
-            raise AssertionError(f"the device layer calls torch.xpu.{name}, which this test does not stand in "
-                                 "for: check it against torch's XPU API, then add it here")
+            raise AssertionError(
+                f"the device layer calls torch.xpu.{name}, which this test does not stand in "
+                "for: check it against torch's XPU API, then add it here"
+            )
         return self._names[name]
 
 
@@ -164,8 +176,20 @@ def test_the_xpu_graph_api_has_what_the_device_layer_calls():
     assert list(inspect.signature(REAL.XPUGraph.capture_begin).parameters) == ["self", "pool"]
     assert list(inspect.signature(REAL.graph.__init__).parameters) == ["self", "xpu_graph", "pool", "stream"]
     assert inspect.signature(REAL.XPUGraph.__new__).parameters["keep_graph"].default is False  # instantiated
-    for name in ("graph_pool_handle", "Stream", "stream", "set_stream", "current_stream", "memory_reserved",
-                 "synchronize", "device", "current_device", "get_device_name", "is_available", "MemPool"):
+    for name in (
+        "graph_pool_handle",
+        "Stream",
+        "stream",
+        "set_stream",
+        "current_stream",
+        "memory_reserved",
+        "synchronize",
+        "device",
+        "current_device",
+        "get_device_name",
+        "is_available",
+        "MemPool",
+    ):
         assert hasattr(REAL, name), name
     assert not hasattr(REAL, "set_sync_debug_mode")  # CUDA's check for host syncs: XPU has none
     assert "default_generators" in vars(REAL)

@@ -75,9 +75,14 @@ _LAZY = {
     "load": ".loading",
     "save": ".package",
     "register_state": ".state",
-    "Fastest": ".strategies", "FirstWins": ".strategies", "Only": ".strategies", "Strategy": ".strategies",
+    "Fastest": ".strategies",
+    "FirstWins": ".strategies",
+    "Only": ".strategies",
+    "Strategy": ".strategies",
     "tune": ".tuning",
-    "activate": ".tuned", "deactivate": ".tuned", "stats": ".tuned",
+    "activate": ".tuned",
+    "deactivate": ".tuned",
+    "stats": ".tuned",
 }
 
 
@@ -96,9 +101,13 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-
-def push(path: str | os.PathLike[str], repo_id: str, revision: str | None = None, private: bool | None = None,
-         token: str | bool | None = None) -> CommitInfo:
+def push(
+    path: str | os.PathLike[str],
+    repo_id: str,
+    revision: str | None = None,
+    private: bool | None = None,
+    token: str | bool | None = None,
+) -> CommitInfo:
     """Verifies the package at ``path`` and uploads it to the Hub repo ``repo_id`` in one commit.
 
     The repo is created if needed; the commit holds the package and a model card, and deletes files of an
@@ -134,14 +143,48 @@ def push(path: str | os.PathLike[str], repo_id: str, revision: str | None = None
 
 
 __all__ = [
-    "tune", "save", "load", "LoadLimits", "stats", "activate", "deactivate", "push", "register_state",
-    "FirstWins", "Fastest", "Only", "Strategy",
-    "GraphBackend", "InductorBackend", "TorchAOBackend", "EagerBackend",
-    "XpupackError", "PackageFormatError", "PackageLimitError", "IntegrityError", "IncompatiblePackageError",
-    "ModelMismatchError", "BackendError", "BackendUnavailableError", "OutputMismatchError",
-    "NoCandidateError", "TuningError", "NotTunedError", "BenchmarkError", "SaveError", "DestinationExistsError",
-    "DeviceUnavailableError", "DeviceMapError", "UnknownConfigError", "HubError",
-    "RepoNotFoundError", "RevisionNotFoundError", "OfflineNotCachedError", "SourceError", "AmbiguousSourceError",
-    "NotAModelError", "SampleError",
+    "tune",
+    "save",
+    "load",
+    "LoadLimits",
+    "stats",
+    "activate",
+    "deactivate",
+    "push",
+    "register_state",
+    "FirstWins",
+    "Fastest",
+    "Only",
+    "Strategy",
+    "GraphBackend",
+    "InductorBackend",
+    "TorchAOBackend",
+    "EagerBackend",
+    "XpupackError",
+    "PackageFormatError",
+    "PackageLimitError",
+    "IntegrityError",
+    "IncompatiblePackageError",
+    "ModelMismatchError",
+    "BackendError",
+    "BackendUnavailableError",
+    "OutputMismatchError",
+    "NoCandidateError",
+    "TuningError",
+    "NotTunedError",
+    "BenchmarkError",
+    "SaveError",
+    "DestinationExistsError",
+    "DeviceUnavailableError",
+    "DeviceMapError",
+    "UnknownConfigError",
+    "HubError",
+    "RepoNotFoundError",
+    "RevisionNotFoundError",
+    "OfflineNotCachedError",
+    "SourceError",
+    "AmbiguousSourceError",
+    "NotAModelError",
+    "SampleError",
     "__version__",
 ]

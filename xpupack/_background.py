@@ -41,8 +41,13 @@ _starting = threading.Lock()
 _stopping = False
 
 
-def submit(job: Callable[[], Any], future: Future | None = None, *,
-           context: contextvars.Context | None = None, ready: Callable[[], bool] | None = None) -> Future:
+def submit(
+    job: Callable[[], Any],
+    future: Future | None = None,
+    *,
+    context: contextvars.Context | None = None,
+    ready: Callable[[], bool] | None = None,
+) -> Future:
     """Runs ``job()`` on the worker after the jobs given before it; its future (``future``, or a new one)
     holds the result or the error.
 

@@ -31,9 +31,14 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def mismatch(actual: Any, expected: Any,
-             tolerances: dict[torch.dtype, tuple[float, float]] | None = None, *,
-             min_sqnr_db: float | None = None, low_precision_sqnr_db: float | None = None) -> str | None:
+def mismatch(
+    actual: Any,
+    expected: Any,
+    tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
+    *,
+    min_sqnr_db: float | None = None,
+    low_precision_sqnr_db: float | None = None,
+) -> str | None:
     """Why ``actual`` differs from ``expected`` (trees of tensors and constants), or None if they match.
 
     Integer and boolean tensors must be equal; floating ones equal within the
@@ -53,8 +58,7 @@ def mismatch(actual: Any, expected: Any,
             if not isinstance(a, torch.Tensor):
                 return f"{where}: eager gives a tensor, candidate a {type(a).__name__}"
             if a.shape != e.shape or a.dtype != e.dtype:
-                return (f"{where}: eager gives {e.dtype} {tuple(e.shape)}, "
-                        f"candidate {a.dtype} {tuple(a.shape)}")
+                return f"{where}: eager gives {e.dtype} {tuple(e.shape)}, candidate {a.dtype} {tuple(a.shape)}"
             a, e = a.detach(), e.detach().to(a.device)
             if (e.dtype.is_floating_point or e.dtype.is_complex) and min_sqnr_db is not None:
                 problem = _sqnr_problem(a, e, min_sqnr_db)

@@ -83,8 +83,9 @@ class DeviceGraphs:
         self._streams: dict[torch.device, Any] = {}
 
     def available(self) -> bool:
-        return (self._module.is_available() and hasattr(self._module, self._graph_class)
-                and hasattr(self._module, "graph"))
+        return (
+            self._module.is_available() and hasattr(self._module, self._graph_class) and hasattr(self._module, "graph")
+        )
 
     def _side_stream(self, device: torch.device) -> Any:
         """One warm-up and capture stream per device: libraries such as cuBLAS keep a
@@ -104,13 +105,15 @@ class DeviceGraphs:
         caching allocator."""
         if device not in self._pools:
             with on_device(device):
-                self._pools[device] = (self._module.MemPool() if hasattr(self._module, "MemPool")
-                                       else self._module.graph_pool_handle())
+                self._pools[device] = (
+                    self._module.MemPool() if hasattr(self._module, "MemPool") else self._module.graph_pool_handle()
+                )
         pool = self._pools[device]
         return pool.id if hasattr(pool, "id") else pool
 
-    def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
+    def capture(
+        self, fn: Callable[[], Any], *, device: torch.device, pool: Any, warmup: int = 2
+    ) -> tuple[Callable[[], None], Any, int]:
         """Warms ``fn`` up on a side stream, records it once, returns ``(replay, outputs, memory)``.
 
         ``memory`` is what the capture added to ``pool``: the growth of the device's reserved
@@ -182,8 +185,14 @@ def _host_sync_probe() -> type:
     aten = torch.ops.aten
     #: operations whose result the host must wait for: a value (``.item()``, ``bool(t)``) or a shape
     #: that depends on the data
-    reads_device = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-                    aten._unique2.default, aten.unique_consecutive.default, aten.unique_dim.default}
+    reads_device = {
+        aten._local_scalar_dense.default,
+        aten.nonzero.default,
+        aten.masked_select.default,
+        aten._unique2.default,
+        aten.unique_consecutive.default,
+        aten.unique_dim.default,
+    }
     copies = {aten._to_copy.default, aten.copy_.default}
     #: indexing with a boolean mask selects a data-dependent number of elements (a hidden ``nonzero``)
     masked = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
@@ -194,11 +203,16 @@ def _host_sync_probe() -> type:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if (func in reads_device or (func in copies and _crosses_host(args, kwargs))
-                    or (func in masked and _has_mask(args))):
-                raise HostSyncError(f"{func} waits for the device on the host, which a device graph cannot "
-                                    "record (.item(), bool(tensor), data-dependent shapes, copies to or from "
-                                    "host memory)")
+            if (
+                func in reads_device
+                or (func in copies and _crosses_host(args, kwargs))
+                or (func in masked and _has_mask(args))
+            ):
+                raise HostSyncError(
+                    f"{func} waits for the device on the host, which a device graph cannot "
+                    "record (.item(), bool(tensor), data-dependent shapes, copies to or from "
+                    "host memory)"
+                )
             return func(*args, **kwargs)
 
     return Probe

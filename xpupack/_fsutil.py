@@ -74,8 +74,11 @@ def temporary_sibling(destination: Path) -> Path:
 
 def moved_aside(destination: Path) -> list[Path]:
     """Packages that interrupted saves moved aside from ``destination`` (see `replace_dir`)."""
-    return sorted(p for p in destination.parent.glob(f".{destination.name}.xpupack-old-*")
-                  if (m := _TEMPORARY.match(p.name)) and m["name"] == destination.name)
+    return sorted(
+        p
+        for p in destination.parent.glob(f".{destination.name}.xpupack-old-*")
+        if (m := _TEMPORARY.match(p.name)) and m["name"] == destination.name
+    )
 
 
 def _sync_tree(root: Path) -> None:

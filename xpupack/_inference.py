@@ -54,8 +54,11 @@ def normal_tensors(model: nn.Module) -> contextlib.AbstractContextManager:
     A model built under inference mode holds inference tensors and runs only there: its block stays in the
     caller's mode.
     """
-    if (torch.is_inference_mode_enabled() and isinstance(model, nn.Module)
-            and any(tensor.is_inference() for tensor in _tensors(model))):
+    if (
+        torch.is_inference_mode_enabled()
+        and isinstance(model, nn.Module)
+        and any(tensor.is_inference() for tensor in _tensors(model))
+    ):
         return contextlib.nullcontext()
     return _normal_tensors()
 
@@ -74,8 +77,10 @@ def _normal_tensors() -> Iterator[None]:
 
 def outside_inference_mode(function: Callable[Concatenate[nn.Module, P], R]) -> Callable[Concatenate[nn.Module, P], R]:
     """Decorator for a function whose first argument is the model (`load`): it runs in `normal_tensors`."""
+
     @functools.wraps(function)
     def wrapper(model: nn.Module, *args: P.args, **kwargs: P.kwargs) -> R:
         with normal_tensors(model):
             return function(model, *args, **kwargs)
+
     return wrapper

@@ -40,10 +40,12 @@ def model_lock(model: nn.Module) -> threading.RLock:
 
 def edits_model(function: Callable[..., Any]) -> Callable[..., Any]:
     """Runs ``function(model, ...)`` holding ``model``'s `model_lock`."""
+
     @functools.wraps(function)
     def locked(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with model_lock(model):
             return function(model, *args, **kwargs)
+
     return locked
 
 
@@ -58,8 +60,9 @@ class ModelEdit:
         self._undo: list[Callable[[], None]] = []
         self._entries = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
 
-    def set_tensors(self, model: nn.Module, weights: dict[str, torch.Tensor] | None,
-                    device: torch.device | None) -> None:
+    def set_tensors(
+        self, model: nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device | None
+    ) -> None:
         """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter
         objects."""
         for module, state_name, name, tensor in named_tensors(model):
@@ -86,6 +89,7 @@ class ModelEdit:
         def undo() -> None:
             with torch.no_grad():
                 tensor.copy_(old)
+
         self._undo.append(undo)
 
     def keep_runner(self, runner: Runner) -> None:
@@ -104,6 +108,7 @@ class ModelEdit:
         def undo() -> None:
             for module, flag in flags:
                 module.training = flag
+
         self._undo.append(undo)
 
     def rollback(self) -> None:
@@ -112,8 +117,11 @@ class ModelEdit:
         self._undo.clear()
         # and whatever a backend's restore replaced in a module without undoing it
         for module, parameters, buffers, submodules in self._entries:
-            for table, saved in ((module._parameters, parameters), (module._buffers, buffers),
-                                 (module._modules, submodules)):
+            for table, saved in (
+                (module._parameters, parameters),
+                (module._buffers, buffers),
+                (module._modules, submodules),
+            ):
                 table.clear()
                 table.update(saved)  # type: ignore[arg-type]  # each table gets its own saved copy
 

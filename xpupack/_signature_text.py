@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-_SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
-                 "int32": "i32", "bool": "bool"}
+_SHORT_DTYPES = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "int64": "i64",
+    "int32": "i32",
+    "bool": "bool",
+}
 
 
 def describe_leaves(leaves: list[dict]) -> str:

@@ -39,8 +39,7 @@ class Timing:
     iterations: int
 
     def to_json(self) -> dict:
-        return {"median_us": round(self.median_us, 2), "p90_us": round(self.p90_us, 2),
-                "iterations": self.iterations}
+        return {"median_us": round(self.median_us, 2), "p90_us": round(self.p90_us, 2), "iterations": self.iterations}
 
 
 @dataclass(frozen=True)
@@ -79,12 +78,17 @@ class Comparison:
         return f"{CONFIDENCE:.0%} interval {self.low:.3g}-{self.high:.3g}x over {self.rounds} rounds"
 
     def to_json(self) -> dict:
-        return {"speedup": round(self.speedup, 3), "speedup_interval": [round(self.low, 3), round(self.high, 3)],
-                "rounds": self.rounds, "noisy": self.noisy}
+        return {
+            "speedup": round(self.speedup, 3),
+            "speedup_interval": [round(self.low, 3), round(self.high, 3)],
+            "rounds": self.rounds,
+            "noisy": self.noisy,
+        }
 
 
-def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3,
-            iterations: int = 20, budget_s: float = 2.0) -> Timing:
+def measure(
+    fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iterations: int = 20, budget_s: float = 2.0
+) -> Timing:
     """Times ``fn`` per call, waiting for the device before each clock read.
 
     Stops early once ``budget_s`` is spent (at least 3 timed calls), so a slow
@@ -107,11 +111,21 @@ def measure(fn: Callable[[], object], device: torch.device, *, warmup: int = 3,
     return _timing_of(samples)
 
 
-def compare(candidate: Sequence[Callable[[], object] | None], eager: Sequence[Callable[[], object]],
-            device: torch.device, *, weights: Sequence[float] | None = None, threshold: float | None = None,
-            rounds: int = 20, max_rounds: int | None = None, warmup: int = 3, budget_s: float = 4.0,
-            to_eager: Callable[[], object] | None = None, to_candidate: Callable[[], object] | None = None,
-            clock: Callable[[], float] = time.perf_counter) -> Comparison:
+def compare(
+    candidate: Sequence[Callable[[], object] | None],
+    eager: Sequence[Callable[[], object]],
+    device: torch.device,
+    *,
+    weights: Sequence[float] | None = None,
+    threshold: float | None = None,
+    rounds: int = 20,
+    max_rounds: int | None = None,
+    warmup: int = 3,
+    budget_s: float = 4.0,
+    to_eager: Callable[[], object] | None = None,
+    to_candidate: Callable[[], object] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Comparison:
     """Times ``candidate`` against ``eager`` in interleaved rounds, each call device-synchronized.
 
     Args:
@@ -150,8 +164,12 @@ def compare(candidate: Sequence[Callable[[], object] | None], eager: Sequence[Ca
                 while len(per_round) < target and not (len(per_round) >= MIN_ROUNDS and clock() > deadline):
                     per_round.append(turns.round(len(per_round), timed=True))
                 result = _summarize(per_round, weights)
-                if (threshold is None or result.verdict(threshold) != "unsure" or len(per_round) >= max_rounds
-                        or clock() > start + 2 * budget_s):
+                if (
+                    threshold is None
+                    or result.verdict(threshold) != "unsure"
+                    or len(per_round) >= max_rounds
+                    or clock() > start + 2 * budget_s
+                ):
                     return result
                 target, deadline = min(max_rounds, len(per_round) + rounds), start + 2 * budget_s
     finally:
@@ -218,8 +236,8 @@ def _median_interval(values: list[float]) -> tuple[float, float]:
     tail = (1 - CONFIDENCE) / 2
     k, below = 1, 0.0  # below: P(Binomial(n, 1/2) <= k - 1)
     while k < n // 2 + 1:
-        below += math.comb(n, k - 1) / 2 ** n
-        if below + math.comb(n, k) / 2 ** n > tail:
+        below += math.comb(n, k - 1) / 2**n
+        if below + math.comb(n, k) / 2**n > tail:
             break
         k += 1
     return ordered[k - 1], ordered[n - k]

@@ -31,35 +31,59 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     timings that scattered widely.
     """
     if type(iterations) is not int or iterations < 1 or type(warmup) is not int or warmup < 0:
-        raise BenchmarkError(f"iterations={iterations!r}, warmup={warmup!r}: time at least one call "
-                             "(iterations >= 1, warmup >= 0)")
+        raise BenchmarkError(
+            f"iterations={iterations!r}, warmup={warmup!r}: time at least one call (iterations >= 1, warmup >= 0)"
+        )
     session = session_of(model)
-    cases = [(path, tuned, signature, *signature.synthesize())
-             for path, tuned in session.modules.items() for signature in tuned.spec.signatures
-             if not signature.state_slots]
+    cases = [
+        (path, tuned, signature, *signature.synthesize())
+        for path, tuned in session.modules.items()
+        for signature in tuned.spec.signatures
+        if not signature.state_slots
+    ]
     skipped = sum(bool(s.state_slots) for tuned in session.modules.values() for s in tuned.spec.signatures)
     if skipped:
-        log.warning("%d signature(s) with a KV cache are not timed: only a real call brings a cache "
-                    "(benchmarks/llm_decode.py times decoding)", skipped)
+        log.warning(
+            "%d signature(s) with a KV cache are not timed: only a real call brings a cache "
+            "(benchmarks/llm_decode.py times decoding)",
+            skipped,
+        )
 
     was_active = session.active
     session.activate()
     fallbacks = {path: tuned.fallbacks for path, tuned in session.modules.items()}
     try:
         with torch.no_grad():
-            results = [_timing.compare([_call(tuned, args, kwargs)], [_call(tuned, args, kwargs)],
-                                       session.device_of(path), threshold=1.0, rounds=iterations, warmup=warmup,
-                                       budget_s=10.0, to_eager=lambda: _route(session, tuned=False),
-                                       to_candidate=lambda: _route(session, tuned=True))
-                       for path, tuned, _signature, args, kwargs in cases]
+            results = [
+                _timing.compare(
+                    [_call(tuned, args, kwargs)],
+                    [_call(tuned, args, kwargs)],
+                    session.device_of(path),
+                    threshold=1.0,
+                    rounds=iterations,
+                    warmup=warmup,
+                    budget_s=10.0,
+                    to_eager=lambda: _route(session, tuned=False),
+                    to_candidate=lambda: _route(session, tuned=True),
+                )
+                for path, tuned, _signature, args, kwargs in cases
+            ]
     finally:
         if not was_active:
             session.deactivate()
     fell_back = {path for path, tuned in session.modules.items() if tuned.fallbacks > fallbacks[path]}
-    return [{"module": path, "signature": signature.describe(), "backend": tuned.backend_name,
-             "fell_back": path in fell_back, "tuned": result.candidate.to_json(), "eager": result.eager.to_json(),
-             **result.to_json()}
-            for (path, tuned, signature, _a, _k), result in zip(cases, results)]
+    return [
+        {
+            "module": path,
+            "signature": signature.describe(),
+            "backend": tuned.backend_name,
+            "fell_back": path in fell_back,
+            "tuned": result.candidate.to_json(),
+            "eager": result.eager.to_json(),
+            **result.to_json(),
+        }
+        for (path, tuned, signature, _a, _k), result in zip(cases, results)
+    ]
 
 
 def _call(tuned, args: tuple, kwargs: dict):

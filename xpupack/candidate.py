@@ -88,11 +88,13 @@ class Candidate:
         if self.median_us is not None:
             timing.append(f"{self.median_us:g} µs")
         if self.speedup is not None:
-            interval = (f", {self.speedup_interval[0]:g}-{self.speedup_interval[1]:g}x"
-                        if self.speedup_interval else "")
+            interval = f", {self.speedup_interval[0]:g}-{self.speedup_interval[1]:g}x" if self.speedup_interval else ""
             timing.append(f"{self.speedup:g}x eager{interval}")
-        return (f"{self.backend}: {self.status}" + (f" — {self.reason}" if self.reason else "")
-                + (f" ({', '.join(timing)})" if timing else ""))
+        return (
+            f"{self.backend}: {self.status}"
+            + (f" — {self.reason}" if self.reason else "")
+            + (f" ({', '.join(timing)})" if timing else "")
+        )
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Candidate) if f.name != "extra")

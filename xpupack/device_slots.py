@@ -30,8 +30,9 @@ def manifest_devices(manifest: dict, root: Path) -> list[torch.device]:
     try:
         return [device_from_name(name) for name in package_slots(manifest)]
     except ValueError as exc:
-        raise PackageFormatError(f"{root / MANIFEST}: {exc}; the package is damaged — rebuild it",
-                                 path=MANIFEST) from None
+        raise PackageFormatError(
+            f"{root / MANIFEST}: {exc}; the package is damaged — rebuild it", path=MANIFEST
+        ) from None
 
 
 def slot_order(devices: Iterable[torch.device]) -> list[torch.device]:
@@ -72,8 +73,7 @@ def read_device(model: nn.Module, placement: Placement) -> torch.device:
     return here.pop() if len(here) == 1 else torch.device("cpu")
 
 
-def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map,
-                      default: torch.device) -> Placement:
+def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map, default: torch.device) -> Placement:
     """Where each tuned module of ``manifest`` goes in ``model``.
 
     ``device`` is the single-device shorthand: every slot, and the whole model, there.
@@ -89,8 +89,9 @@ def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map,
     count = len(package_slots(manifest))  # `read_manifest` checked that every module's slot is below it
     used = sorted({module_slot(entry) for entry in entries})
     if device is not None and device_map is not None:
-        raise DeviceMapError("pass device= (every module on one device) or device_map= (a device per slot), "
-                             "not both", slots=used)
+        raise DeviceMapError(
+            "pass device= (every module on one device) or device_map= (a device per slot), not both", slots=used
+        )
     if device is not None:
         here = resolve_device(device)
         return Placement({e["path"]: here for e in entries}, {s: here for s in range(count)}, here, False)
@@ -110,27 +111,38 @@ def _read_map(device_map: Mapping | Sequence, count: int, used: list[int]) -> di
     elif isinstance(device_map, Sequence) and not isinstance(device_map, str):
         items = list(enumerate(device_map))
     else:
-        raise DeviceMapError(f"device_map={device_map!r}: give {{slot: device}} or a list of devices by slot",
-                             slots=used)
-    unknown = [slot for slot, _ in items if isinstance(slot, bool) or not isinstance(slot, int)
-               or not 0 <= slot < count]
+        raise DeviceMapError(
+            f"device_map={device_map!r}: give {{slot: device}} or a list of devices by slot", slots=used
+        )
+    unknown = [
+        slot for slot, _ in items if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < count
+    ]
     if unknown:
-        raise DeviceMapError(f"device_map names slot(s) {unknown}, but the package has slots "
-                             f"{list(range(count))}; `xpupack inspect` shows each module's slot",
-                             slots=used, unknown=unknown)
+        raise DeviceMapError(
+            f"device_map names slot(s) {unknown}, but the package has slots "
+            f"{list(range(count))}; `xpupack inspect` shows each module's slot",
+            slots=used,
+            unknown=unknown,
+        )
     missing = [slot for slot in used if slot not in dict(items)]
     if missing:
-        raise DeviceMapError(f"device_map lacks slot(s) {missing}, which the package's modules use (slots "
-                             f"{used}); map every one of them to a device, e.g. device_map="
-                             f"{ {slot: 'cuda:' + str(slot) for slot in used} }", slots=used, missing=missing)
+        raise DeviceMapError(
+            f"device_map lacks slot(s) {missing}, which the package's modules use (slots "
+            f"{used}); map every one of them to a device, e.g. device_map="
+            f"{ {slot: 'cuda:' + str(slot) for slot in used} }",
+            slots=used,
+            missing=missing,
+        )
     resolved = {}
     for slot, value in items:
         if value is None:  # resolve_device(None) would pick the best device here: a map says where
-            raise DeviceMapError(f"device_map slot {slot} is None; map it to a device such as 'cuda:{slot}' or "
-                                 "'cpu'", slots=used)
+            raise DeviceMapError(
+                f"device_map slot {slot} is None; map it to a device such as 'cuda:{slot}' or 'cpu'", slots=used
+            )
         try:
             resolved[slot] = resolve_device(value)
         except DeviceUnavailableError as exc:
-            raise DeviceUnavailableError(f"device_map slot {slot}: {exc}", device=exc.device,
-                                         available=exc.available) from None
+            raise DeviceUnavailableError(
+                f"device_map slot {slot}: {exc}", device=exc.device, available=exc.available
+            ) from None
     return resolved

@@ -53,21 +53,28 @@ def check_strategy(selected: dict[str, nn.Module], strategy: Any) -> None:
         raise TuningError(
             f"{sharded[0] or '<model>'} is tensor parallel (DTensor parameters): every rank must choose the same "
             f"backend with the same calls, and {type(strategy).__name__} times candidates against a clock — "
-            "pass strategy=xpupack.Only(backend), or a strategy with min_speedup=None")
+            "pass strategy=xpupack.Only(backend), or a strategy with min_speedup=None"
+        )
 
 
 def full_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with every DTensor gathered into the full tensor (a collective: call it on every rank)."""
-    return {name: tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-            for name, tensor in state.items()}
+    return {
+        name: tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+        for name, tensor in state.items()
+    }
 
 
 def local_shard(sharded: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full`` laid out as the DTensor ``sharded`` is (no communication)."""
     from torch.distributed.tensor import distribute_tensor
 
-    placed = distribute_tensor(full.to(sharded.device), sharded.device_mesh,  # type: ignore[attr-defined]
-                               sharded.placements, src_data_rank=None)  # type: ignore[attr-defined]
+    placed = distribute_tensor(
+        full.to(sharded.device),
+        sharded.device_mesh,  # type: ignore[attr-defined]
+        sharded.placements,  # type: ignore[attr-defined]
+        src_data_rank=None,
+    )
     return placed.to_local()
 
 

@@ -26,8 +26,7 @@ from .errors import DeviceUnavailableError, first_line
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["__version__", "environment", "differences", "devices_here", "resolve_device", "device_here",
-           "CPU"]
+__all__ = ["__version__", "environment", "differences", "devices_here", "resolve_device", "device_here", "CPU"]
 
 
 def _version(distribution: str) -> str | None:
@@ -65,8 +64,13 @@ def _torch_build() -> dict[str, Any]:
         return {}
     facts = {}
     for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
-            node.target if isinstance(node, ast.AnnAssign) else None
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            else node.target
+            if isinstance(node, ast.AnnAssign)
+            else None
+        )
         if isinstance(target, ast.Name) and isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
             try:
                 facts[target.id] = ast.literal_eval(node.value)
@@ -193,9 +197,12 @@ def resolve_device(device: str | torch.device | None, *, default: torch.device |
     here = devices_here()
 
     def refuse(why: str) -> DeviceUnavailableError:
-        return DeviceUnavailableError(f"device {str(device)!r} is not available here ({why}); devices here: "
-                                      f"{', '.join(here)} — pass one of them (device= or --device)",
-                                      device=str(device), available=here)
+        return DeviceUnavailableError(
+            f"device {str(device)!r} is not available here ({why}); devices here: "
+            f"{', '.join(here)} — pass one of them (device= or --device)",
+            device=str(device),
+            available=here,
+        )
 
     try:
         resolved = _device.resolve(device, default=default)

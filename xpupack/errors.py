@@ -72,8 +72,9 @@ class IntegrityError(XpupackError):
         actual: what the file holds.
     """
 
-    def __init__(self, message: str, *, path: str | None = None, expected: str | None = None,
-                 actual: str | None = None):
+    def __init__(
+        self, message: str, *, path: str | None = None, expected: str | None = None, actual: str | None = None
+    ):
         super().__init__(message)
         self.path = path
         self.expected = expected
@@ -129,8 +130,14 @@ class DeviceMapError(XpupackError, ValueError):
         missing: slots the package uses that the map lacks.
     """
 
-    def __init__(self, message: str, *, slots: list[int] | None = None, unknown: list | None = None,
-                 missing: list[int] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        slots: list[int] | None = None,
+        unknown: list | None = None,
+        missing: list[int] | None = None,
+    ):
         super().__init__(message)
         self.slots = slots or []
         self.unknown = unknown or []
@@ -304,8 +311,9 @@ class SourceError(XpupackError, ValueError):
         repo_id: the Hub repo it could name, or None.
     """
 
-    def __init__(self, message: str, *, source: str | None = None, folder: str | None = None,
-                 repo_id: str | None = None):
+    def __init__(
+        self, message: str, *, source: str | None = None, folder: str | None = None, repo_id: str | None = None
+    ):
         super().__init__(message)
         self.source = source
         self.folder = folder
@@ -349,8 +357,14 @@ class RevisionNotFoundError(HubError):
         available: branches and tags the repo has.
     """
 
-    def __init__(self, message: str, *, repo_id: str | None = None, revision: str | None = None,
-                 available: list[str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        repo_id: str | None = None,
+        revision: str | None = None,
+        available: list[str] | None = None,
+    ):
         super().__init__(message, repo_id=repo_id, revision=revision)
         self.available = available or []
 

@@ -72,8 +72,13 @@ class HubSettings:
         return self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
-def resolve_source(path: str | os.PathLike, *, revision: str | None = None, trust_compiled: bool = False,
-                   token: str | bool | None = None) -> Source:
+def resolve_source(
+    path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    trust_compiled: bool = False,
+    token: str | bool | None = None,
+) -> Source:
     """The package that ``path`` names, by the naming rule (`xpupack.source`; README: "Naming a package").
 
     A folder is trusted (its compiled artifacts may run); a Hub repo is downloaded
@@ -102,17 +107,24 @@ def resolve_source(path: str | os.PathLike, *, revision: str | None = None, trus
                 "exists here too; xpupack does not guess between them (a folder's compiled artifacts run, a "
                 f"Hub repo's only when pinned): name the folder './{name.given}' (or pathlib.Path("
                 f"{name.given!r})), or the Hub repo 'hf://{name.repo_id}'",
-                source=name.given, folder=name.given, repo_id=name.repo_id)
-        return download(name.repo_id, revision=revision, trust_compiled=trust_compiled, token=token,
-                        plain=name.plain)
+                source=name.given,
+                folder=name.given,
+                repo_id=name.repo_id,
+            )
+        return download(name.repo_id, revision=revision, trust_compiled=trust_compiled, token=token, plain=name.plain)
     folder = name.folder
     if revision is not None:
-        raise SourceError(f"revision={revision!r} selects a version of a Hub repo, but {name.given!r} names the "
-                          f"folder {folder}; drop revision=, or name the Hub repo as 'org/name' or "
-                          "'hf://org/name'", source=name.given, folder=str(folder))
+        raise SourceError(
+            f"revision={revision!r} selects a version of a Hub repo, but {name.given!r} names the "
+            f"folder {folder}; drop revision=, or name the Hub repo as 'org/name' or "
+            "'hf://org/name'",
+            source=name.given,
+            folder=str(folder),
+        )
     if not folder.exists() and not moved_aside(folder):  # `read_manifest` explains an interrupted save
-        raise SourceError(f"there is no folder {folder.absolute()}{_hub_hint(name.given)}", source=name.given,
-                          folder=str(folder))
+        raise SourceError(
+            f"there is no folder {folder.absolute()}{_hub_hint(name.given)}", source=name.given, folder=str(folder)
+        )
     return Source(folder, trusted=True, description=str(folder), trust_reason="local directory")
 
 
@@ -126,8 +138,14 @@ def _hub_hint(given: str) -> str:
     return ""
 
 
-def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool = False,
-             token: str | bool | None = None, plain: bool = False) -> Source:
+def download(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    trust_compiled: bool = False,
+    token: str | bool | None = None,
+    plain: bool = False,
+) -> Source:
     """Fetches the package in Hub repo ``repo_id`` at ``revision`` into the Hugging Face cache.
 
     Only ``xpupack.json`` and the files it lists are downloaded (not the model
@@ -170,22 +188,29 @@ def download(repo_id: str, *, revision: str | None = None, trust_compiled: bool 
     pinned = revision is not None and COMMIT_HASH.fullmatch(revision) is not None and revision == commit
     manifest = read_manifest(root)  # validates every listed path before any of them is fetched
     with ThreadPoolExecutor(max_workers=_DOWNLOAD_THREADS) as pool:
-        list(pool.map(lambda name: _fetch(hub, repo_id, name, commit, token, asked=revision),
-                      manifest["files"]))
+        list(pool.map(lambda name: _fetch(hub, repo_id, name, commit, token, asked=revision), manifest["files"]))
 
     if pinned:
         reason = "pinned by commit hash"
     elif trust_compiled:
         reason = "trust_compiled=True"
     elif revision is not None and COMMIT_HASH.fullmatch(revision):
-        reason = (f"revision {revision!r} is not pinned by commit hash: it is a branch or tag that the Hub "
-                  f"resolved to commit {commit}")
+        reason = (
+            f"revision {revision!r} is not pinned by commit hash: it is a branch or tag that the Hub "
+            f"resolved to commit {commit}"
+        )
     else:
         reason = f"revision {revision or 'main'!r} (commit {commit}) is not pinned by commit hash"
     described = f"{repo_id}@{commit}" if pinned else f"{repo_id}@{revision or 'main'} (commit {commit[:12]})"
     log.info("%s: package in the Hugging Face cache at %s", described, root)
-    return Source(root, trusted=pinned or trust_compiled, links_within=hub.repo_cache(repo_id),
-                  description=described, trust_reason=reason, ignore_unlisted=True)
+    return Source(
+        root,
+        trusted=pinned or trust_compiled,
+        links_within=hub.repo_cache(repo_id),
+        description=described,
+        trust_reason=reason,
+        ignore_unlisted=True,
+    )
 
 
 def hub_settings() -> HubSettings:
@@ -204,8 +229,11 @@ def hub_settings() -> HubSettings:
     else:
         cache = constants.HF_HUB_CACHE
     offline = os.environ.get("HF_HUB_OFFLINE")
-    return HubSettings(endpoint, Path(os.path.expandvars(cache)).expanduser(),
-                offline=constants.is_offline_mode() if offline is None else _truthy(offline))
+    return HubSettings(
+        endpoint,
+        Path(os.path.expandvars(cache)).expanduser(),
+        offline=constants.is_offline_mode() if offline is None else _truthy(offline),
+    )
 
 
 def hub_api(hub: HubSettings, token: str | bool | None):
@@ -227,8 +255,16 @@ def _truthy(value: str) -> bool:
     return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
-def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, token: str | bool | None,
-           *, asked: str | None = None, plain: bool = False) -> str:
+def _fetch(
+    hub: HubSettings,
+    repo_id: str,
+    filename: str,
+    revision: str | None,
+    token: str | bool | None,
+    *,
+    asked: str | None = None,
+    plain: bool = False,
+) -> str:
     """One file of the repo into the cache; Hub errors become xpupack's, each with its fix.
 
     ``asked`` is the revision the caller named when ``revision`` is the commit it resolved to;
@@ -240,13 +276,24 @@ def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, 
     shown = asked if asked is not None else revision
     where = f"{repo_id}@{shown or 'main'}"
     try:
-        return hf_hub_download(repo_id, filename, revision=revision, cache_dir=hub.cache_dir, endpoint=hub.endpoint,
-                               token=token, local_files_only=hub.offline, library_name="xpupack",
-                               library_version=__version__)
+        return hf_hub_download(
+            repo_id,
+            filename,
+            revision=revision,
+            cache_dir=hub.cache_dir,
+            endpoint=hub.endpoint,
+            token=token,
+            local_files_only=hub.offline,
+            library_name="xpupack",
+            library_version=__version__,
+        )
     except hf.GatedRepoError:
-        raise RepoNotFoundError(f"{repo_id} is gated: accept its conditions on {hub.endpoint}/{repo_id} and "
-                                "log in (`hf auth login`) or pass token=...", repo_id=repo_id,
-                                revision=shown) from None
+        raise RepoNotFoundError(
+            f"{repo_id} is gated: accept its conditions on {hub.endpoint}/{repo_id} and "
+            "log in (`hf auth login`) or pass token=...",
+            repo_id=repo_id,
+            revision=shown,
+        ) from None
     except hf.RepositoryNotFoundError:
         raise _diagnose(hub, repo_id, revision, filename, token, shown, plain) from None
     except hf.RevisionNotFoundError:
@@ -256,15 +303,27 @@ def _fetch(hub: HubSettings, repo_id: str, filename: str, revision: str | None, 
     except hf.EntryNotFoundError:
         raise _missing(hub, repo_id, shown, filename) from None
     except hf.HFValidationError as exc:
-        raise RepoNotFoundError(f"{repo_id!r} is not a valid Hub repo id ({exc}); name a Hub repo 'org/name', "
-                                "a folder './name'", repo_id=repo_id) from None
+        raise RepoNotFoundError(
+            f"{repo_id!r} is not a valid Hub repo id ({exc}); name a Hub repo 'org/name', a folder './name'",
+            repo_id=repo_id,
+        ) from None
     except hf.HfHubHTTPError as exc:
-        raise HubError(f"the Hub at {hub.endpoint} failed on {filename} of {where}: {first_line(exc)}",
-                       repo_id=repo_id, revision=shown) from None
+        raise HubError(
+            f"the Hub at {hub.endpoint} failed on {filename} of {where}: {first_line(exc)}",
+            repo_id=repo_id,
+            revision=shown,
+        ) from None
 
 
-def _diagnose(hub: HubSettings, repo_id: str, revision: str | None, filename: str, token: str | bool | None,
-              shown: str | None, plain: bool = False) -> HubError | PackageFormatError | IntegrityError:
+def _diagnose(
+    hub: HubSettings,
+    repo_id: str,
+    revision: str | None,
+    filename: str,
+    token: str | bool | None,
+    shown: str | None,
+    plain: bool = False,
+) -> HubError | PackageFormatError | IntegrityError:
     """What "repository not found" on one file means: no repo, no revision, or no such file.
 
     Some Hub-compatible servers (mirrors such as olah) answer all three that way;
@@ -279,7 +338,9 @@ def _diagnose(hub: HubSettings, repo_id: str, revision: str | None, filename: st
         return RepoNotFoundError(
             f"{_no_folder(repo_id) if plain else ''}the Hub at {hub.endpoint} has no repo {repo_id} that this "
             "token can read; check the name, or for a private repo log in (`hf auth login`) or pass token=...",
-            repo_id=repo_id, revision=shown)
+            repo_id=repo_id,
+            revision=shown,
+        )
     try:
         api.model_info(repo_id, revision=revision or "main")
     except HfHubHTTPError:
@@ -296,38 +357,55 @@ def _revision_not_found(hub: HubSettings, repo_id: str, revision: str | None, to
     except HfHubHTTPError:
         available = []
     listing = f" (branches and tags: {', '.join(available)})" if available else ""
-    return RevisionNotFoundError(f"{repo_id} has no revision {revision or 'main'!r}{listing}; pass a branch, a tag "
-                                 "or a full commit hash", repo_id=repo_id, revision=revision, available=available)
+    return RevisionNotFoundError(
+        f"{repo_id} has no revision {revision or 'main'!r}{listing}; pass a branch, a tag or a full commit hash",
+        repo_id=repo_id,
+        revision=revision,
+        available=available,
+    )
 
 
-def _missing(hub: HubSettings, repo_id: str, revision: str | None,
-             filename: str) -> PackageFormatError | IntegrityError:
+def _missing(
+    hub: HubSettings, repo_id: str, revision: str | None, filename: str
+) -> PackageFormatError | IntegrityError:
     where = f"{repo_id}@{revision or 'main'}"
     if filename == MANIFEST:
-        return PackageFormatError(f"{where} on {hub.endpoint} is not an xpupack package: it has no {MANIFEST}; "
-                                  f"push one with `xpupack push DIR {repo_id}`", path=MANIFEST)
-    return IntegrityError(f"{where} lacks {filename}, which its {MANIFEST} lists; the upload is incomplete — "
-                          f"push the package again with `xpupack push DIR {repo_id}`", path=filename)
+        return PackageFormatError(
+            f"{where} on {hub.endpoint} is not an xpupack package: it has no {MANIFEST}; "
+            f"push one with `xpupack push DIR {repo_id}`",
+            path=MANIFEST,
+        )
+    return IntegrityError(
+        f"{where} lacks {filename}, which its {MANIFEST} lists; the upload is incomplete — "
+        f"push the package again with `xpupack push DIR {repo_id}`",
+        path=filename,
+    )
 
 
-def _not_cached(hub: HubSettings, repo_id: str, revision: str | None, filename: str, plain: bool = False,
-                why: str = "") -> OfflineNotCachedError:
+def _not_cached(
+    hub: HubSettings, repo_id: str, revision: str | None, filename: str, plain: bool = False, why: str = ""
+) -> OfflineNotCachedError:
     where = f"{repo_id}@{revision or 'main'}"
     if hub.offline:
-        message = (f"HF_HUB_OFFLINE is set and {filename} of {where} is not in the Hugging Face cache at "
-                   f"{hub.cache_dir}; load it once online with the same HF_HOME, or unset HF_HUB_OFFLINE")
+        message = (
+            f"HF_HUB_OFFLINE is set and {filename} of {where} is not in the Hugging Face cache at "
+            f"{hub.cache_dir}; load it once online with the same HF_HOME, or unset HF_HUB_OFFLINE"
+        )
     else:
-        message = (f"cannot reach the Hub at {hub.endpoint}{f' ({why})' if why else ''} and {filename} of {where} "
-                   f"is not in the Hugging Face cache at {hub.cache_dir}; check the network and HF_ENDPOINT, or "
-                   "load it once online")
-    return OfflineNotCachedError((_no_folder(repo_id) if plain else "") + message, repo_id=repo_id,
-                                 revision=revision)
+        message = (
+            f"cannot reach the Hub at {hub.endpoint}{f' ({why})' if why else ''} and {filename} of {where} "
+            f"is not in the Hugging Face cache at {hub.cache_dir}; check the network and HF_ENDPOINT, or "
+            "load it once online"
+        )
+    return OfflineNotCachedError((_no_folder(repo_id) if plain else "") + message, repo_id=repo_id, revision=revision)
 
 
 def _no_folder(repo_id: str) -> str:
     """The start of a message about a plain ``"org/name"``: it named no folder either."""
-    return (f"{repo_id!r} names a Hub repo (no folder {Path(repo_id).absolute()} exists here either; a folder "
-            f"is named './{repo_id}'): ")
+    return (
+        f"{repo_id!r} names a Hub repo (no folder {Path(repo_id).absolute()} exists here either; a folder "
+        f"is named './{repo_id}'): "
+    )
 
 
 def _check_reachable(hub: HubSettings, repo_id: str, revision: str | None, token: str | bool | None) -> None:
@@ -341,16 +419,21 @@ def _check_reachable(hub: HubSettings, repo_id: str, revision: str | None, token
     from huggingface_hub import get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError
 
-    if hub.offline or isinstance(try_to_load_from_cache(repo_id, MANIFEST, cache_dir=hub.cache_dir,
-                                                        revision=revision), str):
+    if hub.offline or isinstance(
+        try_to_load_from_cache(repo_id, MANIFEST, cache_dir=hub.cache_dir, revision=revision), str
+    ):
         return
     url = hf_hub_url(repo_id, MANIFEST, revision=revision, endpoint=hub.endpoint)
     try:
-        get_hf_file_metadata(url, token=token, endpoint=hub.endpoint, retry_on_errors=False,
-                             library_name="xpupack", library_version=__version__)
+        get_hf_file_metadata(
+            url,
+            token=token,
+            endpoint=hub.endpoint,
+            retry_on_errors=False,
+            library_name="xpupack",
+            library_version=__version__,
+        )
     except HfHubHTTPError:
         return  # the Hub answered: `_fetch` says what the answer means
     except Exception as exc:  # no answer at all: refused, unresolvable, timed out
-        raise _not_cached(hub, repo_id, revision, MANIFEST, plain=True,
-                          why=error_line(exc)) from None
-
+        raise _not_cached(hub, repo_id, revision, MANIFEST, plain=True, why=error_line(exc)) from None

@@ -26,16 +26,48 @@ from .manifest import read_spec
 
 #: bytes per element of the dtypes a signature can name (``spec.json`` stores ``torch.<name>`` without the
 #: prefix); a name missing here counts 16 bytes (never less than it is) and is refused later by the parser
-_ITEMSIZE = {"float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
-             "complex128": 16, "cdouble": 16, "complex64": 8, "cfloat": 8, "complex32": 4, "chalf": 4,
-             "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1,
-             "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-             "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1}
+_ITEMSIZE = {
+    "float64": 8,
+    "double": 8,
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "cdouble": 16,
+    "complex64": 8,
+    "cfloat": 8,
+    "complex32": 4,
+    "chalf": 4,
+    "int64": 8,
+    "long": 8,
+    "int32": 4,
+    "int": 4,
+    "int16": 2,
+    "short": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
 _UNKNOWN_ITEMSIZE = 16
 
 #: environment variable of each limit, read when a load is not given ``limits=``
-ENVIRONMENT = {"max_input_bytes": "XPUPACK_MAX_INPUT_BYTES", "max_signatures": "XPUPACK_MAX_SIGNATURES",
-               "max_leaves": "XPUPACK_MAX_LEAVES", "max_recordings": "XPUPACK_MAX_RECORDINGS"}
+ENVIRONMENT = {
+    "max_input_bytes": "XPUPACK_MAX_INPUT_BYTES",
+    "max_signatures": "XPUPACK_MAX_SIGNATURES",
+    "max_leaves": "XPUPACK_MAX_LEAVES",
+    "max_recordings": "XPUPACK_MAX_RECORDINGS",
+}
 
 
 @dataclass(frozen=True)
@@ -85,8 +117,10 @@ class LoadLimits:
             try:
                 values[name] = int(text.replace("_", ""))
             except ValueError:
-                raise ValueError(f"{variable}={text!r} is not a whole number (of "
-                                 f"{'bytes' if 'bytes' in name else name.removeprefix('max_')})") from None
+                raise ValueError(
+                    f"{variable}={text!r} is not a whole number (of "
+                    f"{'bytes' if 'bytes' in name else name.removeprefix('max_')})"
+                ) from None
         return cls(**values)
 
 
@@ -99,25 +133,39 @@ def check_package(root: Path, manifest: dict, limits: LoadLimits) -> None:
     for entry in manifest["modules"]:
         recordings = _max_recordings(entry["backend"])
         if recordings is not None and recordings > limits.max_recordings:
-            _refuse(f"{root / 'xpupack.json'}: the graph backend of {entry['path'] or '<model>'} asks for "
-                    f"max_recordings={recordings}", "max_recordings", limits.max_recordings, recordings)
+            _refuse(
+                f"{root / 'xpupack.json'}: the graph backend of {entry['path'] or '<model>'} asks for "
+                f"max_recordings={recordings}",
+                "max_recordings",
+                limits.max_recordings,
+                recordings,
+            )
     total = 0
     for entry in manifest["modules"]:
         where = root / entry["spec"]
         signatures = read_spec(root, entry)["signatures"]
         if len(signatures) > limits.max_signatures:
-            _refuse(f"{where} describes {len(signatures)} signatures", "max_signatures",
-                    limits.max_signatures, len(signatures))
+            _refuse(
+                f"{where} describes {len(signatures)} signatures",
+                "max_signatures",
+                limits.max_signatures,
+                len(signatures),
+            )
         for index, signature in enumerate(signatures):
             leaves = signature["leaves"]
             if len(leaves) > limits.max_leaves:
-                _refuse(f"{where}: signature {index} has {len(leaves)} leaves", "max_leaves",
-                        limits.max_leaves, len(leaves))
+                _refuse(
+                    f"{where}: signature {index} has {len(leaves)} leaves", "max_leaves", limits.max_leaves, len(leaves)
+                )
             total += synthesized_bytes(signature)
             if total > limits.max_input_bytes:
-                _refuse(f"{where}: the inputs a load synthesises for the package's signatures add up to more "
-                        f"than {_size(limits.max_input_bytes)} by signature {index} of this module",
-                        "max_input_bytes", limits.max_input_bytes, total)
+                _refuse(
+                    f"{where}: the inputs a load synthesises for the package's signatures add up to more "
+                    f"than {_size(limits.max_input_bytes)} by signature {index} of this module",
+                    "max_input_bytes",
+                    limits.max_input_bytes,
+                    total,
+                )
 
 
 def synthesized_bytes(signature: dict) -> int:
@@ -126,8 +174,11 @@ def synthesized_bytes(signature: dict) -> int:
     leaves = signature["leaves"]
     if any(leaf.get("kind") == "state" for leaf in leaves):
         return 0
-    return sum(math.prod(leaf["shape"]) * _ITEMSIZE.get(leaf["dtype"], _UNKNOWN_ITEMSIZE)
-               for leaf in leaves if leaf.get("kind") == "tensor")
+    return sum(
+        math.prod(leaf["shape"]) * _ITEMSIZE.get(leaf["dtype"], _UNKNOWN_ITEMSIZE)
+        for leaf in leaves
+        if leaf.get("kind") == "tensor"
+    )
 
 
 def _max_recordings(backend: Any) -> int | None:
@@ -148,7 +199,11 @@ def _refuse(what: str, field: str, limit: int, actual: int) -> None:
     raise PackageLimitError(
         f"{what}, over the loader's limit {field}={shown}; refusing to load it before allocating anything — "
         f"if you trust the package, load it with limits=xpupack.LoadLimits({field}=...) or set "
-        f"{ENVIRONMENT[field]}", field=field, limit=limit, actual=actual)
+        f"{ENVIRONMENT[field]}",
+        field=field,
+        limit=limit,
+        actual=actual,
+    )
 
 
 def _size(size: int) -> str:

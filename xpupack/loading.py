@@ -87,12 +87,22 @@ class _ModuleLoad:
 
 @edits_model
 @_inference.outside_inference_mode  # the weights and recordings it makes serve in any mode
-def load(model: nn.Module, path: str | Path, *, device: str | torch.device | None = None,
-         device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
-         revision: str | None = None, on_mismatch: str = "rebuild", trust_compiled: bool = False,
-         token: str | bool | None = None, progress: Callable[[str], None] | None = None,
-         compile_options: dict | None = None, record_collectives: bool | None = None,
-         limits: LoadLimits | None = None, defer_compile: bool = True) -> nn.Module:
+def load(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    device: str | torch.device | None = None,
+    device_map: dict[int, str | torch.device] | list[str | torch.device] | None = None,
+    revision: str | None = None,
+    on_mismatch: str = "rebuild",
+    trust_compiled: bool = False,
+    token: str | bool | None = None,
+    progress: Callable[[str], None] | None = None,
+    compile_options: dict | None = None,
+    record_collectives: bool | None = None,
+    limits: LoadLimits | None = None,
+    defer_compile: bool = True,
+) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
     The manifest is validated against its schema, every file's sha256 is
@@ -172,15 +182,18 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
     manifest = check_package(source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted)
     check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
     check_architecture(model, manifest, source.root)
-    placement = device_slots.resolve_placement(model, manifest, device=device, device_map=device_map,
-                                               default=_device.model_device(model))
+    placement = device_slots.resolve_placement(
+        model, manifest, device=device, device_map=device_map, default=_device.model_device(model)
+    )
     device = placement.first
     here = environment(device)
     build_devices = device_slots.manifest_devices(manifest, source.root)
     context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
     overrides = {"compile_options": compile_options, "record_collectives": record_collectives}
-    jobs = [_module_load(model, module, source, build_devices, placement, context, overrides)
-            for module in manifest["modules"]]
+    jobs = [
+        _module_load(model, module, source, build_devices, placement, context, overrides)
+        for module in manifest["modules"]
+    ]
     weights = _read_weights(source.root, manifest, device_slots.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
@@ -212,8 +225,14 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
                     modules[job.path] = _restore(job, job.context)
                 modules[job.path].load_s = clock.lap("modules")
                 edit.keep_runner(modules[job.path].runner)
-        session = Session(modules, device, environment=here, strategy=manifest.get("strategy", ""),
-                          architecture=manifest["model"]["tensors"], devices=placement.modules)
+        session = Session(
+            modules,
+            device,
+            environment=here,
+            strategy=manifest.get("strategy", ""),
+            architecture=manifest["model"]["tensors"],
+            devices=placement.modules,
+        )
         attach(model, session)
         session.activate()
         clock.lap("activate")
@@ -228,8 +247,12 @@ def load(model: nn.Module, path: str | Path, *, device: str | torch.device | Non
         raise
     if previous is not None:
         previous.deactivate()  # its modules now run the new session: this only frees its recordings
-    log.info("loaded %s in %.2f s (%s)", source.description, sum(clock.seconds.values()),
-             ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in clock.seconds.items()))
+    log.info(
+        "loaded %s in %.2f s (%s)",
+        source.description,
+        sum(clock.seconds.values()),
+        ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in clock.seconds.items()),
+    )
     return model
 
 
@@ -263,19 +286,29 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
     actual = describe_architecture(model)
     missing = [name for name in expected if name not in actual]
     unexpected = [name for name in actual if name not in expected]
-    changed = [f"{name}: package {expected[name]['dtype']}{expected[name]['shape']}, "
-               f"model {actual[name]['dtype']}{actual[name]['shape']}"
-               for name in expected if name in actual and expected[name] != actual[name]]
+    changed = [
+        f"{name}: package {expected[name]['dtype']}{expected[name]['shape']}, "
+        f"model {actual[name]['dtype']}{actual[name]['shape']}"
+        for name in expected
+        if name in actual and expected[name] != actual[name]
+    ]
     paths = dict(model.named_modules())
     absent = [m["path"] for m in manifest["modules"] if m["path"] not in paths]
     if missing or unexpected or changed or absent:
-        problems = ([f"missing {name}" for name in missing[:5]] + [f"unexpected {name}" for name in unexpected[:5]]
-                    + changed[:5] + [f"no submodule {path!r}" for path in absent[:5]])
+        problems = (
+            [f"missing {name}" for name in missing[:5]]
+            + [f"unexpected {name}" for name in unexpected[:5]]
+            + changed[:5]
+            + [f"no submodule {path!r}" for path in absent[:5]]
+        )
         raise ModelMismatchError(
             f"{type(model).__name__} does not match the package at {root} (built from "
-            f"{manifest['model']['class']}): " + "; ".join(problems)
+            f"{manifest['model']['class']}): "
+            + "; ".join(problems)
             + " — build the model with the same architecture and dtype as the package",
-            expected=manifest["model"]["class"], actual=f"{type(model).__module__}.{type(model).__qualname__}")
+            expected=manifest["model"]["class"],
+            actual=f"{type(model).__module__}.{type(model).__qualname__}",
+        )
 
 
 def _check_options(compile_options: dict | None, record_collectives: bool | None) -> None:
@@ -288,8 +321,15 @@ def _check_options(compile_options: dict | None, record_collectives: bool | None
         InductorBackend(compile_options=compile_options)  # raises ValueError naming a setting it refuses
 
 
-def _module_load(model: nn.Module, entry: dict, source: Source, build_devices: list[torch.device],
-                 placement: device_slots.Placement, context: Context, overrides: dict) -> _ModuleLoad:
+def _module_load(
+    model: nn.Module,
+    entry: dict,
+    source: Source,
+    build_devices: list[torch.device],
+    placement: device_slots.Placement,
+    context: Context,
+    overrides: dict,
+) -> _ModuleLoad:
     spec = read_module_spec(source.root, entry)
     mapping = placement.spec_map(build_devices, entry["path"], module_slot(entry))
     spec.signatures = [signature.on_device(mapping) for signature in spec.signatures]
@@ -302,8 +342,14 @@ def _module_load(model: nn.Module, entry: dict, source: Source, build_devices: l
     choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())), steps=steps)
     if choice.note:
         log.warning("%s: %s", choice.path or "<model>", choice.note)
-    return _ModuleLoad(model.get_submodule(entry["path"]), spec, choice, entry["backend"]["config"],
-                       source.root / entry["folder"] / backend.name, context)
+    return _ModuleLoad(
+        model.get_submodule(entry["path"]),
+        spec,
+        choice,
+        entry["backend"]["config"],
+        source.root / entry["folder"] / backend.name,
+        context,
+    )
 
 
 def untrusted_why(source: Source) -> str:
@@ -323,8 +369,9 @@ def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str,
         tensors[alias] = tensors[name]
     expected = manifest["model"]["tensors"]
     if any(dtype_name(tensor.dtype) != expected[name]["dtype"] for name, tensor in tensors.items()):
-        raise PackageFormatError(f"{root / relative} holds a tensor of another dtype than the manifest's; "
-                                 "rebuild the package", path=relative)  # a dtype safetensors' codes leave open
+        raise PackageFormatError(
+            f"{root / relative} holds a tensor of another dtype than the manifest's; rebuild the package", path=relative
+        )  # a dtype safetensors' codes leave open
     return tensors
 
 
@@ -346,7 +393,9 @@ def _check_ties(model: nn.Module, weights: dict[str, torch.Tensor], manifest: di
                     f"{type(model).__name__} ties {first} and {name} (one tensor), but the package at {root} "
                     f"stores different values for them (built from {manifest['model']['class']}, which does not "
                     "tie them) — build the model with the same weight tying as the package",
-                    expected="untied", actual="tied")
+                    expected="untied",
+                    actual="tied",
+                )
 
 
 def _restore_shared(manifest: dict, source: Source, jobs: list[_ModuleLoad], context: Context) -> None:
@@ -368,11 +417,12 @@ def _restore_shared(manifest: dict, source: Source, jobs: list[_ModuleLoad], con
         except XpupackError:
             raise
         except Exception as exc:  # PyTorch's loader on a damaged or foreign cache: any exception at all
-            why = (f"the shared {name} artifacts in {folder} cannot be loaded ({type(exc).__name__}: "
-                   f"{str(exc)[:200]})")
+            why = f"the shared {name} artifacts in {folder} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})"
             if context.on_mismatch == "error":
-                raise BackendError(f"{why}; rebuild the package on this machine, or load with "
-                                   "on_mismatch='rebuild' to compile here instead") from exc
+                raise BackendError(
+                    f"{why}; rebuild the package on this machine, or load with "
+                    "on_mismatch='rebuild' to compile here instead"
+                ) from exc
             log.warning("%s; compiling those modules here", why)
             for job in users:
                 job.choice = job.choice.without_artifacts(why)
@@ -384,8 +434,9 @@ def _restore(job: _ModuleLoad, context: Context) -> TunedModule:
     try:
         if job.backend.pads_calls:
             _check_claims(target, job.spec, context)
-        runner = job.backend.restore(target, job.spec, job.config, job.folder, context.device,
-                                     use_artifacts=job.choice.use_artifacts)
+        runner = job.backend.restore(
+            target, job.spec, job.config, job.folder, context.device, use_artifacts=job.choice.use_artifacts
+        )
     except Exception as exc:  # a failed restore has undone its own changes to the module
         return _restore_failed(job, context, exc)
     try:
@@ -411,8 +462,11 @@ def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
     observe_calls(target.forward, target.module, spec)
     padding.check_loaded(spec, target.forward, trusted=context.trusted)
     if claimed and not spec.batch_axes:
-        log.warning("%s: the package's batch axes are not used, calls of other batch sizes run the original "
-                    "module: %s", target.path or "<model>", spec.padding_refused)
+        log.warning(
+            "%s: the package's batch axes are not used, calls of other batch sizes run the original module: %s",
+            target.path or "<model>",
+            spec.padding_refused,
+        )
 
 
 def _restore_failed(job: _ModuleLoad, context: Context, exc: Exception) -> TunedModule:
@@ -420,27 +474,39 @@ def _restore_failed(job: _ModuleLoad, context: Context, exc: Exception) -> Tuned
 
     A damaged package (a file or config that is not what the manifest promises) is refused, never served.
     """
-    if (context.on_mismatch == "error" or job.choice.depth is None
-            or isinstance(exc, (PackageFormatError, IntegrityError, UnknownConfigError))):
+    if (
+        context.on_mismatch == "error"
+        or job.choice.depth is None
+        or isinstance(exc, (PackageFormatError, IntegrityError, UnknownConfigError))
+    ):
         if isinstance(exc, XpupackError):
             raise exc
-        raise BackendError(f"{job.path or '<model>'}: restoring the {job.backend.name} backend failed "
-                           f"({type(exc).__name__}: {exc}); load with on_mismatch='fallback' to run the "
-                           "original module instead, or rebuild the package on this machine") from exc
+        raise BackendError(
+            f"{job.path or '<model>'}: restoring the {job.backend.name} backend failed "
+            f"({type(exc).__name__}: {exc}); load with on_mismatch='fallback' to run the "
+            "original module instead, or rebuild the package on this machine"
+        ) from exc
     # serving beats crashing: the original module still gives eager's answers
     try:
         fallback = job.choice.after_failure(str(exc), context)
     except IncompatiblePackageError:
         raise exc from None  # nothing can run this module without the backend: its own error says why
-    log.warning("%s: restoring %s failed (%s: %s); %s",
-                job.path or "<model>", job.backend.name, type(exc).__name__, exc, fallback.note)
+    log.warning(
+        "%s: restoring %s failed (%s: %s); %s",
+        job.path or "<model>",
+        job.backend.name,
+        type(exc).__name__,
+        exc,
+        fallback.note,
+    )
     tuned = _restore(replace(job, choice=fallback), context)
     tuned.report.insert(0, Candidate(job.backend.name, "rejected", f"restore failed: {exc}"))
     return tuned
 
 
-def _place_tensors(edit: ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None,
-                   placement: device_slots.Placement) -> None:
+def _place_tensors(
+    edit: ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None, placement: device_slots.Placement
+) -> None:
     """Installs the package's weights, each tensor on the device the placement gives it (`xpupack.device_slots`):
     with ``device=`` everything moves there; with ``device_map=`` each tuned module's tensors move to its
     slot's device; otherwise every tensor stays where it is. A DTensor gets its shard of the full weight."""

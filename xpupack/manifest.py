@@ -49,37 +49,48 @@ def validate(data: Any, name: str, where: str) -> None:
     error = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if error is not None:
         field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
-        raise PackageFormatError(f"{where} does not match the {name} schema at {field}: {error.message}; "
-                                 "the package is damaged or was not written by xpupack — rebuild it",
-                                 path=where)
+        raise PackageFormatError(
+            f"{where} does not match the {name} schema at {field}: {error.message}; "
+            "the package is damaged or was not written by xpupack — rebuild it",
+            path=where,
+        )
 
 
 def read_json(root: Path, relative: str, schema_name: str) -> dict:
     """Reads and validates one JSON file of a package (manifest or spec)."""
     where = str(root / relative)
     if not (root / relative).is_file():  # never open a FIFO or device a hostile package put there
-        raise IntegrityError(f"{where} is missing or not a regular file; the package is incomplete — "
-                             "rebuild or re-download it", path=where)
+        raise IntegrityError(
+            f"{where} is missing or not a regular file; the package is incomplete — rebuild or re-download it",
+            path=where,
+        )
     try:
         text = (root / relative).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise PackageFormatError(f"cannot read {where} ({exc}); the package is damaged — "
-                                 "rebuild or re-download it", path=where) from None
+        raise PackageFormatError(
+            f"cannot read {where} ({exc}); the package is damaged — rebuild or re-download it", path=where
+        ) from None
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # also integers too long to convert, nesting too deep
-        raise PackageFormatError(f"{where} is not valid JSON ({str(exc)[:200]}); the package is damaged — "
-                                 "rebuild it with `xpupack build`", path=where) from None
+        raise PackageFormatError(
+            f"{where} is not valid JSON ({str(exc)[:200]}); the package is damaged — rebuild it with `xpupack build`",
+            path=where,
+        ) from None
     if not isinstance(data, dict):
-        raise PackageFormatError(f"{where} must hold a JSON object; the package is damaged — "
-                                 "rebuild it with `xpupack build`", path=where)
+        raise PackageFormatError(
+            f"{where} must hold a JSON object; the package is damaged — rebuild it with `xpupack build`", path=where
+        )
     check_depth(data, where, fix="rebuild it with `xpupack build`")
     version = data.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_VERSIONS:
         newest = max(SUPPORTED_VERSIONS)
         fix = "upgrade xpupack" if version > newest else "rebuild the package with this xpupack"
-        raise PackageFormatError(f"unsupported format_version {version} in {where}; this xpupack reads "
-                                 f"{', '.join(map(str, SUPPORTED_VERSIONS))} — {fix}", path=where)
+        raise PackageFormatError(
+            f"unsupported format_version {version} in {where}; this xpupack reads "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))} — {fix}",
+            path=where,
+        )
     validate(data, schema_name, where)
     return data
 
@@ -103,8 +114,11 @@ def check_depth(data: Any, where: str, *, fix: str = "rebuild the package") -> N
     while stack:
         value, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise PackageFormatError(f"{where} is nested deeper than {MAX_DEPTH} levels, which no package "
-                                     f"holds; the package is damaged — {fix}", path=where)
+            raise PackageFormatError(
+                f"{where} is nested deeper than {MAX_DEPTH} levels, which no package "
+                f"holds; the package is damaged — {fix}",
+                path=where,
+            )
         children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
         stack.extend((child, depth + 1) for child in children)
 
@@ -113,18 +127,27 @@ def read_manifest(root: Path) -> dict:
     """The validated manifest of the package at ``root``, every path and module path in it checked."""
     destination = interrupted_save_of(root)
     if destination is not None:
-        raise PackageFormatError(f"{root} is a temporary directory of `xpupack save` (a package being written, "
-                                 f"or one moved aside to replace it), not a package: load {destination} — if that "
-                                 "is missing, save again there, which puts back what was moved aside",
-                                 path=str(root))
+        raise PackageFormatError(
+            f"{root} is a temporary directory of `xpupack save` (a package being written, "
+            f"or one moved aside to replace it), not a package: load {destination} — if that "
+            "is missing, save again there, which puts back what was moved aside",
+            path=str(root),
+        )
     if not root.is_dir():
         aside = moved_aside(root)
-        fix = (f"{aside[-1]} holds the package an interrupted save moved aside: rename it to {root.name}, "
-               f"or save again there" if aside and not root.exists() else "pass the folder `xpupack build` wrote")
+        fix = (
+            f"{aside[-1]} holds the package an interrupted save moved aside: rename it to {root.name}, "
+            f"or save again there"
+            if aside and not root.exists()
+            else "pass the folder `xpupack build` wrote"
+        )
         raise PackageFormatError(f"{root} is not a directory; {fix}", path=str(root))
     if not (root / MANIFEST).is_file():
-        raise PackageFormatError(f"{root} is not an xpupack package: it has no {MANIFEST} — pass the folder "
-                                 "`xpupack build` wrote, or rebuild or re-download the package", path=str(root))
+        raise PackageFormatError(
+            f"{root} is not an xpupack package: it has no {MANIFEST} — pass the folder "
+            "`xpupack build` wrote, or rebuild or re-download the package",
+            path=str(root),
+        )
     manifest = read_json(root, MANIFEST, "manifest")
     where = str(root / MANIFEST)
     weights = [manifest["model"]["weights"]] if manifest["model"]["weights"] else []
@@ -136,8 +159,11 @@ def read_manifest(root: Path) -> dict:
         _refuse_importable(relative, where)
     for relative in [m["spec"] for m in manifest["modules"]] + weights:  # files that load reads: digested
         if relative not in manifest["files"]:
-            raise PackageFormatError(f"{where} names {relative!r} but does not list it under files, so its "
-                                     "digest cannot be checked; the package is damaged — rebuild it", path=relative)
+            raise PackageFormatError(
+                f"{where} names {relative!r} but does not list it under files, so its "
+                "digest cannot be checked; the package is damaged — rebuild it",
+                path=relative,
+            )
     _check_module_paths(manifest["modules"], where)
     _check_device_slots(manifest, where)
     return manifest
@@ -157,13 +183,19 @@ def _check_device_slots(manifest: dict, where: str) -> None:
     """Every module's slot is one the manifest lists a device for, and slot 0's device is ``device``."""
     slots = package_slots(manifest)
     if slots[0] != manifest["device"]:
-        raise PackageFormatError(f"{where} lists devices {slots} but device {manifest['device']!r}, which must be "
-                                 "the first of them; the package is damaged — rebuild it", path=where)
+        raise PackageFormatError(
+            f"{where} lists devices {slots} but device {manifest['device']!r}, which must be "
+            "the first of them; the package is damaged — rebuild it",
+            path=where,
+        )
     for entry in manifest["modules"]:
         if module_slot(entry) >= len(slots):
-            raise PackageFormatError(f"{where} puts the module {entry['path'] or '<model>'!r} on device slot "
-                                     f"{module_slot(entry)}, but lists {len(slots)} device(s); the package is "
-                                     "damaged — rebuild it", path=where)
+            raise PackageFormatError(
+                f"{where} puts the module {entry['path'] or '<model>'!r} on device slot "
+                f"{module_slot(entry)}, but lists {len(slots)} device(s); the package is "
+                "damaged — rebuild it",
+                path=where,
+            )
 
 
 def _check_module_paths(modules: list[dict], where: str) -> None:
@@ -172,15 +204,19 @@ def _check_module_paths(modules: list[dict], where: str) -> None:
     listed: set[str] = set()
     for path in paths:
         if path in listed:
-            raise PackageFormatError(f"{where} lists the module {path or '<model>'!r} twice; the package is "
-                                     "damaged — rebuild it", path=where)
+            raise PackageFormatError(
+                f"{where} lists the module {path or '<model>'!r} twice; the package is damaged — rebuild it", path=where
+            )
         listed.add(path)
     for path in paths:
         parts = path.split(".") if path else []
         other = next((a for a in (".".join(parts[:i]) for i in range(len(parts))) if a in listed), None)
         if other is not None:
-            raise PackageFormatError(f"{where} lists the modules {other or '<model>'!r} and {path or '<model>'!r}, "
-                                     "which overlap; the package is damaged — rebuild it", path=where)
+            raise PackageFormatError(
+                f"{where} lists the modules {other or '<model>'!r} and {path or '<model>'!r}, "
+                "which overlap; the package is damaged — rebuild it",
+                path=where,
+            )
 
 
 def check_package(root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> dict:
@@ -213,8 +249,11 @@ def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
             named.append((f"{where} {name}", config[_CACHE], folder))
         kernels = config.get(_KERNELS, [])
         if not isinstance(kernels, list):
-            raise PackageFormatError(f"{where} {name} lists the kernels as {str(kernels)[:80]}, not as a list of "
-                                     "files; the package is damaged — rebuild it", path=MANIFEST)
+            raise PackageFormatError(
+                f"{where} {name} lists the kernels as {str(kernels)[:80]}, not as a list of "
+                "files; the package is damaged — rebuild it",
+                path=MANIFEST,
+            )
         named += [(f"{where} {name}", kernel, f"{folder}/{_KERNELS}") for kernel in kernels]
     for entry in manifest["modules"]:
         backend, config, folder = entry["backend"], entry["backend"]["config"], entry["folder"]
@@ -223,8 +262,7 @@ def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
                 break
             folder = f"{folder}/{backend.get('name')}"
             if backend.get("name") == "torchao":
-                named.append((f"{where} {entry['path'] or '<model>'}", config.get("weights", _TORCHAO_WEIGHTS),
-                              folder))
+                named.append((f"{where} {entry['path'] or '<model>'}", config.get("weights", _TORCHAO_WEIGHTS), folder))
             backend = backend.get("options", {}).get("base") if isinstance(backend.get("options"), dict) else None
             config = config.get("base", {})
     return named
@@ -236,21 +274,39 @@ def check_named_files(root: Path, manifest: dict) -> None:
     when a backend opens it)."""
     for where, name, folder in named_files(manifest):
         if not isinstance(name, str):
-            raise PackageFormatError(f"{where} names the file {str(name)[:80]}, which is not a path; the package "
-                                     "is damaged — rebuild it", path=MANIFEST)
+            raise PackageFormatError(
+                f"{where} names the file {str(name)[:80]}, which is not a path; the package is damaged — rebuild it",
+                path=MANIFEST,
+            )
         check_relative(name, where)
         relative = f"{folder}/{name}"
         if relative not in manifest["files"]:
-            raise IntegrityError(f"{where} names {relative}, which {MANIFEST} does not list (so no digest covers "
-                                 "it); the package is damaged or incomplete — rebuild or re-download it",
-                                 path=relative)
+            raise IntegrityError(
+                f"{where} names {relative}, which {MANIFEST} does not list (so no digest covers "
+                "it); the package is damaged or incomplete — rebuild or re-download it",
+                path=relative,
+            )
 
 
 #: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is not compared
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                       "U16": "uint16", "U32": "uint32", "U64": "uint64", "C64": "complex64",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def check_weights(root: Path, manifest: dict) -> None:
@@ -264,30 +320,41 @@ def check_weights(root: Path, manifest: dict) -> None:
     path = root / relative
     try:
         with safe_open(str(path), framework="numpy") as stored:
-            header = {name: (stored.get_slice(name).get_shape(), stored.get_slice(name).get_dtype())
-                      for name in stored.keys()}  # noqa: SIM118 (a safe_open has no __iter__)
+            names = stored.keys()  # a safe_open has no __iter__
+            header = {name: (stored.get_slice(name).get_shape(), stored.get_slice(name).get_dtype()) for name in names}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise PackageFormatError(f"{path} is not a readable safetensors file ({str(exc)[:200]}); the package is "
-                                 "damaged — rebuild it", path=relative) from None
+        raise PackageFormatError(
+            f"{path} is not a readable safetensors file ({str(exc)[:200]}); the package is damaged — rebuild it",
+            path=relative,
+        ) from None
     aliases = manifest["model"]["aliases"]
     for alias, name in aliases.items():
         if name not in header:
-            raise PackageFormatError(f"alias {alias!r} in {root / MANIFEST} names {name!r}, which {relative} does "
-                                     "not hold; the package is damaged — rebuild it", path=relative)
+            raise PackageFormatError(
+                f"alias {alias!r} in {root / MANIFEST} names {name!r}, which {relative} does "
+                "not hold; the package is damaged — rebuild it",
+                path=relative,
+            )
         header[alias] = header[name]
     expected = manifest["model"]["tensors"]
     for name, (shape, dtype) in header.items():
         spec = expected.get(name)
-        if (spec is None or list(shape) != spec["shape"]
-                or _SAFETENSORS_DTYPES.get(dtype, spec["dtype"]) != spec["dtype"]):
-            raise PackageFormatError(f"{path}: tensor {name!r} does not match the manifest; rebuild the package",
-                                     path=relative)
-    owned = {f"{m['path']}.{name}" if m["path"] else name
-             for m in manifest["modules"] for name in m.get("owned_tensors", [])}
+        if (
+            spec is None
+            or list(shape) != spec["shape"]
+            or _SAFETENSORS_DTYPES.get(dtype, spec["dtype"]) != spec["dtype"]
+        ):
+            raise PackageFormatError(
+                f"{path}: tensor {name!r} does not match the manifest; rebuild the package", path=relative
+            )
+    owned = {
+        f"{m['path']}.{name}" if m["path"] else name for m in manifest["modules"] for name in m.get("owned_tensors", [])
+    }
     missing = sorted(set(expected) - owned - set(header))
     if missing or set(header) - (set(expected) - owned):
-        raise IntegrityError(f"{path} lacks {missing[:5]} or holds tensors a backend owns; rebuild the package",
-                             path=relative)
+        raise IntegrityError(
+            f"{path} lacks {missing[:5]} or holds tensors a backend owns; rebuild the package", path=relative
+        )
 
 
 def read_spec(root: Path, entry: dict) -> dict:
@@ -295,16 +362,20 @@ def read_spec(root: Path, entry: dict) -> dict:
     (`xpupack.spec` turns it into a `ModuleSpec`)."""
     data = read_json(root, entry["spec"], "spec")
     if data["path"] != entry["path"]:
-        raise PackageFormatError(f"{root / entry['spec']} describes the module {data['path']!r}, but "
-                                 f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
-                                 "rebuild it", path=entry["spec"])
+        raise PackageFormatError(
+            f"{root / entry['spec']} describes the module {data['path']!r}, but "
+            f"{root / MANIFEST} lists it for {entry['path']!r}; the package is damaged — "
+            "rebuild it",
+            path=entry["spec"],
+        )
     try:
         for signature in data["signatures"]:
             check_tree(signature["tree"])
         _check_batch_axes(data)
     except ValueError as exc:
-        raise PackageFormatError(f"{root / entry['spec']}: {exc}; the package is damaged — rebuild it",
-                                 path=entry["spec"]) from None
+        raise PackageFormatError(
+            f"{root / entry['spec']}: {exc}; the package is damaged — rebuild it", path=entry["spec"]
+        ) from None
     return data
 
 
@@ -324,7 +395,8 @@ def _check_batch_axes(spec: dict) -> None:
         leaves = signature["leaves"]
         fits = len(axes["inputs"]) == len(leaves) and all(
             leaf["kind"] != "state" and (axis is None or (leaf["kind"] == "tensor" and axis < len(leaf["shape"])))
-            for axis, leaf in zip(axes["inputs"], leaves))
+            for axis, leaf in zip(axes["inputs"], leaves)
+        )
         if not fits:
             raise ValueError(f"the batch axes of signature {index} do not fit its leaves")
 
@@ -332,8 +404,17 @@ def _check_batch_axes(spec: dict) -> None:
 #: pytree node types a stored tree may name. torch's parser also knows node types
 #: whose context names a module to import (``collections.defaultdict``, enum keys):
 #: a package must never make the loader import anything, so those are refused.
-_TREE_NODES = frozenset({"builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict",
-                         "collections.deque", "collections.namedtuple", "torch.Size"})
+_TREE_NODES = frozenset(
+    {
+        "builtins.tuple",
+        "builtins.list",
+        "builtins.dict",
+        "collections.OrderedDict",
+        "collections.deque",
+        "collections.namedtuple",
+        "torch.Size",
+    }
+)
 _MAX_TREE_NODES = 10_000
 _MAX_TREE_DEPTH = 100
 
@@ -350,9 +431,12 @@ def check_tree(text: str) -> None:
         raise ValueError(f"unreadable tree structure: {exc}") from None
     if protocol != 1:
         raise ValueError(f"unknown tree protocol {protocol!r}")
-    if not (_node_type(root) == "builtins.tuple" and len(root["children_spec"]) == 2
-            and _node_type(root["children_spec"][0]) == "builtins.tuple"
-            and _node_type(root["children_spec"][1]) == "builtins.dict"):
+    if not (
+        _node_type(root) == "builtins.tuple"
+        and len(root["children_spec"]) == 2
+        and _node_type(root["children_spec"][0]) == "builtins.tuple"
+        and _node_type(root["children_spec"][1]) == "builtins.dict"
+    ):
         raise ValueError("the tree does not describe (args, kwargs)")
     pending, seen = [(root, 0)], 0
     while pending:
@@ -366,8 +450,9 @@ def check_tree(text: str) -> None:
                 raise ValueError("a tree leaf has a context or children")
             continue
         if kind not in _TREE_NODES:
-            raise ValueError(f"tree node type {kind!r} is not allowed; a spec may hold "
-                             f"{', '.join(sorted(_TREE_NODES))}")
+            raise ValueError(
+                f"tree node type {kind!r} is not allowed; a spec may hold {', '.join(sorted(_TREE_NODES))}"
+            )
         if not isinstance(context, str) or (kind != "collections.namedtuple" and not _plain(context)):
             raise ValueError(f"the context of a {kind} tree node must be plain JSON, not {context!r}")
         pending.extend((child, depth + 1) for child in children)
@@ -375,8 +460,12 @@ def check_tree(text: str) -> None:
 
 def _node_type(node: Any) -> Any:
     """A tree node's ``type``, after checking the node's shape."""
-    if not (isinstance(node, dict) and set(node) == {"type", "context", "children_spec"}
-            and isinstance(node["children_spec"], list) and isinstance(node["type"], (str, type(None)))):
+    if not (
+        isinstance(node, dict)
+        and set(node) == {"type", "context", "children_spec"}
+        and isinstance(node["children_spec"], list)
+        and isinstance(node["type"], (str, type(None)))
+    ):
         raise ValueError(f"malformed tree node {str(node)[:80]}")
     return node["type"]
 
@@ -399,17 +488,31 @@ def check_relative(relative: str, where: str) -> None:
     ``where`` names what holds the path (for the message).
     """
     pure = PurePosixPath(relative)
-    if (pure.is_absolute() or "\\" in relative or ".." in pure.parts or re.match(r"^[A-Za-z]:", relative)
-            or relative.startswith("~") or "\0" in relative):
-        raise PackageFormatError(f"{where} names the path {relative!r}, which escapes the package; refusing "
-                                 "to load it — rebuild the package, or get it from a source you trust",
-                                 path=relative)
+    if (
+        pure.is_absolute()
+        or "\\" in relative
+        or ".." in pure.parts
+        or re.match(r"^[A-Za-z]:", relative)
+        or relative.startswith("~")
+        or "\0" in relative
+    ):
+        raise PackageFormatError(
+            f"{where} names the path {relative!r}, which escapes the package; refusing "
+            "to load it — rebuild the package, or get it from a source you trust",
+            path=relative,
+        )
     if not pure.parts or pure.as_posix() != relative:
-        raise PackageFormatError(f"{where} names the path {relative!r}, which is not a plain relative path "
-                                 "like 'modules/x/spec.json'; the package is damaged — rebuild it", path=relative)
+        raise PackageFormatError(
+            f"{where} names the path {relative!r}, which is not a plain relative path "
+            "like 'modules/x/spec.json'; the package is damaged — rebuild it",
+            path=relative,
+        )
     if pure.parts[0] in UNLISTED_DIRS_OK:
-        raise PackageFormatError(f"{where} names the path {relative!r} in {pure.parts[0]}/, which holds "
-                                 "unchecked files; refusing to load it — rebuild the package", path=relative)
+        raise PackageFormatError(
+            f"{where} names the path {relative!r} in {pure.parts[0]}/, which holds "
+            "unchecked files; refusing to load it — rebuild the package",
+            path=relative,
+        )
 
 
 #: the package being loaded, as ``(root, files its manifest lists)``: see `listed_files`
@@ -438,11 +541,15 @@ def _refuse_importable(relative: str, where: str) -> None:
     current directory of ``python -m``, say): a module at the root, or a folder at the root with an
     ``__init__``. xpupack never writes one; a package that has one could shadow a real module."""
     parts = PurePosixPath(relative).parts
-    if ((len(parts) == 1 and parts[0].endswith(_IMPORTABLE))
-            or (len(parts) == 2 and parts[1].startswith("__init__.") and parts[1].endswith(_IMPORTABLE))):
-        raise PackageFormatError(f"{where} names {relative!r}, a file Python can import from the package's "
-                                 "root, where it could shadow a module; xpupack never writes one, so refusing "
-                                 "to load it — rebuild the package", path=relative)
+    if (len(parts) == 1 and parts[0].endswith(_IMPORTABLE)) or (
+        len(parts) == 2 and parts[1].startswith("__init__.") and parts[1].endswith(_IMPORTABLE)
+    ):
+        raise PackageFormatError(
+            f"{where} names {relative!r}, a file Python can import from the package's "
+            "root, where it could shadow a module; xpupack never writes one, so refusing "
+            "to load it — rebuild the package",
+            path=relative,
+        )
 
 
 def artifact_file(folder: Path, name: Any) -> Path:
@@ -454,8 +561,10 @@ def artifact_file(folder: Path, name: Any) -> Path:
     """
     where = f"the backend config for {folder}"
     if not isinstance(name, str):
-        raise PackageFormatError(f"{where} names the file {name!r}, which is not a path; the package is "
-                                 "damaged — rebuild it", path=str(folder))
+        raise PackageFormatError(
+            f"{where} names the file {name!r}, which is not a path; the package is damaged — rebuild it",
+            path=str(folder),
+        )
     check_relative(name, where)
     path = folder / name
     loading = _LOADING.get()
@@ -463,12 +572,18 @@ def artifact_file(folder: Path, name: Any) -> Path:
         root, listed = loading
         relative = path.relative_to(root).as_posix() if path.is_relative_to(root) else None
         if relative not in listed:
-            raise IntegrityError(f"{where} names {name!r}, but {MANIFEST} does not list {relative or path}, so "
-                                 "its digest was never checked; refusing to read it — rebuild or re-download "
-                                 "the package", path=relative or str(path))
+            raise IntegrityError(
+                f"{where} names {name!r}, but {MANIFEST} does not list {relative or path}, so "
+                "its digest was never checked; refusing to read it — rebuild or re-download "
+                "the package",
+                path=relative or str(path),
+            )
     if not path.is_file():  # a regular file here is listed and verified (symlinks only into the Hub cache)
-        raise IntegrityError(f"{where} names {name!r}, which is not a file of the package; the package is "
-                             "incomplete — rebuild or re-download it", path=str(path))
+        raise IntegrityError(
+            f"{where} names {name!r}, which is not a file of the package; the package is "
+            "incomplete — rebuild or re-download it",
+            path=str(path),
+        )
     return path
 
 
@@ -490,8 +605,7 @@ def describe_files(root: Path) -> dict[str, dict]:
     return files
 
 
-def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
-                ignore_unlisted: bool = False) -> None:
+def check_files(root: Path, manifest: dict, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> None:
     """Checks every listed file's size and digest, and that no unlisted file is present.
 
     Symbolic links are refused, except links that resolve inside ``links_within``
@@ -504,18 +618,28 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
         path = root / relative
         _refuse_link(path, root, links_within)
         if not path.is_file():
-            raise IntegrityError(f"{path} is listed in the manifest but missing; the package is incomplete "
-                                 "— rebuild or re-download it", path=relative)
+            raise IntegrityError(
+                f"{path} is listed in the manifest but missing; the package is incomplete — rebuild or re-download it",
+                path=relative,
+            )
         size = path.stat().st_size
         if size != expected["size"]:
-            raise IntegrityError(f"{path} has {size} bytes, the manifest says {expected['size']}; "
-                                 "the file is truncated or changed — rebuild or re-download the package",
-                                 path=relative, expected=str(expected["size"]), actual=str(size))
+            raise IntegrityError(
+                f"{path} has {size} bytes, the manifest says {expected['size']}; "
+                "the file is truncated or changed — rebuild or re-download the package",
+                path=relative,
+                expected=str(expected["size"]),
+                actual=str(size),
+            )
         actual = sha256_of(path)
         if actual != expected["sha256"]:
-            raise IntegrityError(f"{path} does not match its sha256 in the manifest; the file was changed "
-                                 "or damaged — rebuild or re-download the package",
-                                 path=relative, expected=expected["sha256"], actual=actual)
+            raise IntegrityError(
+                f"{path} does not match its sha256 in the manifest; the file was changed "
+                "or damaged — rebuild or re-download the package",
+                path=relative,
+                expected=expected["sha256"],
+                actual=actual,
+            )
     if ignore_unlisted:
         return
     for path in root.rglob("*"):
@@ -526,8 +650,11 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
             _refuse_link(path, root, links_within)
         # anything but a folder counts: a FIFO or socket has no business in a package either
         if not path.is_dir() and relative.as_posix() not in listed and relative.as_posix() not in UNLISTED_OK:
-            raise IntegrityError(f"{path} is not listed in the manifest; something added it after the "
-                                 "build — remove it or rebuild the package", path=relative.as_posix())
+            raise IntegrityError(
+                f"{path} is not listed in the manifest; something added it after the "
+                "build — remove it or rebuild the package",
+                path=relative.as_posix(),
+            )
 
 
 def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
@@ -538,9 +665,11 @@ def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
             continue
         if links_within is not None and current.resolve().is_relative_to(links_within.resolve()):
             continue
-        raise IntegrityError(f"{current} is a symbolic link; packages must hold plain files, so xpupack "
-                             "refuses to follow it — replace the link by the file itself, or rebuild the package",
-                             path=current.relative_to(root).as_posix())
+        raise IntegrityError(
+            f"{current} is a symbolic link; packages must hold plain files, so xpupack "
+            "refuses to follow it — replace the link by the file itself, or rebuild the package",
+            path=current.relative_to(root).as_posix(),
+        )
 
 
 def destination(path: str | Path) -> Path:
@@ -564,11 +693,15 @@ def check_destination(root: Path) -> None:
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise SaveError(f"cannot write a package at {root}: {parent} is not a directory; nothing was changed — "
-                        "save to another directory (--out)")
+        raise SaveError(
+            f"cannot write a package at {root}: {parent} is not a directory; nothing was changed — "
+            "save to another directory (--out)"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise SaveError(f"cannot write a package at {root}: {parent} is not writable; nothing was changed — "
-                        "check its permissions, or save to another directory (--out)")
+        raise SaveError(
+            f"cannot write a package at {root}: {parent} is not writable; nothing was changed — "
+            "check its permissions, or save to another directory (--out)"
+        )
 
 
 def _check_replaceable(root: Path) -> None:
@@ -585,8 +718,10 @@ def _check_replaceable(root: Path) -> None:
     def refuse(why: str, unexpected: list[str]) -> DestinationExistsError:
         return DestinationExistsError(
             f"{root} {why}; refusing to replace it, which would delete that — save to another directory "
-            "(--out), or move those files out or remove the directory yourself", path=str(root),
-            unexpected=unexpected)
+            "(--out), or move those files out or remove the directory yourself",
+            path=str(root),
+            unexpected=unexpected,
+        )
 
     if not root.is_dir():
         raise refuse("exists and is not a directory", [])
@@ -600,12 +735,16 @@ def _check_replaceable(root: Path) -> None:
         except XpupackError as exc:
             raise refuse(f"holds an {MANIFEST} that is not a valid xpupack manifest ({exc})", [MANIFEST]) from None
         ours = {MANIFEST, MODEL_CARD, *manifest["files"]}
-        unexpected = sorted(relative for path in root.rglob("*")
-                            if (relative := path.relative_to(root).as_posix()) not in ours
-                            and (path.is_symlink() or not path.is_dir()))
+        unexpected = sorted(
+            relative
+            for path in root.rglob("*")
+            if (relative := path.relative_to(root).as_posix()) not in ours and (path.is_symlink() or not path.is_dir())
+        )
     except OSError as exc:
-        raise SaveError(f"cannot look into {root} ({exc}); nothing was changed — check its permissions, "
-                        "or save to another directory") from None
+        raise SaveError(
+            f"cannot look into {root} ({exc}); nothing was changed — check its permissions, "
+            "or save to another directory"
+        ) from None
     if unexpected:
         shown = ", ".join(unexpected[:5]) + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else "")
         raise refuse(f"holds files that are not part of the package its {MANIFEST} lists ({shown})", unexpected)

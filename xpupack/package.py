@@ -75,8 +75,7 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
     try:
         staging = _fsutil.temporary_sibling(root)
         manifest = _write_package(model, session, state, staging, weights)
-        described = {path: [sig.describe() for sig in tuned.spec.signatures]
-                     for path, tuned in session.modules.items()}
+        described = {path: [sig.describe() for sig in tuned.spec.signatures] for path, tuned in session.modules.items()}
         (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
         write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
         _fsutil.replace_dir(staging, root)
@@ -85,18 +84,25 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
             shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, XpupackError) or not isinstance(exc, Exception):
             raise
-        raise SaveError(f"writing {root} failed: {type(exc).__name__}: {exc}; "
-                        "any previous package there is unchanged") from exc
+        raise SaveError(
+            f"writing {root} failed: {type(exc).__name__}: {exc}; any previous package there is unchanged"
+        ) from exc
 
 
 def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], staging: Path, weights: bool) -> dict:
-    owned = {f"{path}.{name}" if path else name
-             for path, tuned in session.modules.items() for name in tuned.runner.owned_tensors()}
+    owned = {
+        f"{path}.{name}" if path else name
+        for path, tuned in session.modules.items()
+        for name in tuned.runner.owned_tensors()
+    }
     aliases: dict[str, str] = {}
     if weights:
         unique, aliases = _deduplicate({k: v for k, v in state.items() if k not in owned})
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
-                  str(staging / WEIGHTS), metadata={"format": "pt"})
+        save_file(
+            {name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
+            str(staging / WEIGHTS),
+            metadata={"format": "pt"},
+        )
 
     slots = device_slots.slot_order(session.device_of(path) for path in session.modules)
     modules: list[dict] = []
@@ -113,13 +119,18 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         config = backend.save(tuned.runner, staging / folder / backend.name)
         used_backends.setdefault(backend.name, backend)
         runners.setdefault(backend.name, []).append(tuned.runner)
-        modules.append({"path": path, "folder": folder, "spec": spec_file,
-                        "owned_tensors": sorted(tuned.runner.owned_tensors()),
-                        "backend": {"name": backend.name, "options": backend.options(), "config": config},
-                        "candidates": [candidate.to_json() for candidate in tuned.report],
-                        # written for split models only: a single-device package stays readable by older xpupacks
-                        **({"device_slot": slots.index(session.device_of(path))}
-                           if len(slots) > 1 else {})})
+        modules.append(
+            {
+                "path": path,
+                "folder": folder,
+                "spec": spec_file,
+                "owned_tensors": sorted(tuned.runner.owned_tensors()),
+                "backend": {"name": backend.name, "options": backend.options(), "config": config},
+                "candidates": [candidate.to_json() for candidate in tuned.report],
+                # written for split models only: a single-device package stays readable by older xpupacks
+                **({"device_slot": slots.index(session.device_of(path))} if len(slots) > 1 else {}),
+            }
+        )
 
     shared = {}
     for name, backend in used_backends.items():
@@ -136,9 +147,12 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         "device": str(slots[0] if slots else session.device),
         **({"devices": [str(device) for device in slots]} if len(slots) > 1 else {}),
         "strategy": session.strategy,
-        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
-                  "tensors": session.architecture,
-                  "weights": WEIGHTS if weights else None, "aliases": aliases},
+        "model": {
+            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "tensors": session.architecture,
+            "weights": WEIGHTS if weights else None,
+            "aliases": aliases,
+        },
         "modules": modules,
         "backends": shared,
         "files": describe_files(staging),
@@ -153,8 +167,14 @@ def _deduplicate(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
     aliases: dict[str, str] = {}
     seen: dict[Any, str] = {}
     for name, tensor in state.items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-               tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        key = (
+            tensor.device,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         if tensor.numel() and key in seen:
             aliases[name] = seen[key]
         else:

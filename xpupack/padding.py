@@ -36,6 +36,7 @@ _Tensor = torch.Tensor
 
 # -- tune time: finding the batch axes and checking that rows do not mix -----------------------------
 
+
 def plan(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> None:
     """Sets ``spec.batch_axes`` for the signatures that may be padded into, or ``spec.padding_refused``.
 
@@ -60,8 +61,7 @@ def plan(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[An
         spec.batch_axes.update({index: axes for index in members})
 
 
-def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]]
-                ) -> tuple[BatchAxes, list[int]] | str:
+def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]]) -> tuple[BatchAxes, list[int]] | str:
     """The batch axes shared by the signatures ``members`` (of one family) and each one's batch size,
     or why there are none."""
     leaves = [spec.signatures[index].leaves for index in members]
@@ -112,8 +112,9 @@ def _varying_axis(shapes: list[tuple[int, ...]]) -> int | None:
 ROWS_SQNR_DB = 25.0
 
 
-def _why_not_paddable(spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes,
-                      batches: list[int]) -> str | None:
+def _why_not_paddable(
+    spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes, batches: list[int]
+) -> str | None:
     """Runs eager on each recorded sample of a batch above 1 with its last rows replaced (`_rows_mix`)."""
     refused = _side_effects_refusal(spec)
     if refused:
@@ -123,8 +124,9 @@ def _why_not_paddable(spec: ModuleSpec, forward: Callable[..., Any], members: li
         if batch < 2:
             continue
         for args, kwargs in spec.samples[index]:
-            problem = _rows_mix(forward, args, kwargs, axes, batch, batch // 2, generator,
-                                spec.signatures[index].describe())
+            problem = _rows_mix(
+                forward, args, kwargs, axes, batch, batch // 2, generator, spec.signatures[index].describe()
+            )
             if problem:
                 return f"rows mix: {problem}"
     return None
@@ -139,8 +141,16 @@ def _side_effects_refusal(spec: ModuleSpec) -> str | None:
     return None
 
 
-def _rows_mix(forward: Callable[..., Any], args: tuple, kwargs: dict, axes: BatchAxes, batch: int, rows: int,
-              generator: torch.Generator, described: str) -> str | None:
+def _rows_mix(
+    forward: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    axes: BatchAxes,
+    batch: int,
+    rows: int,
+    generator: torch.Generator,
+    described: str,
+) -> str | None:
     """Runs eager on a call of ``batch`` rows cut to its first ``rows``, then with the rest filled in again,
     once by zeros (what padding fills in) and once by other values: the real rows must come out as eager
     gives them alone. Returns what differed (the call ``described``), or None."""
@@ -150,14 +160,22 @@ def _rows_mix(forward: Callable[..., Any], args: tuple, kwargs: dict, axes: Batc
     with torch.no_grad():
         expected = _cut_outputs(forward(*real_args, **real_kwargs), axes, rows)
         for filler in ("zeros", "other"):
-            padded = [_pad(leaf, axis, batch, filler, generator, source)
-                      for leaf, axis, source in zip(real, axes.inputs, leaves)]
+            padded = [
+                _pad(leaf, axis, batch, filler, generator, source)
+                for leaf, axis, source in zip(real, axes.inputs, leaves)
+            ]
             args_, kwargs_ = unflatten(padded, tree)
-            problem = mismatch(_cut_outputs(forward(*args_, **kwargs_), axes, rows), expected,
-                               DEFAULT_TOLERANCES, low_precision_sqnr_db=ROWS_SQNR_DB)
+            problem = mismatch(
+                _cut_outputs(forward(*args_, **kwargs_), axes, rows),
+                expected,
+                DEFAULT_TOLERANCES,
+                low_precision_sqnr_db=ROWS_SQNR_DB,
+            )
             if problem:
-                return (f"{rows} real row(s) of {described} padded with {filler} to {batch} came out unlike "
-                        f"eager on the real rows alone ({problem})")
+                return (
+                    f"{rows} real row(s) of {described} padded with {filler} to {batch} came out unlike "
+                    f"eager on the real rows alone ({problem})"
+                )
     return None
 
 
@@ -195,10 +213,14 @@ def _loaded_axes_problem(spec: ModuleSpec, forward: Callable[..., Any], trusted:
         _, batch = signature_batch(signature, axes)
         if batch < 2:
             continue  # nothing is padded up to one row
-        if not trusted and not any(axis is not None and leaf.dtype.is_floating_point  # type: ignore[union-attr]
-                                   for axis, leaf in zip(axes.inputs, signature.leaves)):
-            return (f"the loader cannot check that the rows of {signature.describe()} do not mix (no floating "
-                    "input varies along the batch) and the source is not trusted")
+        if not trusted and not any(
+            axis is not None and leaf.dtype.is_floating_point  # type: ignore[union-attr]
+            for axis, leaf in zip(axes.inputs, signature.leaves)
+        ):
+            return (
+                f"the loader cannot check that the rows of {signature.describe()} do not mix (no floating "
+                "input varies along the batch) and the source is not trusted"
+            )
         for number in range(LOAD_CHECK_BATCHES):
             rows = (batch // 2, 1, batch - 1)[number % 3]
             args, kwargs = signature.synthesize(seed=_LOAD_SEED + LOAD_CHECK_BATCHES * index + number)
@@ -226,8 +248,14 @@ def _cut_outputs(outputs: Any, axes: BatchAxes, rows: int) -> Any:
     return unflatten([_cut(leaf, axis, rows) for leaf, axis in zip(leaves, axes.outputs)], tree)[0][0]
 
 
-def _pad(leaf: Any, axis: int | None, batch: int, filler: str = "zeros",
-         generator: torch.Generator | None = None, source: Any = None) -> Any:
+def _pad(
+    leaf: Any,
+    axis: int | None,
+    batch: int,
+    filler: str = "zeros",
+    generator: torch.Generator | None = None,
+    source: Any = None,
+) -> Any:
     """``leaf`` grown to ``batch`` rows along ``axis``: its own rows first, then the filler.
 
     ``"zeros"`` is what serving fills in; ``"other"`` (tune-time check only) is random normal values
@@ -250,6 +278,7 @@ def _pad(leaf: Any, axis: int | None, batch: int, filler: str = "zeros",
 
 # -- tune time: a ladder of batch sizes from the samples ----------------------------------------------
 
+
 def batch_ladder(samples: list, sizes: list[int], axis: int = 0) -> list:
     """``samples`` followed by each sample resized to each of ``sizes`` along its batch ``axis``.
 
@@ -261,16 +290,26 @@ def batch_ladder(samples: list, sizes: list[int], axis: int = 0) -> list:
     for sample in samples:
         tensors = [leaf for leaf in flatten((sample,), {})[0] if isinstance(leaf, _Tensor) and leaf.dim() > axis]
         if not tensors:
-            raise TuningError(f"batch_sizes needs samples holding tensors with a batch axis {axis}, not "
-                              f"{_describe_sample(sample)}; record each batch size through samples instead, "
-                              "or name the samples' batch axis with batch_axis=")
+            raise TuningError(
+                f"batch_sizes needs samples holding tensors with a batch axis {axis}, not "
+                f"{_describe_sample(sample)}; record each batch size through samples instead, "
+                "or name the samples' batch axis with batch_axis="
+            )
         batch = tensors[0].shape[axis]
         for size in sizes:
             if size != batch:
                 rows = torch.arange(size, device=tensors[0].device) % batch
                 # map_tensors calls the lambda right away, so it sees this iteration's rows and batch
-                ladder.append(map_tensors(lambda x: x.index_select(axis, rows.to(x.device))  # noqa: B023
-                                          if x.dim() > axis and x.shape[axis] == batch else x, sample))  # noqa: B023
+                ladder.append(
+                    map_tensors(
+                        lambda x: (
+                            x.index_select(axis, rows.to(x.device))  # noqa: B023
+                            if x.dim() > axis and x.shape[axis] == batch  # noqa: B023
+                            else x
+                        ),
+                        sample,
+                    )
+                )
     return ladder
 
 
@@ -283,8 +322,10 @@ def _describe_sample(sample: Any) -> str:
 def check_batch_axis(axis: Any) -> int:
     """``axis`` if it is a non-negative integer; raises `TuningError` otherwise."""
     if type(axis) is not int or axis < 0:
-        raise TuningError(f"batch_axis={axis!r}: give the samples' batch axis as a non-negative integer "
-                          "(0 for [batch, ...], 1 for [sequence, batch, ...])")
+        raise TuningError(
+            f"batch_axis={axis!r}: give the samples' batch axis as a non-negative integer "
+            "(0 for [batch, ...], 1 for [sequence, batch, ...])"
+        )
     return axis
 
 
@@ -299,12 +340,14 @@ def check_batch_sizes(sizes: Any) -> list[int]:
     except TypeError:
         values = None
     if not values or not all(type(v) is int and 0 < v <= MAX_BATCH_SIZE for v in values):
-        raise TuningError(f"batch_sizes={sizes!r}: give a list of integers from 1 to {MAX_BATCH_SIZE}, "
-                          "e.g. [1, 2, 4, 8]")
+        raise TuningError(
+            f"batch_sizes={sizes!r}: give a list of integers from 1 to {MAX_BATCH_SIZE}, e.g. [1, 2, 4, 8]"
+        )
     return sorted(set(values))
 
 
 # -- call time ---------------------------------------------------------------------------------------
+
 
 def signature_batch(signature: Signature, axes: BatchAxes) -> tuple[tuple, int]:
     """A recorded signature's fit key without batch sizes, and its batch.
@@ -317,8 +360,9 @@ def signature_batch(signature: Signature, axes: BatchAxes) -> tuple[tuple, int]:
     try:
         return _mask(signature.key, axes.inputs, shapes)
     except _NoBatch:
-        raise ValueError(f"the batch axes {list(axes.inputs)} give {signature.describe()} no batch of "
-                         "at least one row") from None
+        raise ValueError(
+            f"the batch axes {list(axes.inputs)} give {signature.describe()} no batch of at least one row"
+        ) from None
 
 
 class PadTable:
@@ -376,7 +420,7 @@ def _mask(key: tuple, axes: tuple[int | None, ...], shapes: list) -> tuple[tuple
     the last entries of ``key`` (`xpupack.signature.fit_key`).
     """
     count = len(shapes)
-    leaf_keys = list(key[len(key) - count:])
+    leaf_keys = list(key[len(key) - count :])
     batch = None
     for position, axis in enumerate(axes):
         if axis is None:
@@ -386,10 +430,10 @@ def _mask(key: tuple, axes: tuple[int | None, ...], shapes: list) -> tuple[tuple
             raise _NoBatch
         batch = shape[axis]
         _, dtype, device = leaf_keys[position]
-        leaf_keys[position] = ((*shape[:axis], -1, *shape[axis + 1:]), dtype, device)
+        leaf_keys[position] = ((*shape[:axis], -1, *shape[axis + 1 :]), dtype, device)
     if not batch:
         raise _NoBatch
-    return (*key[:len(key) - count], *leaf_keys), batch
+    return (*key[: len(key) - count], *leaf_keys), batch
 
 
 def check_output_axes(outputs: Any, axes: BatchAxes, batch: int) -> None:
@@ -405,11 +449,14 @@ def check_output_axes(outputs: Any, axes: BatchAxes, batch: int) -> None:
     """
     leaves, _ = flatten((outputs,), {})
     if len(leaves) != len(axes.outputs) or any(
-            axis is not None and not (isinstance(leaf, _Tensor) and leaf.dim() > axis and leaf.shape[axis] == batch)
-            for leaf, axis in zip(leaves, axes.outputs)):
+        axis is not None and not (isinstance(leaf, _Tensor) and leaf.dim() > axis and leaf.shape[axis] == batch)
+        for leaf, axis in zip(leaves, axes.outputs)
+    ):
         shapes = [list(leaf.shape) if isinstance(leaf, _Tensor) else type(leaf).__name__ for leaf in leaves]
-        raise ValueError(f"the package's output batch axes {list(axes.outputs)} do not fit the outputs "
-                         f"{shapes} of a call of {batch} rows; the package is damaged — rebuild it")
+        raise ValueError(
+            f"the package's output batch axes {list(axes.outputs)} do not fit the outputs "
+            f"{shapes} of a call of {batch} rows; the package is damaged — rebuild it"
+        )
 
 
 def padded_rows_differ(backend: Any, actual: Any, expected: Any) -> str | None:

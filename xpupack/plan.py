@@ -93,8 +93,11 @@ class Choice:
 
     def without_artifacts(self, why: str) -> Choice:
         """The same backend, built here: its compiled artifacts cannot be used (``why``)."""
-        return replace(self, use_artifacts=False, steps=(*self.steps, _Step(
-            f"{self.backend.name} compiled here: {why}", f"compiled on load: {why}")))
+        return replace(
+            self,
+            use_artifacts=False,
+            steps=(*self.steps, _Step(f"{self.backend.name} compiled here: {why}", f"compiled on load: {why}")),
+        )
 
     def after_failure(self, why: str, context: Context) -> Choice:
         """What runs when restoring this choice failed (``why``): the next of the chain, same rules.
@@ -103,14 +106,24 @@ class Choice:
         """
         if self.depth is None:
             raise ValueError("the original module has nothing to fall back to")
-        step = _Step(f"{self.backend.name} -> {_next_name(self.package_backend, self.depth)} (restore failed: {why})",
-                     f"restore failed ({why}): runs {_next_label(self.package_backend, self.depth)}")
-        return choose(self.path, self.package_backend, context, owned=self.owned, start=self.depth + 1,
-                      steps=(*self.steps, step))
+        step = _Step(
+            f"{self.backend.name} -> {_next_name(self.package_backend, self.depth)} (restore failed: {why})",
+            f"restore failed ({why}): runs {_next_label(self.package_backend, self.depth)}",
+        )
+        return choose(
+            self.path, self.package_backend, context, owned=self.owned, start=self.depth + 1, steps=(*self.steps, step)
+        )
 
 
-def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, ...] = (), start: int = 0,
-           steps: tuple[_Step, ...] = ()) -> Choice:
+def choose(
+    path: str,
+    backend: Backend,
+    context: Context,
+    *,
+    owned: tuple[str, ...] = (),
+    start: int = 0,
+    steps: tuple[_Step, ...] = (),
+) -> Choice:
     """What runs the module at ``path`` whose package backend is ``backend`` (see the module docstring).
 
     Args:
@@ -131,18 +144,27 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
         if available and not changed:
             use_artifacts = True
         else:
-            what = (", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items()) if available
-                    else candidate.why_unavailable(context.device))
+            what = (
+                ", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items())
+                if available
+                else candidate.why_unavailable(context.device)
+            )
             if context.on_mismatch == "error":
                 raise IncompatiblePackageError(
                     f"{where}: the {candidate.name} artifacts cannot run here ({what}); load with "
                     "on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
-                    differences=changed)
+                    differences=changed,
+                )
             if not available or context.on_mismatch == "fallback":
-                verify_what = what if not available else ", ".join(
-                    f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
-                steps += (_Step(f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
-                                f"{verify_what}: runs {_next_label(backend, depth)}"),)
+                verify_what = (
+                    what if not available else ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
+                )
+                steps += (
+                    _Step(
+                        f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
+                        f"{verify_what}: runs {_next_label(backend, depth)}",
+                    ),
+                )
                 continue
             changes = ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
             if candidate.rebuildable:
@@ -150,13 +172,21 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
                 steps += (_Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + changes),)
             else:  # nothing to rebuild from (TorchAO's quantized weights): they are loaded as stored
                 use_artifacts = True
-                steps += (_Step(f"{candidate.name} artifacts used as stored ({what}); they cannot be rebuilt here",
-                                f"{changes}: stored {candidate.name} artifacts used as they are"),)
+                steps += (
+                    _Step(
+                        f"{candidate.name} artifacts used as stored ({what}); they cannot be rebuilt here",
+                        f"{changes}: stored {candidate.name} artifacts used as they are",
+                    ),
+                )
         if use_artifacts and candidate.compiled_artifacts and not context.trusted:
             use_artifacts = False
-            steps += (_Step(f"{candidate.name} compiled here: {context.untrusted_why} (pin the commit, or pass "
-                            "trust_compiled=True to use its compiled artifacts)",
-                            f"compiled artifacts not trusted ({context.untrusted_why}): compiled on load"),)
+            steps += (
+                _Step(
+                    f"{candidate.name} compiled here: {context.untrusted_why} (pin the commit, or pass "
+                    "trust_compiled=True to use its compiled artifacts)",
+                    f"compiled artifacts not trusted ({context.untrusted_why}): compiled on load",
+                ),
+            )
         return Choice(path, backend, candidate, depth, use_artifacts, owned, steps)
     if owned:
         why = "; ".join(step.note for step in steps[-1:]) or "it cannot run here"
@@ -164,13 +194,20 @@ def choose(path: str, backend: Backend, context: Context, *, owned: tuple[str, .
             f"{where}: the {backend.label} backend cannot run here ({why}), and the package holds "
             f"{', '.join(owned[:3])} only in that backend's form, so the original module cannot take "
             "over — load on a device where it runs, or rebuild the package here from the original weights",
-            differences=differences(context.built, context.here, backend.depends_on))
+            differences=differences(context.built, context.here, backend.depends_on),
+        )
     # a report plans with BackendFacts where a load has Backends: both answer what Choice reads
     return Choice(path, backend, _original_module(backend), None, False, owned, steps)  # type: ignore[arg-type]
 
 
-def options_here(name: str, options: dict, context: Context, *, compile_options: dict | None = None,
-                 record_collectives: bool | None = None) -> tuple[dict, tuple[_Step, ...]]:
+def options_here(
+    name: str,
+    options: dict,
+    context: Context,
+    *,
+    compile_options: dict | None = None,
+    record_collectives: bool | None = None,
+) -> tuple[dict, tuple[_Step, ...]]:
     """The options a load builds the package's backend ``name`` with (JSON, as the manifest holds them),
     and how they differ from the package's, as steps for `choose` (README: "Safety and reliability").
 
@@ -185,17 +222,26 @@ def options_here(name: str, options: dict, context: Context, *, compile_options:
     adjusted, steps = dict(options), tuple[_Step, ...]()
     base = options.get("base")
     if isinstance(base, dict) and isinstance(base.get("options"), dict):
-        inner, steps = options_here(base.get("name"), base["options"], context, compile_options=compile_options,
-                                    record_collectives=record_collectives)
+        inner, steps = options_here(
+            base.get("name"),
+            base["options"],
+            context,
+            compile_options=compile_options,
+            record_collectives=record_collectives,
+        )
         if inner != base["options"]:
             adjusted["base"] = {**base, "options": inner}
     if name == "inductor" and compile_options is not None and options.get("compile_options", {}) != compile_options:
         adjusted.pop("compile_options", None)
         if compile_options:
             adjusted["compile_options"] = dict(compile_options)
-        steps += (_Step(f"inductor compiled with the loader's compile_options {compile_options} instead of the "
-                        f"package's {options.get('compile_options', {})}",
-                        f"compile_options {compile_options} given to the loader"),)
+        steps += (
+            _Step(
+                f"inductor compiled with the loader's compile_options {compile_options} instead of the "
+                f"package's {options.get('compile_options', {})}",
+                f"compile_options {compile_options} given to the loader",
+            ),
+        )
     if name == "graph":
         package = options.get("record_collectives") is True
         honoured = record_collectives if record_collectives is not None else package and context.trusted
@@ -203,12 +249,15 @@ def options_here(name: str, options: dict, context: Context, *, compile_options:
             adjusted.pop("record_collectives", None)
             if honoured:
                 adjusted["record_collectives"] = True
-            why = ("the loader passed record_collectives=False" if record_collectives is False
-                   else "the loader passed record_collectives=True" if record_collectives
-                   else f"not taken from an untrusted source: {context.untrusted_why}; pass "
-                        "record_collectives=True to xpupack.load to take it")
-            steps += (_Step(f"graph record_collectives={honoured} ({why})",
-                            f"record_collectives={honoured}: {why}"),)
+            why = (
+                "the loader passed record_collectives=False"
+                if record_collectives is False
+                else "the loader passed record_collectives=True"
+                if record_collectives
+                else f"not taken from an untrusted source: {context.untrusted_why}; pass "
+                "record_collectives=True to xpupack.load to take it"
+            )
+            steps += (_Step(f"graph record_collectives={honoured} ({why})", f"record_collectives={honoured}: {why}"),)
     return adjusted, steps
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ class PushPlan:
     commit_message: str
 
 
-def plan_push(path: str | Path, repo_id: str, *, revision: str | None = None) -> PushPlan:
+def plan_push(path: str | os.PathLike[str], repo_id: str, *, revision: str | None = None) -> PushPlan:
     """Verifies the package at ``path`` and works out the commit `push` would make; contacts nothing.
 
     Args:
@@ -73,16 +74,32 @@ def plan_push(path: str | Path, repo_id: str, *, revision: str | None = None) ->
     repo_id = _repo_id(repo_id)
     manifest = check_package(root)  # a damaged package never reaches the Hub
     if revision is not None and COMMIT_HASH.fullmatch(revision):
-        raise SourceError(f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
-                          "name or leave revision=None for main", source=revision)
+        raise SourceError(
+            f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
+            "name or leave revision=None for main",
+            source=revision,
+        )
     card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
     files = tuple((name, (root / name).stat().st_size) for name in [MANIFEST, *manifest["files"]])
-    return PushPlan(root, repo_id, revision, hub_settings().endpoint, files + ((MODEL_CARD, len(card)),), card,
-                    _commit_message(manifest))
+    return PushPlan(
+        root,
+        repo_id,
+        revision,
+        hub_settings().endpoint,
+        files + ((MODEL_CARD, len(card)),),
+        card,
+        _commit_message(manifest),
+    )
 
 
-def push(path: str | Path, repo_id: str, *, revision: str | None = None, private: bool | None = None,
-         token: str | bool | None = None) -> CommitInfo:
+def push(
+    path: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool | None = None,
+    token: str | bool | None = None,
+) -> CommitInfo:
     """Verifies the package at ``path`` and uploads it to Hub repo ``repo_id`` in one commit.
 
     The repo is created if needed. The commit holds ``xpupack.json``, every file
@@ -122,46 +139,67 @@ def push(path: str | Path, repo_id: str, *, revision: str | None = None, private
     root, repo_id = plan.root, plan.repo_id  # the repo as "org/name", also when named "hf://org/name"
     hub = hub_settings()
     if hub.offline:
-        raise HubError("HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id,
-                       revision=revision)
+        raise HubError(
+            "HF_HUB_OFFLINE is set: pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id, revision=revision
+        )
     listed = [name for name, _size in plan.files if name != MODEL_CARD]
     api = hub_api(hub, token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision not in (None, "main"):
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        stale = [name for name in api.list_repo_files(repo_id, revision=revision)
-                 if name not in listed and _package_owned(name)]
+        stale = [
+            name
+            for name in api.list_repo_files(repo_id, revision=revision)
+            if name not in listed and _package_owned(name)
+        ]
         operations: list[CommitOperationAdd | CommitOperationDelete] = [
-            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed]
+            CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name)) for name in listed
+        ]
         operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=plan.card))
         operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
         info = api.create_commit(repo_id, operations, commit_message=plan.commit_message, revision=revision)
     except OfflineModeIsEnabled:
-        raise HubError("huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was imported): "
-                       "pushing needs the Hub — unset HF_HUB_OFFLINE", repo_id=repo_id) from None
+        raise HubError(
+            "huggingface_hub is in offline mode (HF_HUB_OFFLINE was set when it was imported): "
+            "pushing needs the Hub — unset HF_HUB_OFFLINE",
+            repo_id=repo_id,
+        ) from None
     except HfHubHTTPError as exc:
         status = exc.response.status_code if exc.response is not None else None
         if status in (401, 403):
-            raise HubError(f"the Hub at {hub.endpoint} refused to write to {repo_id} ({status}): log in with "
-                           "`hf auth login` using a token with write access, or pass token=...",
-                           repo_id=repo_id, revision=revision) from None
-        raise HubError(f"pushing {root} to {repo_id} failed: {first_line(exc)}", repo_id=repo_id,
-                       revision=revision) from None
+            raise HubError(
+                f"the Hub at {hub.endpoint} refused to write to {repo_id} ({status}): log in with "
+                "`hf auth login` using a token with write access, or pass token=...",
+                repo_id=repo_id,
+                revision=revision,
+            ) from None
+        raise HubError(
+            f"pushing {root} to {repo_id} failed: {first_line(exc)}", repo_id=repo_id, revision=revision
+        ) from None
     except Exception as exc:
         if not _unreachable(exc):
             raise
-        raise HubError(f"cannot reach the Hub at {hub.endpoint} to push {root} to {repo_id} ({first_line(exc)}): "
-                       "check the network, and HF_ENDPOINT if that is not the Hub you meant",
-                       repo_id=repo_id, revision=revision) from None
+        raise HubError(
+            f"cannot reach the Hub at {hub.endpoint} to push {root} to {repo_id} ({first_line(exc)}): "
+            "check the network, and HF_ENDPOINT if that is not the Hub you meant",
+            repo_id=repo_id,
+            revision=revision,
+        ) from None
     log.info("pushed %s to %s (%d files): %s", root, repo_id, len(plan.files), info.commit_url)
     return info
 
 
 #: (module, class) of the errors that mean no answer came (refused, unresolvable, timed out), whichever HTTP
 #: client huggingface_hub uses: httpx and httpx2 (huggingface_hub 1 and 2), requests (before), or the socket's own
-_NO_ANSWER = {("httpx", "TransportError"), ("httpx2", "TransportError"), ("requests.exceptions", "ConnectionError"),
-              ("requests.exceptions", "Timeout"), ("builtins", "ConnectionError"), ("builtins", "TimeoutError")}
+_NO_ANSWER = {
+    ("httpx", "TransportError"),
+    ("httpx2", "TransportError"),
+    ("requests.exceptions", "ConnectionError"),
+    ("requests.exceptions", "Timeout"),
+    ("builtins", "ConnectionError"),
+    ("builtins", "TimeoutError"),
+}
 
 
 def _unreachable(exc: BaseException) -> bool:
@@ -172,10 +210,12 @@ def _unreachable(exc: BaseException) -> bool:
 def _repo_id(repo_id: str) -> str:
     """``org/name`` from ``org/name`` or ``hf://org/name``: a repo the model card's ``xpupack.load(model,
     "org/name")`` names (a bare ``name`` would be created under the token's user, and load as a folder)."""
-    text = repo_id[len(HUB_PREFIX):] if isinstance(repo_id, str) and repo_id.startswith(HUB_PREFIX) else repo_id
+    text = repo_id[len(HUB_PREFIX) :] if isinstance(repo_id, str) and repo_id.startswith(HUB_PREFIX) else repo_id
     if not isinstance(text, str) or text.count("/") != 1 or not is_repo_id(text):
-        raise SourceError(f"push needs a Hub repo named 'org/name' (letters, digits, '-', '_', '.'), not {repo_id!r}",
-                          source=str(repo_id))
+        raise SourceError(
+            f"push needs a Hub repo named 'org/name' (letters, digits, '-', '_', '.'), not {repo_id!r}",
+            source=str(repo_id),
+        )
     return text
 
 
@@ -188,5 +228,7 @@ def _package_owned(name: str) -> bool:
 def _commit_message(manifest: dict) -> str:
     env = manifest["environment"]
     backends = ", ".join(sorted({m["backend"]["name"] for m in manifest["modules"]}))
-    return (f"xpupack package: {len(manifest['modules'])} module(s) ({backends}), "
-            f"torch {env['torch']} on {env['device_type']}")
+    return (
+        f"xpupack package: {len(manifest['modules'])} module(s) ({backends}), "
+        f"torch {env['torch']} on {env['device_type']}"
+    )

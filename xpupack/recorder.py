@@ -59,24 +59,37 @@ def select_modules(model: nn.Module, patterns: Iterable[str] | None) -> dict[str
         patterns = [patterns]
     patterns = list(patterns)
     named = dict(model.named_modules())
-    selected = {path: module for path, module in named.items()
-                if path and any(path_matches(path, pattern) for pattern in patterns)}
+    selected = {
+        path: module
+        for path, module in named.items()
+        if path and any(path_matches(path, pattern) for pattern in patterns)
+    }
     if not selected:
         examples = ", ".join(list(p for p in named if p)[:8])
-        raise TuningError(f"no submodule matches {patterns} (`*` matches one dot-separated segment, `**` any "
-                          f"number of them); object paths look like: {examples}")
+        raise TuningError(
+            f"no submodule matches {patterns} (`*` matches one dot-separated segment, `**` any "
+            f"number of them); object paths look like: {examples}"
+        )
     for pattern in patterns:  # a pattern that selects nothing is a typo the others would hide
         if not any(path_matches(path, pattern) for path in named if path):
             close = difflib.get_close_matches(pattern, [p for p in named if p], n=5, cutoff=0.5)
-            raise TuningError(f"the module pattern {pattern!r} matches no submodule (the others match "
-                              f"{len(selected)}); " + (f"close object paths: {', '.join(close)}" if close else
-                                                       f"object paths look like: {', '.join(list(selected)[:5])}")
-                              + " — fix or drop the pattern")
+            raise TuningError(
+                f"the module pattern {pattern!r} matches no submodule (the others match "
+                f"{len(selected)}); "
+                + (
+                    f"close object paths: {', '.join(close)}"
+                    if close
+                    else f"object paths look like: {', '.join(list(selected)[:5])}"
+                )
+                + " — fix or drop the pattern"
+            )
     for path in selected:
         for other in selected:
             if other != path and path.startswith(other + "."):
-                raise TuningError(f"both {other!r} and its submodule {path!r} are selected; "
-                                  "tune one or the other (narrow the --modules patterns)")
+                raise TuningError(
+                    f"both {other!r} and its submodule {path!r} are selected; "
+                    "tune one or the other (narrow the --modules patterns)"
+                )
     return selected
 
 
@@ -93,9 +106,14 @@ def same_values(a: Any, b: Any) -> bool:
     if a_spec != b_spec:
         return False
     for x, y in zip(a_leaves, b_leaves):
-        if isinstance(x, torch.Tensor) and not (torch.equal(x, y) or (
-                (x.dtype.is_floating_point or x.dtype.is_complex) and x.shape == y.shape
-                and bool(((x == y) | (x.isnan() & y.isnan())).all()))):
+        if isinstance(x, torch.Tensor) and not (
+            torch.equal(x, y)
+            or (
+                (x.dtype.is_floating_point or x.dtype.is_complex)
+                and x.shape == y.shape
+                and bool(((x == y) | (x.isnan() & y.isnan())).all())
+            )
+        ):
             return False
     return True
 
@@ -132,17 +150,21 @@ class BufferWatch:
     """
 
     def __init__(self, module: nn.Module):
-        self._entries = [(owner, f"{prefix}.{name}" if prefix else name, name, tensor, tensor.detach().clone())
-                         for prefix, owner in module.named_modules()
-                         for name, tensor in owner._buffers.items()
-                         if tensor is not None and not tensor.is_meta]  # meta: its values live elsewhere
+        self._entries = [
+            (owner, f"{prefix}.{name}" if prefix else name, name, tensor, tensor.detach().clone())
+            for prefix, owner in module.named_modules()
+            for name, tensor in owner._buffers.items()
+            if tensor is not None and not tensor.is_meta
+        ]  # meta: its values live elsewhere
         self._versions = [_version(tensor) for _, _, _, tensor, _ in self._entries]
 
     def written(self) -> list[str]:
         """The buffers replaced or written in place since the watch began (or was last `restore`d)."""
-        return [path for (owner, path, name, tensor, saved), version in zip(self._entries, self._versions)
-                if owner._buffers.get(name) is not tensor or _version(tensor) != version
-                or not same_values(tensor, saved)]
+        return [
+            path
+            for (owner, path, name, tensor, saved), version in zip(self._entries, self._versions)
+            if owner._buffers.get(name) is not tensor or _version(tensor) != version or not same_values(tensor, saved)
+        ]
 
     def restore(self) -> None:
         """Puts every buffer back: the same tensor objects (a recording reads them where they are), the
@@ -216,10 +238,15 @@ class _SampledCalls:
             spec.counts[index].append([counters.read(obj) for counters, obj in signature.state_counters(leaves)])
 
 
-def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[Any],
-           run: Callable[[nn.Module, Any], Any] | None,
-           progress: Callable[[str], None] | None = None, *,
-           mode: Callable[[], Any] = torch.no_grad) -> dict[str, ModuleSpec]:
+def record(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    samples: Iterable[Any],
+    run: Callable[[nn.Module, Any], Any] | None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    mode: Callable[[], Any] = torch.no_grad,
+) -> dict[str, ModuleSpec]:
     """Runs ``samples`` through ``model`` under ``mode`` (`torch.no_grad`, or `torch.inference_mode` where the
     caller runs in it) and returns each selected module's recorded spec."""
     sampled = {path: _SampledCalls() for path in modules}
@@ -238,7 +265,9 @@ def record(model: nn.Module, modules: dict[str, nn.Module], samples: Iterable[An
                     raise SampleError(
                         f"sample {count - 1} (counting from 0), {describe_sample(sample)}, failed in the model"
                         f"{' (through run)' if run is not None else ''}: {type(exc).__name__}: {exc} — the model "
-                        "must run every sample as it is, so fix or leave out that sample", index=count - 1) from exc
+                        "must run every sample as it is, so fix or leave out that sample",
+                        index=count - 1,
+                    ) from exc
     finally:
         for handle in handles:
             handle.remove()
@@ -276,5 +305,7 @@ def _run_sample(model: nn.Module, sample: Any, run: Callable | None) -> None:
     elif isinstance(sample, dict):
         model(**sample)
     else:
-        raise TuningError(f"cannot call the model with a {type(sample).__name__} sample; "
-                          "pass a tensor, tuple, list or dict, or give run=lambda model, item: ...")
+        raise TuningError(
+            f"cannot call the model with a {type(sample).__name__} sample; "
+            "pass a tensor, tuple, list or dict, or give run=lambda model, item: ..."
+        )

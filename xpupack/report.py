@@ -76,8 +76,9 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
     from .plan import Context, choose, options_here
 
     device = device_here(device) if device is None or isinstance(device, str) else device
-    context = Context(device, environment(device), manifest["environment"], source.trusted, source.untrusted_why,
-                      on_mismatch)
+    context = Context(
+        device, environment(device), manifest["environment"], source.trusted, source.untrusted_why, on_mismatch
+    )
     plans = {}
     for entry in manifest["modules"]:
         try:
@@ -86,14 +87,21 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
             options, steps = options_here(name, options, context)
             if steps:
                 backend = _backend(name, options, device)
-            choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())),
-                            steps=steps)
+            choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())), steps=steps)
         except XpupackError as exc:
-            plans[entry["path"]] = {"runs": None, "use_artifacts": False, "compiled": False,
-                                    "status": f"cannot load here: {exc}"}
+            plans[entry["path"]] = {
+                "runs": None,
+                "use_artifacts": False,
+                "compiled": False,
+                "status": f"cannot load here: {exc}",
+            }
             continue
-        plans[entry["path"]] = {"runs": choice.backend.label, "use_artifacts": choice.use_artifacts,
-                                "compiled": choice.backend.compiled_artifacts, "status": choice.status}
+        plans[entry["path"]] = {
+            "runs": choice.backend.label,
+            "use_artifacts": choice.use_artifacts,
+            "compiled": choice.backend.compiled_artifacts,
+            "status": choice.status,
+        }
     return plans
 
 
@@ -131,8 +139,15 @@ def _padding(spec: dict, entry: dict) -> str | None:
         return "never padded: " + spec["padding_refused"]
     axes = spec.get("batch_axes") or []
     if any(axes):
-        batches = sorted({s["leaves"][i]["shape"][a] for s, entry in zip(spec["signatures"], axes) if entry
-                          for i, a in enumerate(entry["inputs"]) if a is not None})
+        batches = sorted(
+            {
+                s["leaves"][i]["shape"][a]
+                for s, entry in zip(spec["signatures"], axes)
+                if entry
+                for i, a in enumerate(entry["inputs"])
+                if a is not None
+            }
+        )
         return "smaller batches padded up to " + ", ".join(map(str, batches))
     return None
 
@@ -142,10 +157,13 @@ def _recorded(entry: dict) -> dict | None:
     (None for other backends, for packages saved before xpupack reported it, and for an entry of
     another shape: only `inspect` reads it, a loader records again and measures its own)."""
     recorded = entry["backend"]["config"].get("recorded") if isinstance(entry["backend"]["config"], dict) else None
-    if not isinstance(recorded, dict) or not _is_count(recorded.get("memory_bytes")) \
-            or not _is_count(recorded.get("max_memory", 0)) \
-            or not all(map(_is_count, _values(recorded.get("recording_memory", {})))) \
-            or not all(isinstance(why, str) for why in _values(recorded.get("skipped", {}))):
+    if (
+        not isinstance(recorded, dict)
+        or not _is_count(recorded.get("memory_bytes"))
+        or not _is_count(recorded.get("max_memory", 0))
+        or not all(map(_is_count, _values(recorded.get("recording_memory", {}))))
+        or not all(isinstance(why, str) for why in _values(recorded.get("skipped", {})))
+    ):
         return None
     return recorded
 
@@ -174,26 +192,28 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
     for entry in manifest["modules"]:
         spec = read_spec(root, entry)
         prefix = entry["folder"] + "/"
-        modules.append({
-            "path": entry["path"],
-            "backend": entry["backend"]["name"],
-            "options": entry["backend"]["options"],
-            "settings": describe_options(entry["backend"]["options"]),
-            # as stored, each read through `Candidate` (a field an older xpupack did not write stays out)
-            "candidates": [Candidate.from_json(candidate).to_json() for candidate in entry["candidates"]],
-            "signatures": [describe_signature(s) for s in spec["signatures"]],
-            "calls_recorded": spec["calls"],
-            "unrecordable": spec["unrecordable"],
-            "padding": _padding(spec, entry),
-            "recorded": _recorded(entry),
-            "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
-            "compiled_artifacts": entry["path"] in compiled,
-            "device_slot": module_slot(entry),
-            "runs_here": here[entry["path"]]["runs"],
-            "artifacts_here": here[entry["path"]]["use_artifacts"],
-            "compiled_here": here[entry["path"]]["compiled"],
-            "on_load": here[entry["path"]]["status"],
-        })
+        modules.append(
+            {
+                "path": entry["path"],
+                "backend": entry["backend"]["name"],
+                "options": entry["backend"]["options"],
+                "settings": describe_options(entry["backend"]["options"]),
+                # as stored, each read through `Candidate` (a field an older xpupack did not write stays out)
+                "candidates": [Candidate.from_json(candidate).to_json() for candidate in entry["candidates"]],
+                "signatures": [describe_signature(s) for s in spec["signatures"]],
+                "calls_recorded": spec["calls"],
+                "unrecordable": spec["unrecordable"],
+                "padding": _padding(spec, entry),
+                "recorded": _recorded(entry),
+                "size_bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(prefix)),
+                "compiled_artifacts": entry["path"] in compiled,
+                "device_slot": module_slot(entry),
+                "runs_here": here[entry["path"]]["runs"],
+                "artifacts_here": here[entry["path"]]["use_artifacts"],
+                "compiled_here": here[entry["path"]]["compiled"],
+                "on_load": here[entry["path"]]["status"],
+            }
+        )
     return {
         "package": source.description or str(root),
         "format_version": manifest["format_version"],
@@ -202,8 +222,11 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         "device": manifest["device"],
         "devices": package_slots(manifest),
         "environment": manifest["environment"],
-        "model": {"class": manifest["model"]["class"], "tensors": len(manifest["model"]["tensors"]),
-                  "weights": manifest["model"]["weights"]},
+        "model": {
+            "class": manifest["model"]["class"],
+            "tensors": len(manifest["model"]["tensors"]),
+            "weights": manifest["model"]["weights"],
+        },
         "modules": modules,
         "recording_memory_bytes": sum(m["recorded"]["memory_bytes"] for m in modules if m["recorded"]),
         "files": {name: f["size"] for name, f in manifest["files"].items()},
@@ -225,11 +248,9 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
     _check_on_mismatch(on_mismatch)
     here_device = device_here(device)
     source = source if isinstance(source, Source) else _local(source)
-    result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [],
-                    "compatibility": {}}
+    result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [], "compatibility": {}}
     try:
-        manifest = check_package(source.root, links_within=source.links_within,
-                                 ignore_unlisted=source.ignore_unlisted)
+        manifest = check_package(source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
@@ -258,9 +279,12 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
             continue
         status = plans[entry["path"]]["status"]
         settings = describe_options(entry["backend"]["options"])
-        result["compatibility"][path] = {"backend": entry["backend"]["name"], "status": status,
-                                         "compatible": status == "compatible",
-                                         **({"settings": settings} if settings else {})}
+        result["compatibility"][path] = {
+            "backend": entry["backend"]["name"],
+            "status": status,
+            "compatible": status == "compatible",
+            **({"settings": settings} if settings else {}),
+        }
     return result
 
 
@@ -274,8 +298,9 @@ def _check_build_device(manifest: dict, root: Path) -> None:
     for name in package_slots(manifest):
         device_type, _, index = name.partition(":")
         if not (device_type.isidentifier() and device_type.islower() and (not index or index.isdigit())):
-            raise PackageFormatError(f"{root / MANIFEST}: unknown device {name!r}; the package is "
-                                     "damaged — rebuild it", path=MANIFEST)
+            raise PackageFormatError(
+                f"{root / MANIFEST}: unknown device {name!r}; the package is damaged — rebuild it", path=MANIFEST
+            )
 
 
 def _check_spec(root: Path, entry: dict) -> None:

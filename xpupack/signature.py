@@ -91,8 +91,7 @@ def call_key(spec: Any, leaves: list) -> tuple:
     Tensor leaves contribute ``(shape, dtype, device)``; other leaves
     `_constant_key`. Unhashable leaves raise ``TypeError``.
     """
-    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _opaque_key(x)
-                    for x in leaves])
+    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _opaque_key(x) for x in leaves])
 
 
 def _opaque_key(value: Any) -> tuple:
@@ -137,8 +136,12 @@ class TensorLeaf:
     device: torch.device
 
     def to_json(self) -> dict:
-        return {"kind": "tensor", "shape": list(self.shape), "dtype": dtype_name(self.dtype),
-                "device": str(self.device)}
+        return {
+            "kind": "tensor",
+            "shape": list(self.shape),
+            "dtype": dtype_name(self.dtype),
+            "device": str(self.device),
+        }
 
 
 @dataclass(frozen=True)
@@ -154,13 +157,20 @@ class StateLeaf:
         return ("state", self.type_name, self.tensors)
 
     def to_json(self) -> dict:
-        return {"kind": "state", "type": self.type_name,
-                "tensors": [{"shape": list(shape), "stride": list(stride), "dtype": dtype_name(dtype),
-                             "device": str(device)} for shape, stride, dtype, device in self.tensors]}
+        return {
+            "kind": "state",
+            "type": self.type_name,
+            "tensors": [
+                {"shape": list(shape), "stride": list(stride), "dtype": dtype_name(dtype), "device": str(device)}
+                for shape, stride, dtype, device in self.tensors
+            ],
+        }
 
     def on_device(self, mapping: dict[torch.device, torch.device]) -> StateLeaf:
-        return StateLeaf(self.type_name, tuple((shape, stride, dtype, mapping.get(device, device))
-                                               for shape, stride, dtype, device in self.tensors))
+        return StateLeaf(
+            self.type_name,
+            tuple((shape, stride, dtype, mapping.get(device, device)) for shape, stride, dtype, device in self.tensors),
+        )
 
 
 @dataclass(frozen=True)
@@ -188,9 +198,14 @@ class Signature:
     def key(self) -> tuple:
         """The fit key of any call this signature describes: `flat_key`'s form for flat calls,
         `call_key`'s otherwise."""
-        leaf_keys = [(leaf.shape, leaf.dtype, leaf.device) if isinstance(leaf, TensorLeaf)
-                     else leaf.key if isinstance(leaf, StateLeaf) else _constant_key(leaf.value)
-                     for leaf in self.leaves]
+        leaf_keys = [
+            (leaf.shape, leaf.dtype, leaf.device)
+            if isinstance(leaf, TensorLeaf)
+            else leaf.key
+            if isinstance(leaf, StateLeaf)
+            else _constant_key(leaf.value)
+            for leaf in self.leaves
+        ]
         layout = self.flat_layout
         if layout is not None:
             return (*layout, *leaf_keys)
@@ -214,11 +229,21 @@ class Signature:
     def family(self) -> tuple:
         """The signature with every size left out: a call with state whose signature is new but of a
         tuned one's family (a KV cache of another length, a longer mask) is run by the same backend."""
-        return (self.spec, *[("tensor", leaf.dtype, leaf.device, len(leaf.shape)) if isinstance(leaf, TensorLeaf)
-                             else ("state", leaf.type_name, tuple((len(shape), dtype, device)
-                                                                  for shape, _, dtype, device in leaf.tensors))
-                             if isinstance(leaf, StateLeaf) else _constant_key(leaf.value)
-                             for leaf in self.leaves])
+        return (
+            self.spec,
+            *[
+                ("tensor", leaf.dtype, leaf.device, len(leaf.shape))
+                if isinstance(leaf, TensorLeaf)
+                else (
+                    "state",
+                    leaf.type_name,
+                    tuple((len(shape), dtype, device) for shape, _, dtype, device in leaf.tensors),
+                )
+                if isinstance(leaf, StateLeaf)
+                else _constant_key(leaf.value)
+                for leaf in self.leaves
+            ],
+        )
 
     @property
     def state_layout(self) -> tuple:
@@ -240,8 +265,12 @@ class Signature:
     def state_counters(self, leaves: list) -> list[tuple[Any, Any]]:
         """``(counters, object)`` for each state object of a call of this signature that keeps Python-side
         counters (`xpupack.state.SlidingWindowCounters`); empty for most signatures."""
-        return [(kind.counters, leaves[slot]) for slot in self.state_slots
-                for kind in [state_type(leaves[slot])] if kind.counters is not None]
+        return [
+            (kind.counters, leaves[slot])
+            for slot in self.state_slots
+            for kind in [state_type(leaves[slot])]
+            if kind.counters is not None
+        ]
 
     def describe(self) -> str:
         """A short human-readable form, e.g. ``(f32[2,16,64], 2.0)`` (`xpupack._signature_text`)."""
@@ -249,9 +278,14 @@ class Signature:
 
     def on_device(self, mapping: dict[torch.device, torch.device]) -> Signature:
         """The same signature with tensor leaves moved according to ``mapping``."""
-        leaves = tuple(TensorLeaf(leaf.shape, leaf.dtype, mapping.get(leaf.device, leaf.device))
-                       if isinstance(leaf, TensorLeaf) else leaf.on_device(mapping) if isinstance(leaf, StateLeaf)
-                       else leaf for leaf in self.leaves)
+        leaves = tuple(
+            TensorLeaf(leaf.shape, leaf.dtype, mapping.get(leaf.device, leaf.device))
+            if isinstance(leaf, TensorLeaf)
+            else leaf.on_device(mapping)
+            if isinstance(leaf, StateLeaf)
+            else leaf
+            for leaf in self.leaves
+        )
         return Signature(self.spec, leaves)
 
     def synthesize(self, *, seed: int = 0) -> tuple[tuple, dict]:
@@ -269,8 +303,7 @@ class Signature:
             if isinstance(leaf, ConstantLeaf):
                 values.append(leaf.value)
             elif leaf.dtype.is_floating_point or leaf.dtype.is_complex:
-                values.append(torch.randn(leaf.shape, generator=generator, dtype=leaf.dtype)
-                              .to(leaf.device))
+                values.append(torch.randn(leaf.shape, generator=generator, dtype=leaf.dtype).to(leaf.device))
             else:
                 values.append(torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device))
         return unflatten(values, self.spec)
@@ -285,8 +318,11 @@ class Signature:
         The input may come from a hostile package: the tree is checked before
         torch parses it, so that parsing never imports a module.
         """
-        if not isinstance(data, dict) or not isinstance(data.get("tree"), str) \
-                or not isinstance(data.get("leaves"), list):
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("tree"), str)
+            or not isinstance(data.get("leaves"), list)
+        ):
             raise ValueError("a signature must be an object with a 'tree' string and a 'leaves' list")
         check_tree(data["tree"])
         try:
@@ -306,8 +342,10 @@ class _Placeholder:
 def _leaf_of(x: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
     if isinstance(x, _Tensor):
         if type(x) is not _Tensor and is_dtensor(x):  # its fit key would be that of a plain tensor of its global shape
-            raise Unrecordable("a DTensor argument (a recording takes plain tensors); call the module with local "
-                               "tensors, as parallelize_module's default use_local_output=True does")
+            raise Unrecordable(
+                "a DTensor argument (a recording takes plain tensors); call the module with local "
+                "tensors, as parallelize_module's default use_local_output=True does"
+            )
         return TensorLeaf(tuple(x.shape), x.dtype, x.device)
     kind = state_type(x)
     if kind is not None:
@@ -319,8 +357,7 @@ def _leaf_of(x: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
     try:
         _constant_to_json(x)
     except Unrecordable:
-        raise Unrecordable(f"a {type(x).__module__}.{type(x).__qualname__} argument"
-                           + unrecordable_hint(x)) from None
+        raise Unrecordable(f"a {type(x).__module__}.{type(x).__qualname__} argument" + unrecordable_hint(x)) from None
     return ConstantLeaf(x)
 
 
@@ -352,8 +389,10 @@ def _tensor_layout(data: dict) -> tuple[tuple[int, ...], torch.dtype, torch.devi
     shape, dtype = _sizes(data, "shape"), dtype_from_name(data.get("dtype"))
     size = math.prod(shape) * dtype.itemsize
     if size > MAX_LEAF_BYTES:
-        raise ValueError(f"a tensor of shape {list(shape)} ({size / 2**30:.0f} GiB) is larger than the "
-                         f"{MAX_LEAF_BYTES // 2**30} GiB a signature may describe")
+        raise ValueError(
+            f"a tensor of shape {list(shape)} ({size / 2**30:.0f} GiB) is larger than the "
+            f"{MAX_LEAF_BYTES // 2**30} GiB a signature may describe"
+        )
     return shape, dtype, device_from_name(data.get("device"))
 
 
@@ -363,11 +402,16 @@ def _leaf_from_json(data: Any) -> TensorLeaf | ConstantLeaf | StateLeaf:
         return TensorLeaf(*_tensor_layout(data))
     if kind == "state":
         tensors = data.get("tensors")
-        if not isinstance(data.get("type"), str) or not isinstance(tensors, list) or not tensors \
-                or not all(isinstance(t, dict) for t in tensors):
+        if (
+            not isinstance(data.get("type"), str)
+            or not isinstance(tensors, list)
+            or not tensors
+            or not all(isinstance(t, dict) for t in tensors)
+        ):
             raise ValueError(f"a state leaf needs a type name and a list of tensors, not {str(data)[:80]}")
-        layouts = tuple((shape, _sizes(t, "stride"), dtype, device)
-                        for t in tensors for shape, dtype, device in [_tensor_layout(t)])
+        layouts = tuple(
+            (shape, _sizes(t, "stride"), dtype, device) for t in tensors for shape, dtype, device in [_tensor_layout(t)]
+        )
         if any(len(shape) != len(stride) for shape, stride, _, _ in layouts):
             raise ValueError("a state tensor's shape and stride differ in length")
         return StateLeaf(data["type"], layouts)

@@ -49,8 +49,11 @@ class Source:
     @property
     def untrusted_why(self) -> str:
         """Why the compiled artifacts may not run, for messages."""
-        return self.trust_reason if not self.trusted and self.trust_reason else \
-            f"{self.description or self.root} is not pinned by commit hash"
+        return (
+            self.trust_reason
+            if not self.trusted and self.trust_reason
+            else f"{self.description or self.root} is not pinned by commit hash"
+        )
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,14 @@ class SourceName:
 
 def is_repo_id(text: str) -> bool:
     """Whether ``text`` can be a Hub repo id (``name`` or ``org/name``), as huggingface_hub validates one."""
-    return (_REPO_ID.fullmatch(text) is not None and "--" not in text and ".." not in text
-            and not text.endswith(".git") and len(text) <= 96
-            and not any(part.startswith((".", "-")) or part.endswith((".", "-")) for part in text.split("/")))
+    return (
+        _REPO_ID.fullmatch(text) is not None
+        and "--" not in text
+        and ".." not in text
+        and not text.endswith(".git")
+        and len(text) <= 96
+        and not any(part.startswith((".", "-")) or part.endswith((".", "-")) for part in text.split("/"))
+    )
 
 
 def read_name(path: str | os.PathLike) -> SourceName:
@@ -81,19 +89,27 @@ def read_name(path: str | os.PathLike) -> SourceName:
     if isinstance(path, os.PathLike):
         return SourceName(os.fspath(path), folder=Path(path).expanduser())
     if not isinstance(path, str):
-        raise SourceError(f"a package is named by a str or a pathlib.Path, not {type(path).__name__} {path!r}",
-                          source=repr(path))
+        raise SourceError(
+            f"a package is named by a str or a pathlib.Path, not {type(path).__name__} {path!r}", source=repr(path)
+        )
     if not path:
-        raise SourceError("the package name is empty; give a folder ('./pkg') or a Hub repo ('org/name')",
-                          source=path)
+        raise SourceError("the package name is empty; give a folder ('./pkg') or a Hub repo ('org/name')", source=path)
     if path.startswith(HUB_PREFIX):
-        repo_id = path[len(HUB_PREFIX):]
+        repo_id = path[len(HUB_PREFIX) :]
         if not is_repo_id(repo_id):
-            raise SourceError(f"{path!r} names no Hub repo: a repo id is 'org/name' (letters, digits, '-', '_', "
-                              "'.'), as in 'hf://org/name'", source=path)
+            raise SourceError(
+                f"{path!r} names no Hub repo: a repo id is 'org/name' (letters, digits, '-', '_', "
+                "'.'), as in 'hf://org/name'",
+                source=path,
+            )
         return SourceName(path, repo_id=repo_id)
-    if (path in (".", "..") or path.startswith(("./", "../", "~")) or path.endswith("/") or os.path.isabs(path)
-            or (os.sep != "/" and (path.startswith((f".{os.sep}", f"..{os.sep}")) or path.endswith(os.sep)))):
+    if (
+        path in (".", "..")
+        or path.startswith(("./", "../", "~"))
+        or path.endswith("/")
+        or os.path.isabs(path)
+        or (os.sep != "/" and (path.startswith((f".{os.sep}", f"..{os.sep}")) or path.endswith(os.sep)))
+    ):
         return SourceName(path, folder=Path(path).expanduser())
     if path.count("/") == 1 and is_repo_id(path):
         return SourceName(path, repo_id=path, plain=True)
@@ -109,6 +125,9 @@ def local_folder(path: str | os.PathLike, *, what: str = "the package folder") -
     name = read_name(path)
     if name.folder is None:
         fix = f"'./{name.repo_id}' or pathlib.Path({name.repo_id!r})" if name.plain else "a folder"
-        raise SourceError(f"{what} {name.given!r} names the Hub repo {name.repo_id}, not a folder; name the "
-                          f"folder as {fix}", source=name.given, repo_id=name.repo_id)
+        raise SourceError(
+            f"{what} {name.given!r} names the Hub repo {name.repo_id}, not a folder; name the folder as {fix}",
+            source=name.given,
+            repo_id=name.repo_id,
+        )
     return name.folder

@@ -17,14 +17,27 @@ from .signature import BatchAxes, Signature
 
 def spec_to_json(path: str, spec: ModuleSpec) -> dict:
     """The ``spec.json`` of the module at object path ``path``: its signatures, never its samples."""
-    return {"format_version": FORMAT_VERSION, "path": path, "calls": spec.calls,
-            "unrecordable": dict(spec.unrecordable), "mutates_inputs": spec.mutates_inputs,
-            "signatures": [signature.to_json() for signature in spec.signatures],
-            "signature_calls": [spec.signature_calls[i] if i < len(spec.signature_calls) else 0
-                                for i in range(len(spec.signatures))],
-            **({"batch_axes": [spec.batch_axes[i].to_json() if i in spec.batch_axes else None
-                               for i in range(len(spec.signatures))]} if spec.batch_axes else {}),
-            **({"padding_refused": spec.padding_refused} if spec.padding_refused else {})}
+    return {
+        "format_version": FORMAT_VERSION,
+        "path": path,
+        "calls": spec.calls,
+        "unrecordable": dict(spec.unrecordable),
+        "mutates_inputs": spec.mutates_inputs,
+        "signatures": [signature.to_json() for signature in spec.signatures],
+        "signature_calls": [
+            spec.signature_calls[i] if i < len(spec.signature_calls) else 0 for i in range(len(spec.signatures))
+        ],
+        **(
+            {
+                "batch_axes": [
+                    spec.batch_axes[i].to_json() if i in spec.batch_axes else None for i in range(len(spec.signatures))
+                ]
+            }
+            if spec.batch_axes
+            else {}
+        ),
+        **({"padding_refused": spec.padding_refused} if spec.padding_refused else {}),
+    }
 
 
 def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
@@ -44,9 +57,15 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
         batch_axes = _batch_axes(data.get("batch_axes", []), signatures)
     except ValueError as exc:
         raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
-    return ModuleSpec(signatures, calls=data["calls"], signature_calls=list(counts), unrecordable=data["unrecordable"],
-                      mutates_inputs=data.get("mutates_inputs", False), batch_axes=batch_axes,
-                      padding_refused=data.get("padding_refused"))
+    return ModuleSpec(
+        signatures,
+        calls=data["calls"],
+        signature_calls=list(counts),
+        unrecordable=data["unrecordable"],
+        mutates_inputs=data.get("mutates_inputs", False),
+        batch_axes=batch_axes,
+        padding_refused=data.get("padding_refused"),
+    )
 
 
 def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:

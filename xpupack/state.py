@@ -128,12 +128,14 @@ def scratch_copy(args: tuple, kwargs: dict, state: list[torch.Tensor]) -> tuple[
 
     Raises whatever ``copy.deepcopy`` raises for an argument that cannot be copied.
     """
-    memo: dict[int, Any] = {id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
-                            for t in state}
+    memo: dict[int, Any] = {
+        id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_() for t in state
+    }
     return copy.deepcopy((args, kwargs), memo)
 
 
 # -- transformers, without importing it ------------------------------------------------------------
+
 
 def _builtin(cls: type) -> StateType | None:
     if cls.__module__ == "transformers.cache_utils" and cls.__name__ == "StaticCache":
@@ -181,8 +183,10 @@ def unrecordable_hint(obj: Any) -> str:
     """Advice for an argument that is not a state type, where there is some (a DynamicCache)."""
     cls = type(obj)
     if cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache"):
-        return ("; pass cache_implementation=\"static\" to generate() (or a StaticCache as the cache) "
-                "to have decode steps tuned")
+        return (
+            '; pass cache_implementation="static" to generate() (or a StaticCache as the cache) '
+            "to have decode steps tuned"
+        )
     return ""
 
 
@@ -248,8 +252,9 @@ class SlidingWindowCounters:
 
     def tensors(self, cache: Any) -> list[torch.Tensor]:
         """xpupack's count tensor of each sliding layer whose window is full (made on first use)."""
-        return [_full_count(layer) for layer in _sliding_layers(cache)
-                if layer.cumulative_length_int >= layer.max_cache_len]
+        return [
+            _full_count(layer) for layer in _sliding_layers(cache) if layer.cumulative_length_int >= layer.max_cache_len
+        ]
 
     def sync(self, cache: Any) -> None:
         """Writes each full layer's count into the tensor its recordings read."""
@@ -283,8 +288,9 @@ _FULL_COUNTS: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDict
 def _full_count(layer: Any) -> torch.Tensor:
     count = _FULL_COUNTS.get(layer)
     if count is None:
-        count = _FULL_COUNTS.setdefault(layer, torch.zeros((), dtype=layer.cumulative_length.dtype,
-                                                           device=layer.cumulative_length.device))
+        count = _FULL_COUNTS.setdefault(
+            layer, torch.zeros((), dtype=layer.cumulative_length.dtype, device=layer.cumulative_length.device)
+        )
     return count
 
 

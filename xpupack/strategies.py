@@ -30,8 +30,9 @@ class Rejected(Exception):
     """
 
 
-def check_candidate(backend: Backend, target: Target, spec: ModuleSpec,
-                    references: list[list[Any]], device: torch.device) -> Runner:
+def check_candidate(
+    backend: Backend, target: Target, spec: ModuleSpec, references: list[list[Any]], device: torch.device
+) -> Runner:
     """Builds ``backend`` for ``target`` and checks it against eager; raises `Rejected` with the reason.
 
     The building block of every `Strategy.choose`: the candidate must be available on ``device``, build,
@@ -105,9 +106,14 @@ class _SpeedGate:
 
     def times(self, runner: Runner) -> float:
         """Microseconds per recorded call of ``runner`` timed alone (eager's own entry in `Fastest`)."""
-        return self._per_call_us({index: _timing.measure(_timed_call(runner, self.spec, index), self.device,
-                                                         iterations=self.iterations).median_us
-                                  for index in sorted(runner.supported)})
+        return self._per_call_us(
+            {
+                index: _timing.measure(
+                    _timed_call(runner, self.spec, index), self.device, iterations=self.iterations
+                ).median_us
+                for index in sorted(runner.supported)
+            }
+        )
 
     def compare(self, backend: Backend, runner: Runner, threshold: float | None) -> _timing.Comparison:
         """``runner`` against eager; while the result cannot tell whether it beats ``threshold``, more
@@ -117,26 +123,38 @@ class _SpeedGate:
         transforms = changes_module(backend)
         return _timing.compare(
             [_timed_call(runner, self.spec, index) if index in runner.supported else None for index in signatures],
-            [_timed_call(eager, self.spec, index) for index in signatures], self.device,
-            weights=self.spec.signature_weights(), threshold=threshold, rounds=self.iterations,
-            to_eager=runner.undo if transforms else None, to_candidate=runner.redo if transforms else None)
+            [_timed_call(eager, self.spec, index) for index in signatures],
+            self.device,
+            weights=self.spec.signature_weights(),
+            threshold=threshold,
+            rounds=self.iterations,
+            to_eager=runner.undo if transforms else None,
+            to_candidate=runner.redo if transforms else None,
+        )
 
-    def between(self, heavy: Runner, light: Runner, threshold: float, *,
-                heavy_changes_module: bool = False) -> _timing.Comparison:
+    def between(
+        self, heavy: Runner, light: Runner, threshold: float, *, heavy_changes_module: bool = False
+    ) -> _timing.Comparison:
         """Two candidates timed in rounds as `compare` times one against eager: ``light`` takes eager's
         side, so the speedup is ``heavy``'s over ``light``'s. ``light`` must not change the module;
         ``heavy`` may (TorchAO under it: taken back for ``light``'s turns, as for eager's in `compare`).
         A signature only ``light`` runs costs ``light``'s time on both sides."""
         signatures = range(len(self.spec.signatures))
-        light_calls = [_timed_call(light, self.spec, index) if index in light.supported else None
-                       for index in signatures]
+        light_calls = [
+            _timed_call(light, self.spec, index) if index in light.supported else None for index in signatures
+        ]
         eager = self._eager or self._build_eager()
         fallback = [call or _timed_call(eager, self.spec, index) for index, call in zip(signatures, light_calls)]
         return _timing.compare(
             [_timed_call(heavy, self.spec, index) if index in heavy.supported else None for index in signatures],
-            fallback, self.device, weights=self.spec.signature_weights(), threshold=threshold,
-            rounds=self.iterations, to_eager=heavy.undo if heavy_changes_module else None,
-            to_candidate=heavy.redo if heavy_changes_module else None)
+            fallback,
+            self.device,
+            weights=self.spec.signature_weights(),
+            threshold=threshold,
+            rounds=self.iterations,
+            to_eager=heavy.undo if heavy_changes_module else None,
+            to_candidate=heavy.redo if heavy_changes_module else None,
+        )
 
     def _build_eager(self) -> Runner:
         from .backends.eager import EagerBackend
@@ -161,9 +179,16 @@ def is_reference(backend: Backend) -> bool:
     return backend.name == "eager"
 
 
-def _attempt(strategy: Strategy, backend: Backend, target: Target, spec: ModuleSpec,
-             references: list[list[Any]], device: torch.device, report: list[Candidate],
-             gate: _SpeedGate) -> tuple[Runner, Candidate] | None:
+def _attempt(
+    strategy: Strategy,
+    backend: Backend,
+    target: Target,
+    spec: ModuleSpec,
+    references: list[list[Any]],
+    device: torch.device,
+    report: list[Candidate],
+    gate: _SpeedGate,
+) -> tuple[Runner, Candidate] | None:
     """`check_candidate`, then the speed gate; returns the runner and its ``"accepted"`` entry (with
     ``median_us`` and, against eager, ``speedup``, ``speedup_interval``, ``rounds``, ``noisy``), or
     records the refusal in ``report`` and returns None."""
@@ -178,9 +203,15 @@ def _attempt(strategy: Strategy, backend: Backend, target: Target, spec: ModuleS
     if is_reference(backend):
         return runner, Candidate(backend.label, "accepted", median_us=round(gate.times(runner), 2))
     result = gate.compare(backend, runner, strategy.min_speedup)
-    timed = Candidate(backend.label, "accepted", median_us=round(result.candidate.median_us, 2),
-                      speedup=round(result.speedup, 3), speedup_interval=(round(result.low, 3), round(result.high, 3)),
-                      rounds=result.rounds, noisy=result.noisy)
+    timed = Candidate(
+        backend.label,
+        "accepted",
+        median_us=round(result.candidate.median_us, 2),
+        speedup=round(result.speedup, 3),
+        speedup_interval=(round(result.low, 3), round(result.high, 3)),
+        rounds=result.rounds,
+        noisy=result.noisy,
+    )
     verdict = result.verdict(strategy.min_speedup) if gated else "faster"
     if verdict != "faster":
         runner.undo()
@@ -192,13 +223,17 @@ def _attempt(strategy: Strategy, backend: Backend, target: Target, spec: ModuleS
 def _too_slow(result: _timing.Comparison, verdict: str, min_speedup: float) -> str:
     """Why a candidate did not pass the speed gate: slower, or timings that could not tell (which count
     as slower: a tuned module must never be slower than eager)."""
-    numbers = (f"{round(result.speedup, 3)}x eager's speed ({result.candidate.median_us:.1f} vs "
-               f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); min_speedup={min_speedup}")
+    numbers = (
+        f"{round(result.speedup, 3)}x eager's speed ({result.candidate.median_us:.1f} vs "
+        f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); min_speedup={min_speedup}"
+    )
     if verdict == "slower":
         return f"not faster than eager: {numbers}"
     if result.noisy:
-        return (f"could not tell whether it is faster than eager, timings too noisy: {numbers}; kept out, since a "
-                "tuned module must not be slower than eager — build again on a quieter machine")
+        return (
+            f"could not tell whether it is faster than eager, timings too noisy: {numbers}; kept out, since a "
+            "tuned module must not be slower than eager — build again on a quieter machine"
+        )
     return f"not clearly faster than eager: {numbers}"
 
 
@@ -208,8 +243,6 @@ def _noise_note(entry: Candidate) -> str:
         return ""
     low, high = entry.speedup_interval
     return f"; noisy timings: {_timing.CONFIDENCE:.0%} interval {low}-{high}x eager's speed over {entry.rounds} rounds"
-
-
 
 
 class Strategy:
@@ -258,28 +291,41 @@ class Strategy:
     #: whether every passing candidate is timed even with the speed gate off
     times_candidates = False
 
-    def __init__(self, backends: Sequence[Backend], *, min_speedup: float | None = 1.0, iterations: int = 20,
-                 startup_margin: float | None = None):
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        *,
+        min_speedup: float | None = 1.0,
+        iterations: int = 20,
+        startup_margin: float | None = None,
+    ):
         name = type(self).__name__
         if not backends:
             raise ValueError(f"{name} needs at least one backend")
-        if min_speedup is not None and (isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float))
-                                        or not min_speedup > 0):
-            raise ValueError(f"{name}(min_speedup={min_speedup!r}): give a positive number, "
-                             "or None to keep candidates slower than eager")
+        if min_speedup is not None and (
+            isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup > 0
+        ):
+            raise ValueError(
+                f"{name}(min_speedup={min_speedup!r}): give a positive number, "
+                "or None to keep candidates slower than eager"
+            )
         if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
             raise ValueError(f"{name}(iterations={iterations!r}): give a positive integer")
-        if startup_margin is not None and (isinstance(startup_margin, bool)
-                                           or not isinstance(startup_margin, (int, float)) or startup_margin < 1):
-            raise ValueError(f"{name}(startup_margin={startup_margin!r}): give a number >= 1 (e.g. 1.05), "
-                             "or None to leave compiled candidates unweighed against lighter ones")
+        if startup_margin is not None and (
+            isinstance(startup_margin, bool) or not isinstance(startup_margin, (int, float)) or startup_margin < 1
+        ):
+            raise ValueError(
+                f"{name}(startup_margin={startup_margin!r}): give a number >= 1 (e.g. 1.05), "
+                "or None to leave compiled candidates unweighed against lighter ones"
+            )
         self.backends = list(backends)
         self.min_speedup = min_speedup
         self.iterations = iterations
         self.startup_margin = startup_margin
 
-    def choose(self, target: Target, spec: ModuleSpec, references: list[list[Any]],
-               device: torch.device) -> tuple[Backend, Runner, list[Candidate]]:
+    def choose(
+        self, target: Target, spec: ModuleSpec, references: list[list[Any]], device: torch.device
+    ) -> tuple[Backend, Runner, list[Candidate]]:
         """Picks the backend for one module: the extension point of a strategy.
 
         `xpupack.tune` calls it once per selected module that recorded at least one signature, after
@@ -344,8 +390,9 @@ def _is_lighter(backend: Backend) -> bool:
     return not (backend.compiled_artifacts or is_reference(backend) or changes_module(backend))
 
 
-def _weigh_startup(margin: float, compiled: _Passed, lighter: _Passed, gate: _SpeedGate,
-                   won: str) -> tuple[_Passed, _Passed]:
+def _weigh_startup(
+    margin: float, compiled: _Passed, lighter: _Passed, gate: _SpeedGate, won: str
+) -> tuple[_Passed, _Passed]:
     """``(chosen, dropped)``: the compiled candidate when it runs the recorded calls `margin` times as fast as
     the lighter one, both timed in alternating calls, else the lighter one; each entry says why, with both
     figures. ``won``: why the compiled one was the candidate to weigh (``"first to pass"``, ``"fastest"``).
@@ -353,22 +400,35 @@ def _weigh_startup(margin: float, compiled: _Passed, lighter: _Passed, gate: _Sp
     (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry) = compiled, lighter
     result = gate.between(heavy_runner, light_runner, margin, heavy_changes_module=changes_module(heavy))
     ratio = result.speedup
-    measured = {"startup_ratio": round(ratio, 3), "startup_ratio_interval": (round(result.low, 3), round(result.high, 3))}
-    figures = (f"{heavy.label} {result.candidate.median_us:.1f} vs {light.label} {result.eager.median_us:.1f} µs "
-               f"per recorded call, {result.interval()}")
+    measured = {
+        "startup_ratio": round(ratio, 3),
+        "startup_ratio_interval": (round(result.low, 3), round(result.high, 3)),
+    }
+    figures = (
+        f"{heavy.label} {result.candidate.median_us:.1f} vs {light.label} {result.eager.median_us:.1f} µs "
+        f"per recorded call, {result.interval()}"
+    )
     # the compiled code must be clearly worth its start-up: timings that cannot tell keep the lighter one
     if result.verdict(margin) == "faster":
-        heavy_entry = heavy_entry.but(status="chosen", **measured,
-                                      reason=f"{won}; {ratio:.3f}x {light.label}'s speed (start-up margin {margin}x)")
-        light_entry = light_entry.but(status="rejected", **measured,
-                                      reason=f"{heavy.label} is {ratio:.3f}x as fast ({figures}), at least the "
-                                             f"start-up margin {margin}x that its compiled code must earn")
+        heavy_entry = heavy_entry.but(
+            status="chosen", **measured, reason=f"{won}; {ratio:.3f}x {light.label}'s speed (start-up margin {margin}x)"
+        )
+        light_entry = light_entry.but(
+            status="rejected",
+            **measured,
+            reason=f"{heavy.label} is {ratio:.3f}x as fast ({figures}), at least the "
+            f"start-up margin {margin}x that its compiled code must earn",
+        )
         return (heavy, heavy_runner, heavy_entry), (light, light_runner, light_entry)
-    heavy_entry = heavy_entry.but(status="rejected", **measured,
-                                  reason=f"{ratio:.3f}x as fast as {light.label} ({figures}), not clearly above the "
-                                         f"start-up margin {margin}x: its compiled code costs seconds on a fresh server")
-    light_entry = light_entry.but(status="chosen", **measured,
-                                  reason=f"as fast within the start-up margin {margin}x, with no compiled code")
+    heavy_entry = heavy_entry.but(
+        status="rejected",
+        **measured,
+        reason=f"{ratio:.3f}x as fast as {light.label} ({figures}), not clearly above the "
+        f"start-up margin {margin}x: its compiled code costs seconds on a fresh server",
+    )
+    light_entry = light_entry.but(
+        status="chosen", **measured, reason=f"as fast within the start-up margin {margin}x, with no compiled code"
+    )
     return (light, light_runner, light_entry), (heavy, heavy_runner, heavy_entry)
 
 
@@ -422,11 +482,13 @@ class FirstWins(Strategy):
             runner, entry = attempt
             entry = entry.but(status="chosen", reason="first to pass" + _noise_note(entry))
             if self.startup_margin is not None and backend.compiled_artifacts:
-                lighter = self._lighter_candidate(self.backends[position + 1:], target, spec, references,
-                                                  device, report, gate)
+                lighter = self._lighter_candidate(
+                    self.backends[position + 1 :], target, spec, references, device, report, gate
+                )
                 if lighter is not None:
                     chosen, (_, dropped_runner, dropped_entry) = _weigh_startup(
-                        self.startup_margin, (backend, runner, entry), lighter, gate, "first to pass")
+                        self.startup_margin, (backend, runner, entry), lighter, gate, "first to pass"
+                    )
                     dropped_runner.release()
                     dropped_runner.undo()
                     # the compiled candidate's entry first, as it was tried first
@@ -436,8 +498,9 @@ class FirstWins(Strategy):
             return backend, runner, report
         raise NoCandidateError(_explain(target, report))
 
-    def _lighter_candidate(self, later: Sequence[Backend], target, spec, references, device, report,
-                           gate) -> _Passed | None:
+    def _lighter_candidate(
+        self, later: Sequence[Backend], target, spec, references, device, report, gate
+    ) -> _Passed | None:
         """The first of ``later`` without compiled artifacts (eager aside) that passes, or None."""
         for backend in later:
             if not _is_lighter(backend) or not backend.available(device):
@@ -507,8 +570,11 @@ class Fastest(Strategy):
             report.append(entry)
             alive[len(report) - 1] = (backend, runner)
             best = _fastest(report, alive)
-            keep = {best, _fastest(report, {i: c for i, c in alive.items() if i != best}),
-                    _fastest(report, alive, lighter=True)}
+            keep = {
+                best,
+                _fastest(report, {i: c for i, c in alive.items() if i != best}),
+                _fastest(report, alive, lighter=True),
+            }
             for index in set(alive) - keep:
                 alive.pop(index)[1].release()
         if not alive:
@@ -522,8 +588,9 @@ class Fastest(Strategy):
             chosen_index = best
             report[best] = report[best].but(status="chosen", reason=won)
         else:
-            chosen, dropped = _weigh_startup(self.startup_margin, (backend, runner, report[best]),
-                                             (*alive[light], report[light]), gate, won)
+            chosen, dropped = _weigh_startup(
+                self.startup_margin, (backend, runner, report[best]), (*alive[light], report[light]), gate, won
+            )
             report[best], report[light] = (chosen[2], dropped[2]) if chosen[0] is backend else (dropped[2], chosen[2])
             dropped[1].undo()
             chosen_index = best if chosen[0] is backend else light
@@ -547,8 +614,12 @@ def _runoff(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], g
     module (TorchAO): only the first of the two may (`_SpeedGate.between`)."""
     best = _fastest(report, alive)
     second = _fastest(report, {index: candidate for index, candidate in alive.items() if index != best})
-    if second is None or changes_module(alive[second][0]) or is_reference(alive[best][0]) \
-            or is_reference(alive[second][0]):
+    if (
+        second is None
+        or changes_module(alive[second][0])
+        or is_reference(alive[best][0])
+        or is_reference(alive[second][0])
+    ):
         return best
     (best_backend, best_runner), (_, second_runner) = alive[best], alive[second]
     best_runner.redo()
@@ -556,8 +627,10 @@ def _runoff(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], g
         result = gate.between(best_runner, second_runner, 1.0, heavy_changes_module=changes_module(best_backend))
     finally:
         best_runner.undo()
-    head_to_head = {"head_to_head": f"{report[best].backend} vs {report[second].backend}: {result.speedup:.3f}x "
-                                    f"({result.interval()})"}  # below 1: the second was faster
+    head_to_head = {
+        "head_to_head": f"{report[best].backend} vs {report[second].backend}: {result.speedup:.3f}x "
+        f"({result.interval()})"
+    }  # below 1: the second was faster
     if result.verdict(1.0) == "slower":
         report[best] = report[best].but(**head_to_head)
         report[second] = report[second].but(**head_to_head)
@@ -565,8 +638,7 @@ def _runoff(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], g
     return best
 
 
-def _fastest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], *,
-             lighter: bool = False) -> int | None:
+def _fastest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], *, lighter: bool = False) -> int | None:
     """The report index of the fastest of ``alive`` (the first of equals), among the `_is_lighter` ones
     with ``lighter``; None when there is none."""
     indices = [index for index, (backend, _) in alive.items() if not lighter or _is_lighter(backend)]
@@ -581,11 +653,15 @@ def _say_why_they_lost(report: list[Candidate], fastest: Candidate) -> None:
     """Gives each candidate that passed but was not chosen its reason: the fastest was faster."""
     for index, entry in enumerate(report):
         if entry.status == "accepted" and entry.head_to_head:
-            report[index] = entry.but(reason=f"passed at {_speedup(entry):g}x eager's speed, but {fastest.backend} "
-                                             f"was faster timed head to head ({entry.head_to_head})")
+            report[index] = entry.but(
+                reason=f"passed at {_speedup(entry):g}x eager's speed, but {fastest.backend} "
+                f"was faster timed head to head ({entry.head_to_head})"
+            )
         elif entry.status == "accepted":
-            report[index] = entry.but(reason=f"passed at {_speedup(entry):g}x eager's speed; {fastest.backend} "
-                                             f"was faster ({_speedup(fastest):g}x)")
+            report[index] = entry.but(
+                reason=f"passed at {_speedup(entry):g}x eager's speed; {fastest.backend} "
+                f"was faster ({_speedup(fastest):g}x)"
+            )
 
 
 def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], Any]:
@@ -599,6 +675,7 @@ def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], An
             with mode(index):
                 args, kwargs = spec.sample(index, 0)
                 return runner.run(index, args, kwargs, flatten(args, kwargs)[0])
+
         return call
     args, kwargs = snapshot(spec.example(index))
     leaves, _ = flatten(args, kwargs)
@@ -661,7 +738,8 @@ class Only(Strategy):
             f"{target.path or '<model>'}: the {backend.label} backend can take none of its {spec.calls} calls "
             f"(none could be recorded): {reasons}. Make those calls recordable (an object of your own: "
             f"xpupack.register_state), or tune with FirstWins([{backend!r}, EagerBackend()]) to keep such "
-            f"modules eager")
+            f"modules eager"
+        )
 
 
 def _explain(target: Target, report: list[Candidate]) -> str:
@@ -742,8 +820,9 @@ def inductor_settings(device: torch.device | None) -> list[dict[str, Any]]:
     return settings
 
 
-def thorough_backends(device: torch.device | None = None,
-                      quantize: bool | Sequence[str | Backend] = False) -> list[Backend]:
+def thorough_backends(
+    device: torch.device | None = None, quantize: bool | Sequence[str | Backend] = False
+) -> list[Backend]:
     """The thorough search's candidates: each of `inductor_settings` recorded as a device graph on a GPU
     (as the default's first candidate) and plain on a CPU, then what the default tries after it; with
     ``quantize``, each TorchAO configuration compiled and, on a GPU, recorded as a device graph.
@@ -762,8 +841,12 @@ def thorough_backends(device: torch.device | None = None,
     compiled: list[Backend] = [InductorBackend(**settings) for settings in inductor_settings(device)]
     quantized = _quantized(device, quantize)
     if graphs:
-        return [*(GraphBackend(base=backend) for backend in [*compiled, *quantized]), GraphBackend(),
-                InductorBackend(), EagerBackend()]
+        return [
+            *(GraphBackend(base=backend) for backend in [*compiled, *quantized]),
+            GraphBackend(),
+            InductorBackend(),
+            EagerBackend(),
+        ]
     return [GraphBackend(), *compiled, *quantized, *(backend.base for backend in quantized), EagerBackend()]
 
 
@@ -773,8 +856,10 @@ def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Back
     from .backends.inductor import InductorBackend
 
     on_gpu = device is not None and device.type in _GRAPH_DEVICES
-    return [InductorBackend(base=backend, compile_options=dict(COORDINATE_DESCENT) if on_gpu else None)
-            for backend in quantized_backends(quantize)]
+    return [
+        InductorBackend(base=backend, compile_options=dict(COORDINATE_DESCENT) if on_gpu else None)
+        for backend in quantized_backends(quantize)
+    ]
 
 
 def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend]:
@@ -793,26 +878,30 @@ def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend
     for item in items:
         backend = TorchAOBackend(item) if isinstance(item, str) else item
         if not isinstance(backend, TorchAOBackend):
-            raise TypeError(f"quantize: {item!r} is neither a TorchAO config name ({', '.join(QUANTIZE_CONFIGS)}, "
-                             "...) nor an xpupack.TorchAOBackend; give True, names or backends")
+            raise TypeError(
+                f"quantize: {item!r} is neither a TorchAO config name ({', '.join(QUANTIZE_CONFIGS)}, "
+                "...) nor an xpupack.TorchAOBackend; give True, names or backends"
+            )
         backends.append(backend)
     return backends
 
 
-def thorough_strategy(device: torch.device | None = None,
-                      quantize: bool | Sequence[str | Backend] = False) -> Strategy:
+def thorough_strategy(device: torch.device | None = None, quantize: bool | Sequence[str | Backend] = False) -> Strategy:
     """``Fastest(thorough_backends(device, quantize), startup_margin=DEFAULT_STARTUP_MARGIN)``: every
     candidate checked and timed against eager, the fastest kept, compiled code only where it is worth its
     start-up against the plain device graph."""
     return Fastest(thorough_backends(device, quantize), startup_margin=DEFAULT_STARTUP_MARGIN)
 
 
-def search_strategy(search: str, device: torch.device | None = None,
-                    quantize: bool | Sequence[str | Backend] = False) -> Strategy:
+def search_strategy(
+    search: str, device: torch.device | None = None, quantize: bool | Sequence[str | Backend] = False
+) -> Strategy:
     """The strategy ``xpupack.tune(..., search=search, quantize=quantize)`` uses when given none."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: choose {' or '.join(map(repr, SEARCHES))}")
     if quantize and search != "thorough":
-        raise ValueError(f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
-                         "search='thorough' too, or put xpupack.TorchAOBackend in a strategy")
+        raise ValueError(
+            f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
+            "search='thorough' too, or put xpupack.TorchAOBackend in a strategy"
+        )
     return thorough_strategy(device, quantize) if search == "thorough" else default_strategy(device)

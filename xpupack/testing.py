@@ -77,12 +77,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         xpupack_fail_on_fallback = false
         ```
     """
-    parser.addini(INI_OPTION, type="bool", default=True,
-                  help="xpupack: fail a test that does not take the fallback_calls fixture when a tuned "
-                       "module falls back during it (default: true)")
-    parser.addini(DOWNGRADE_INI_OPTION, type="bool", default=True,
-                  help="xpupack: fail a test that does not take the backend_downgrades fixture when it calls a "
-                       "loaded module that runs another backend than its package's (default: true)")
+    parser.addini(
+        INI_OPTION,
+        type="bool",
+        default=True,
+        help="xpupack: fail a test that does not take the fallback_calls fixture when a tuned "
+        "module falls back during it (default: true)",
+    )
+    parser.addini(
+        DOWNGRADE_INI_OPTION,
+        type="bool",
+        default=True,
+        help="xpupack: fail a test that does not take the backend_downgrades fixture when it calls a "
+        "loaded module that runs another backend than its package's (default: true)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -100,10 +108,14 @@ def pytest_configure(config: pytest.Config) -> None:
             model(torch.randn(7, 16, 64))
         ```
     """
-    config.addinivalue_line("markers", f"{MARKER}: xpupack: let tuned modules fall back during this test "
-                                       "without failing it")
-    config.addinivalue_line("markers", f"{DOWNGRADE_MARKER}: xpupack: let loaded modules run another backend "
-                                       "than their package's during this test without failing it")
+    config.addinivalue_line(
+        "markers", f"{MARKER}: xpupack: let tuned modules fall back during this test without failing it"
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{DOWNGRADE_MARKER}: xpupack: let loaded modules run another backend "
+        "than their package's during this test without failing it",
+    )
 
 
 @pytest.fixture
@@ -161,13 +173,17 @@ def _once_each(events: list) -> Any:
         if id(event) not in seen:  # ``events`` holds each one, so no id is reused meanwhile
             seen.add(id(event))
             events.append(event)
+
     return listen
 
 
 @pytest.fixture(autouse=True)
 def _xpupack_fail_on_downgrade(request: pytest.FixtureRequest) -> Any:
-    if ("backend_downgrades" in request.fixturenames or request.node.get_closest_marker(DOWNGRADE_MARKER)
-            is not None or not request.config.getini(DOWNGRADE_INI_OPTION)):
+    if (
+        "backend_downgrades" in request.fixturenames
+        or request.node.get_closest_marker(DOWNGRADE_MARKER) is not None
+        or not request.config.getini(DOWNGRADE_INI_OPTION)
+    ):
         yield
         return
     events: list[DowngradeEvent] = []
@@ -175,20 +191,27 @@ def _xpupack_fail_on_downgrade(request: pytest.FixtureRequest) -> Any:
     yield
     remove()
     if events:
-        listed = "\n".join(f"  {e.path or '<model>'}: package {e.promised}, runs {e.running} ({e.reason})"
-                           for e in events[:10])
+        listed = "\n".join(
+            f"  {e.path or '<model>'}: package {e.promised}, runs {e.running} ({e.reason})" for e in events[:10]
+        )
         more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
-        pytest.fail(f"{len(events)} tuned module(s) ran another backend than their package's:\n{listed}{more}\n"
-                    "xpupack's pytest plugin fails a test that calls such a module. If the test expects it, take "
-                    "the `backend_downgrades` fixture (and assert on it), mark it "
-                    f"@pytest.mark.{DOWNGRADE_MARKER}, or set `{DOWNGRADE_INI_OPTION} = false` in the project's "
-                    "pytest configuration", pytrace=False)
+        pytest.fail(
+            f"{len(events)} tuned module(s) ran another backend than their package's:\n{listed}{more}\n"
+            "xpupack's pytest plugin fails a test that calls such a module. If the test expects it, take "
+            "the `backend_downgrades` fixture (and assert on it), mark it "
+            f"@pytest.mark.{DOWNGRADE_MARKER}, or set `{DOWNGRADE_INI_OPTION} = false` in the project's "
+            "pytest configuration",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)
 def _xpupack_fail_on_fallback(request: pytest.FixtureRequest) -> Any:
-    if ("fallback_calls" in request.fixturenames or request.node.get_closest_marker(MARKER) is not None
-            or not request.config.getini(INI_OPTION)):
+    if (
+        "fallback_calls" in request.fixturenames
+        or request.node.get_closest_marker(MARKER) is not None
+        or not request.config.getini(INI_OPTION)
+    ):
         yield
         return
     events: list[FallbackEvent] = []
@@ -198,8 +221,11 @@ def _xpupack_fail_on_fallback(request: pytest.FixtureRequest) -> Any:
     if events:
         listed = "\n".join(f"  {e.path or '<model>'}: {e.reason}" for e in events[:10])
         more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
-        pytest.fail(f"{len(events)} call(s) of tuned modules ran the original module (fallback):\n{listed}{more}\n"
-                    "xpupack's pytest plugin fails a test when that happens. If the test expects fallbacks, "
-                    "take the `fallback_calls` fixture (and assert on it), mark it "
-                    f"@pytest.mark.{MARKER}, or set `{INI_OPTION} = false` in the project's pytest "
-                    "configuration", pytrace=False)
+        pytest.fail(
+            f"{len(events)} call(s) of tuned modules ran the original module (fallback):\n{listed}{more}\n"
+            "xpupack's pytest plugin fails a test when that happens. If the test expects fallbacks, "
+            "take the `fallback_calls` fixture (and assert on it), mark it "
+            f"@pytest.mark.{MARKER}, or set `{INI_OPTION} = false` in the project's pytest "
+            "configuration",
+            pytrace=False,
+        )

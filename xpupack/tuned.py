@@ -40,7 +40,8 @@ MAX_NEW_SIZES = 16
 
 #: one call that says whether autocast is on for any device type (public: torch.is_autocast_enabled(type))
 _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
-    lambda: any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda", "xpu")))
+    lambda: any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda", "xpu"))
+)
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,17 @@ class TunedModule:
         downgrade: set when a loaded module runs another backend than its package's.
     """
 
-    def __init__(self, target: Target, spec: ModuleSpec, backend: Backend, runner: Runner,
-                 report: list[Candidate] | None = None, *, padding_checked: bool = False,
-                 downgrade: DowngradeEvent | None = None):
+    def __init__(
+        self,
+        target: Target,
+        spec: ModuleSpec,
+        backend: Backend,
+        runner: Runner,
+        report: list[Candidate] | None = None,
+        *,
+        padding_checked: bool = False,
+        downgrade: DowngradeEvent | None = None,
+    ):
         self.target = target
         self.spec = spec
         self.backend = backend
@@ -111,8 +120,9 @@ class TunedModule:
         self._params = list(target.module.parameters())
         self._check_grad = not backend.supports_autograd
         self._check_autocast = not backend.supports_autocast
-        self._table = {signature.key: index for index, signature in enumerate(spec.signatures)
-                       if index in runner.supported}
+        self._table = {
+            signature.key: index for index, signature in enumerate(spec.signatures) if index in runner.supported
+        }
         #: fit key -> why the backend did not build that signature (its calls fall back as "not built")
         self._unbuilt = {spec.signatures[index].key: why for index, why in runner.unbuilt().items()}
         #: family of each tuned signature with state -> the state layouts tuned in it (`_take_new_size`)
@@ -195,8 +205,12 @@ class TunedModule:
         if self._padding:
             self._padding.retire(index)
         self._refused.add(key)
-        log.warning("%s: %s backend failed (%s); this signature now runs the original module",
-                    self.target.path or "<model>", self.backend_name, error)
+        log.warning(
+            "%s: %s backend failed (%s); this signature now runs the original module",
+            self.target.path or "<model>",
+            self.backend_name,
+            error,
+        )
 
     def _prepared(self, index: int, key: tuple) -> bool:
         """Whether the work off the caller's path for new size ``index`` finished well (it is then
@@ -213,8 +227,9 @@ class TunedModule:
         self._retire(index, key, f"compile off the caller's path: {type(error).__name__}: {error}")
         return False
 
-    def _check_first_padded_call(self, index: int, outputs: Any, args: tuple, kwargs: dict, leaves: list,
-                                 buffers: BufferWatch) -> Any:
+    def _check_first_padded_call(
+        self, index: int, outputs: Any, args: tuple, kwargs: dict, leaves: list, buffers: BufferWatch
+    ) -> Any:
         """A loaded package's first padded call into signature ``index``: the buffers go back to what they
         were before it, the original module runs the call (once: its buffers see it once), and its outputs
         are compared with the padded ones on the caller's rows. The load checked the batch axes on inputs of
@@ -225,8 +240,11 @@ class TunedModule:
         with torch.no_grad():
             expected = self.target.forward(*args, **kwargs)
         written = buffers.written()
-        problem = (f"the module writes its own buffers ({', '.join(written[:3])})" if written
-                   else padded_rows_differ(self.backend, outputs, expected))
+        problem = (
+            f"the module writes its own buffers ({', '.join(written[:3])})"
+            if written
+            else padded_rows_differ(self.backend, outputs, expected)
+        )
         if problem is None:
             self._padding_checked.add(index)
             self.padded += 1
@@ -236,9 +254,13 @@ class TunedModule:
         else:
             self._padding.retire(index)
         self.backend_errors[index] = f"padding check: {problem}"
-        log.warning("%s: a padded call into %s disagreed with the original module (%s); calls are no longer "
-                    "padded into %s", self.target.path or "<model>", self.spec.signatures[index].describe(), problem,
-                    "any recording" if written else "it")
+        log.warning(
+            "%s: a padded call into %s disagreed with the original module (%s); calls are no longer padded into %s",
+            self.target.path or "<model>",
+            self.spec.signatures[index].describe(),
+            problem,
+            "any recording" if written else "it",
+        )
         self._count_fallback("padding check", leaves)
         return expected
 
@@ -283,9 +305,12 @@ class TunedModule:
         self._table[key] = index
         tuned_layouts.add(signature.state_layout)
         self.new_sizes += 1
-        log.info("%s: taking calls of %s (a new size of a tuned signature with state)%s",
-                 self.target.path or "<model>", signature.describe(),
-                 "; the original module runs them while it compiles" if pending is not None else "")
+        log.info(
+            "%s: taking calls of %s (a new size of a tuned signature with state)%s",
+            self.target.path or "<model>",
+            signature.describe(),
+            "; the original module runs them while it compiles" if pending is not None else "",
+        )
         return index
 
     @property
@@ -298,8 +323,9 @@ class TunedModule:
             return None
 
     def _needs_grad(self, leaves: list) -> bool:
-        return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
-                or any(p.requires_grad for p in self._params))
+        return any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves) or any(
+            p.requires_grad for p in self._params
+        )
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list, key: Any = None) -> Any:
         self._count_fallback(reason, leaves, key)
@@ -315,12 +341,15 @@ class TunedModule:
             kind = "not built"
             reason = f"the {self.backend_name} backend did not build {_describe_call(leaves)}: {unbuilt}"
         elif reason == "signature":
-            elsewhere = sorted({str(x.device) for x in leaves
-                                if isinstance(x, torch.Tensor) and x.device not in self._devices})
+            elsewhere = sorted(
+                {str(x.device) for x in leaves if isinstance(x, torch.Tensor) and x.device not in self._devices}
+            )
             if elsewhere and self._devices:  # never copied over: the original module gets the input as it is
                 kind = "device"
-                reason = (f"an input on {', '.join(elsewhere)}, but the recordings take "
-                          f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves))
+                reason = (
+                    f"an input on {', '.join(elsewhere)}, but the recordings take "
+                    f"{', '.join(sorted(map(str, self._devices)))}: " + _describe_call(leaves)
+                )
             else:
                 reason = "no recorded signature fits " + _describe_call(leaves)
                 self._advise(leaves)
@@ -343,8 +372,12 @@ class TunedModule:
             hint = unrecordable_hint(x)
             if hint and type(x) not in self.advised:
                 self.advised.add(type(x))
-                log.warning("%s: calls with a %s cannot be recorded and run the original module on every "
-                            "call%s", self.target.path or "<model>", type(x).__name__, hint)
+                log.warning(
+                    "%s: calls with a %s cannot be recorded and run the original module on every call%s",
+                    self.target.path or "<model>",
+                    type(x).__name__,
+                    hint,
+                )
 
     def stats(self) -> dict:
         """This module's entry of `xpupack.stats`."""
@@ -352,20 +385,32 @@ class TunedModule:
         # calls the runner served from the original module's recordings while its compiled code was not
         # ready (a load's `defer_compile`) count with those that ran the original while a compile ran
         compiling = self.compiling + described.pop("compiling", 0)
-        return {"backend": self.backend_name, "calls": self.calls, "fallbacks": self.fallbacks, "padded": self.padded,
-                "compiling": compiling,
-                "signatures": len(self.spec.signatures), "active_signatures": len(self._table),
-                "memory_bytes": self.runner.memory_bytes(), **described,
-                **({"new_sizes": self.new_sizes} if self._families else {}),
-                **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
-                **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
-                **({"downgraded": {"package": self.downgrade.promised, "why": self.downgrade.reason}}
-                   if self.downgrade else {}),
-                **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {})}
+        return {
+            "backend": self.backend_name,
+            "calls": self.calls,
+            "fallbacks": self.fallbacks,
+            "padded": self.padded,
+            "compiling": compiling,
+            "signatures": len(self.spec.signatures),
+            "active_signatures": len(self._table),
+            "memory_bytes": self.runner.memory_bytes(),
+            **described,
+            **({"new_sizes": self.new_sizes} if self._families else {}),
+            **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
+            **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
+            **(
+                {"downgraded": {"package": self.downgrade.promised, "why": self.downgrade.reason}}
+                if self.downgrade
+                else {}
+            ),
+            **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {}),
+        }
 
     def __deepcopy__(self, memo):
-        raise TypeError("cannot deepcopy a model with active xpupack modules; "
-                        "call xpupack.deactivate(model) first, or copy it before tuning")
+        raise TypeError(
+            "cannot deepcopy a model with active xpupack modules; "
+            "call xpupack.deactivate(model) first, or copy it before tuning"
+        )
 
 
 def _lookup(table: dict, key: Any) -> Any:
@@ -503,8 +548,7 @@ _generate_compile_before: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.W
 
 def describe_architecture(model: nn.Module) -> dict[str, dict]:
     """State-dict name -> ``{"shape", "dtype"}``: what a package records and a loader checks."""
-    return {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-            for name, t in model.state_dict().items()}
+    return {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in model.state_dict().items()}
 
 
 def check_model(model: Any, function: str) -> None:
@@ -520,8 +564,10 @@ def check_model(model: Any, function: str) -> None:
         what, fix = f"the function {name}", f" — call it: xpupack.{function}({name}(), ...)"
     else:
         what, fix = f"a {type(model).__name__}", f" — pass the model first: xpupack.{function}(model, ...)"
-    raise NotAModelError(f"xpupack.{function} needs the model (a torch.nn.Module) as its first argument, not "
-                         f"{what}{fix}", actual=type(model).__name__)
+    raise NotAModelError(
+        f"xpupack.{function} needs the model (a torch.nn.Module) as its first argument, not {what}{fix}",
+        actual=type(model).__name__,
+    )
 
 
 def session_of(model: nn.Module) -> Session:
@@ -539,8 +585,10 @@ def session_of(model: nn.Module) -> Session:
     try:
         return _sessions[model]
     except KeyError:
-        raise NotTunedError(f"{type(model).__name__} has no tuned modules; "
-                            "call xpupack.tune(model, samples) or xpupack.load(model, path) first") from None
+        raise NotTunedError(
+            f"{type(model).__name__} has no tuned modules; "
+            "call xpupack.tune(model, samples) or xpupack.load(model, path) first"
+        ) from None
 
 
 def find_session(model: nn.Module) -> Session | None:
@@ -611,8 +659,9 @@ def stats(model: nn.Module, *, totals: bool = False) -> dict[str, dict]:
     modules = {path: {**tuned.stats(), "active": session.active} for path, tuned in session.modules.items()}
     if not totals:
         return modules
-    summed = {key: sum(entry[key] for entry in modules.values())
-              for key in ("calls", "fallbacks", "padded", "memory_bytes")}
+    summed = {
+        key: sum(entry[key] for entry in modules.values()) for key in ("calls", "fallbacks", "padded", "memory_bytes")
+    }
     if session.load_seconds:
         summed["load_seconds"] = {phase: round(seconds, 3) for phase, seconds in session.load_seconds.items()}
     return {"modules": modules, "totals": summed}

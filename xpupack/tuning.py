@@ -34,11 +34,20 @@ log = logging.getLogger("xpupack")
 
 
 @edits_model
-def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None = None,
-         device: str | torch.device | None = None, strategy: Strategy | None = None,
-         run: Callable[[nn.Module, Any], Any] | None = None, *, batch_sizes: Iterable[int] | None = None,
-         batch_axis: int | None = None, progress: Callable[[str], None] | None = None,
-         search: str = "quick", quantize: bool | Iterable[str | Any] = False) -> nn.Module:
+def tune(
+    model: nn.Module,
+    samples: Iterable[Any],
+    modules: str | Iterable[str] | None = None,
+    device: str | torch.device | None = None,
+    strategy: Strategy | None = None,
+    run: Callable[[nn.Module, Any], Any] | None = None,
+    *,
+    batch_sizes: Iterable[int] | None = None,
+    batch_axis: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    search: str = "quick",
+    quantize: bool | Iterable[str | Any] = False,
+) -> nn.Module:
     """Tunes ``model`` in place and returns it, with the tuned modules active.
 
     The samples run through the model (in eval mode, without autograd) while
@@ -91,21 +100,45 @@ def tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] 
     # that the tuned model serves in any mode (`xpupack._inference`)
     samples_mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
     with _inference.normal_tensors(model):
-        return _tune(model, samples, modules, device, strategy, run, batch_sizes, batch_axis, progress, samples_mode,
-                     search, quantize)
+        return _tune(
+            model,
+            samples,
+            modules,
+            device,
+            strategy,
+            run,
+            batch_sizes,
+            batch_axis,
+            progress,
+            samples_mode,
+            search,
+            quantize,
+        )
 
 
-def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str] | None,
-          device: str | torch.device | None, strategy: Strategy | None, run: Callable[[nn.Module, Any], Any] | None,
-          batch_sizes: Iterable[int] | None, batch_axis: int | None, progress: Callable[[str], None] | None,
-          samples_mode: Callable[[], Any], search: str, quantize: bool | Iterable[Any]) -> nn.Module:
+def _tune(
+    model: nn.Module,
+    samples: Iterable[Any],
+    modules: str | Iterable[str] | None,
+    device: str | torch.device | None,
+    strategy: Strategy | None,
+    run: Callable[[nn.Module, Any], Any] | None,
+    batch_sizes: Iterable[int] | None,
+    batch_axis: int | None,
+    progress: Callable[[str], None] | None,
+    samples_mode: Callable[[], Any],
+    search: str,
+    quantize: bool | Iterable[Any],
+) -> nn.Module:
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
     sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
     if batch_axis is not None and sizes is None:
-        raise TuningError(f"batch_axis={batch_axis!r} names the axis batch_sizes resizes; pass batch_sizes too, "
-                          "e.g. batch_sizes=[1, 2, 4, 8]")
+        raise TuningError(
+            f"batch_axis={batch_axis!r} names the axis batch_sizes resizes; pass batch_sizes too, "
+            "e.g. batch_sizes=[1, 2, 4, 8]"
+        )
     axis = padding.check_batch_axis(batch_axis) if batch_axis is not None else 0
     previous = find_session(model)
     if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
@@ -136,8 +169,7 @@ def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str]
         spec = specs[path]
         target = Target(path, module, _hooks.original_forward(module))
         if progress:
-            progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, "
-                     f"{len(spec.signatures)} signature(s))")
+            progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, {len(spec.signatures)} signature(s))")
         try:
             with _device.on_device(placed[path]):
                 tuned[path] = _tune_one(target, spec, strategy, placed[path])
@@ -145,8 +177,14 @@ def _tune(model: nn.Module, samples: Iterable[Any], modules: str | Iterable[str]
             _drop_samples_after(spec, exc)
             raise
         spec.drop_samples()  # recorded data is never kept beyond tuning
-    session = Session(tuned, device, environment=environment(device), strategy=repr(strategy),
-                      architecture=architecture, devices=placed)
+    session = Session(
+        tuned,
+        device,
+        environment=environment(device),
+        strategy=repr(strategy),
+        architecture=architecture,
+        devices=placed,
+    )
     attach(model, session)
     session.activate()
     return model
@@ -158,8 +196,9 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
         why = "never called by the samples" if not spec.calls else "; ".join(spec.unrecordable)
         log.warning("%s: %s; it stays eager", target.path or "<model>", why)
         backend = EagerBackend()
-        return TunedModule(target, spec, backend, backend.build(target, spec, device),
-                           [Candidate("eager", "chosen", why)])
+        return TunedModule(
+            target, spec, backend, backend.build(target, spec, device), [Candidate("eager", "chosen", why)]
+        )
     # tuning's own runs (references, checks, timing) leave the module's buffers as the samples' run left them
     with BufferWatch(target.module).kept() as buffers:
         references = []
@@ -186,22 +225,33 @@ def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
     try:
         spec.drop_samples()
     except Exception as cleanup:
-        log.warning("while tuning stopped on %s: %s, forgetting the recorded samples failed too (%s: %s)",
-                    type(error).__name__, error, type(cleanup).__name__, cleanup)
+        log.warning(
+            "while tuning stopped on %s: %s, forgetting the recorded samples failed too (%s: %s)",
+            type(error).__name__,
+            error,
+            type(cleanup).__name__,
+            cleanup,
+        )
 
 
 def _check_search(search: Any, quantize: Any, strategy: Strategy | None) -> bool | list[Any]:
     """``search`` and ``quantize`` choose xpupack's own candidates; a ``strategy`` names its own. Returns
     ``quantize`` as a bool or a list (checked now, not after minutes of recording)."""
     if search not in SEARCHES:
-        raise TuningError(f"search={search!r}: choose 'quick' (the default strategy) or 'thorough' (every "
-                          "candidate timed, Inductor settings and, with quantize=, TorchAO configurations)")
+        raise TuningError(
+            f"search={search!r}: choose 'quick' (the default strategy) or 'thorough' (every "
+            "candidate timed, Inductor settings and, with quantize=, TorchAO configurations)"
+        )
     if strategy is not None and (search != "quick" or quantize):
-        raise TuningError(f"strategy={strategy!r} names its candidates itself; search= and quantize= choose "
-                          "among xpupack's own: pass one or the other")
+        raise TuningError(
+            f"strategy={strategy!r} names its candidates itself; search= and quantize= choose "
+            "among xpupack's own: pass one or the other"
+        )
     if quantize and search != "thorough":
-        raise TuningError(f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
-                          "search='thorough' too, or put xpupack.TorchAOBackend in a strategy")
+        raise TuningError(
+            f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
+            "search='thorough' too, or put xpupack.TorchAOBackend in a strategy"
+        )
     if isinstance(quantize, bool):
         return quantize
     quantize = [quantize] if isinstance(quantize, str) or not isinstance(quantize, Iterable) else list(quantize)

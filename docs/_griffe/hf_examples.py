@@ -33,7 +33,7 @@ def hugging_face_examples(text: str) -> str:
         end = index + 1
         while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > indent):
             end += 1
-        body = lines[index + 1:end]
+        body = lines[index + 1 : end]
         while body and not body[-1].strip():
             body.pop()
         out.append(f"{match['indent']}Examples:")

@@ -39,7 +39,8 @@ def main() -> None:
         _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
     if options.hub_cache:  # what xpupack.hub resolves a pinned revision to: a snapshot linking into blobs/
         importlib.import_module("xpupack.loading").resolve_source = lambda *a, **k: Source(
-            Path(options.package), trusted=True, links_within=Path(options.hub_cache), description="org/name@pinned")
+            Path(options.package), trusted=True, links_within=Path(options.hub_cache), description="org/name@pinned"
+        )
     references = {seed: make_stack(seed=seed) for seed in (0, 1)}
     x = torch.randn(4, 8)
     print("ready", flush=True)
@@ -47,14 +48,20 @@ def main() -> None:
     results = []
     for _ in range(options.repeat):
         try:
-            model = xpupack.load(make_stack(seed=9), "org/name" if options.hub_cache else options.package,
-                                 revision=options.revision)
+            model = xpupack.load(
+                make_stack(seed=9), "org/name" if options.hub_cache else options.package, revision=options.revision
+            )
             with torch.no_grad():
                 out = model(x)
                 seeds = [seed for seed, ref in references.items() if torch.allclose(out, ref(x), atol=1e-5)]
             stats = xpupack.stats(model)
-            results.append({"seeds": seeds, "backends": sorted({s["backend"] for s in stats.values()}),
-                            "fallbacks": sum(s["fallbacks"] for s in stats.values())})
+            results.append(
+                {
+                    "seeds": seeds,
+                    "backends": sorted({s["backend"] for s in stats.values()}),
+                    "fallbacks": sum(s["fallbacks"] for s in stats.values()),
+                }
+            )
         except xpupack.XpupackError as exc:
             results.append({"error": f"{type(exc).__name__}: {exc}"})
     print(json.dumps(results), flush=True)

@@ -36,8 +36,9 @@ class EmulatedGraphs:
     def shared_pool(self, device: torch.device) -> Any:
         return None
 
-    def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
+    def capture(
+        self, fn: Callable[[], Any], *, device: torch.device, pool: Any, warmup: int = 2
+    ) -> tuple[Callable[[], None], Any, int]:
         with torch.no_grad():
             for _ in range(warmup):
                 fn()
@@ -70,8 +71,9 @@ class TracedGraphs(EmulatedGraphs):
 
     records_collectives = False
 
-    def capture(self, fn: Callable[[], Any], *, device: torch.device, pool: Any,
-                warmup: int = 2) -> tuple[Callable[[], None], Any, int]:
+    def capture(
+        self, fn: Callable[[], Any], *, device: torch.device, pool: Any, warmup: int = 2
+    ) -> tuple[Callable[[], None], Any, int]:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         with torch.no_grad():

@@ -55,12 +55,17 @@ class OlahHub:
             # answer every branch lookup from the git repos as they are now
             "metadata-cache-ttl = 0\n"
             "\n[accessibility]\n"
-            "offline = true\n")
+            "offline = true\n"
+        )
         self.endpoint = f"http://127.0.0.1:{port}"
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "olah.server", "--config", str(config), "--log-path", str(self.root / "logs")],
-                stdout=out, stderr=subprocess.STDOUT, cwd=self.root, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -80,8 +85,15 @@ class OlahHub:
                 self.process.kill()
                 self.process.wait()
 
-    def publish(self, package: Path | None, repo_id: str, *, branch: str = "main",
-                extra: dict[str, bytes] | None = None, message: str = "upload") -> str:
+    def publish(
+        self,
+        package: Path | None,
+        repo_id: str,
+        *,
+        branch: str = "main",
+        extra: dict[str, bytes] | None = None,
+        message: str = "upload",
+    ) -> str:
         """Commits ``package``'s files (plus ``extra``) as the whole tree of ``branch``; returns the commit hash."""
         repo = self.mirrors / "models" / repo_id
         if not (repo / ".git").is_dir():

@@ -23,9 +23,23 @@ import xpupack  # noqa: E402
 from support.models import make_stack, stack_samples  # noqa: E402
 from xpupack import _fsutil  # noqa: E402
 
-EVENTS = {"open", "os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.unlink",
-          "shutil.rmtree", "shutil.copyfile", "ctypes.dlopen", "ctypes.dlsym", "os.scandir", "os.listdir",
-          "os.chmod", "os.truncate"}
+EVENTS = {
+    "open",
+    "os.mkdir",
+    "os.rename",
+    "os.replace",
+    "os.remove",
+    "os.rmdir",
+    "os.unlink",
+    "shutil.rmtree",
+    "shutil.copyfile",
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "os.scandir",
+    "os.listdir",
+    "os.chmod",
+    "os.truncate",
+}
 _state = {"count": 0, "kill_at": None, "armed": False}
 
 
@@ -40,8 +54,9 @@ def _hook(event, args):
 
 def _tuned(seed):
     model = make_stack(seed=seed)
-    return xpupack.tune(model, stack_samples(), modules=["layers.*.mlp"],
-                        strategy=xpupack.FirstWins([xpupack.EagerBackend()]))
+    return xpupack.tune(
+        model, stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.FirstWins([xpupack.EagerBackend()])
+    )
 
 
 def _in_child(model, root, kill_at, exchange, report):

@@ -19,9 +19,18 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -31,9 +40,19 @@ def tiny_mistral(seed: int = 0, sliding_window: int | None = None):
 
     torch.manual_seed(seed)
     window = {} if sliding_window is None else {"sliding_window": sliding_window}
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, **window)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **window,
+    )
     return MistralForCausalLM(config).eval()
 
 
@@ -42,9 +61,20 @@ def tiny_gemma2(seed: int = 0, sliding_window: int = 8):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                          pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=sliding_window)
+    config = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=sliding_window,
+    )
     return Gemma2ForCausalLM(config).eval()
 
 
@@ -53,10 +83,21 @@ def tiny_gemma3(seed: int = 0, sliding_window: int = 8):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                              sliding_window=sliding_window, layer_types=["sliding_attention", "full_attention"])
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     return Gemma3ForCausalLM(config).eval()
 
 
@@ -64,8 +105,16 @@ def tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return GPT2LMHeadModel(config).eval()
 
 
@@ -81,8 +130,7 @@ def generate(model, ids: torch.Tensor, new_tokens: int = 6, cache=None, *, eager
     if eager:
         kwargs["disable_compile"] = True
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              **kwargs)
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
 
 
 def cache_argument(model) -> str:
@@ -97,8 +145,9 @@ def static_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
-def decode_loop(model, ids: torch.Tensor, new_tokens: int, cache, *, positions: bool = True,
-                step_logits: list | None = None) -> torch.Tensor:
+def decode_loop(
+    model, ids: torch.Tensor, new_tokens: int, cache, *, positions: bool = True, step_logits: list | None = None
+) -> torch.Tensor:
     """A hand-written greedy decode loop: one prefill call, then one call per token. ``positions=False``
     passes only the tokens and the cache (the model derives positions and masks from the cache);
     ``step_logits`` collects each decode step's logits."""

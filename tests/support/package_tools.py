@@ -13,11 +13,13 @@ from xpupack.manifest import MANIFEST, describe_files
 
 def snapshot(model):
     """Everything a failed load must leave unchanged."""
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            [m.training for m in model.modules()],
-            [("forward" in m.__dict__) for m in model.modules()],
-            [id(p) for p in model.parameters()],
-            [p.data_ptr() for p in model.parameters()])
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [m.training for m in model.modules()],
+        [("forward" in m.__dict__) for m in model.modules()],
+        [id(p) for p in model.parameters()],
+        [p.data_ptr() for p in model.parameters()],
+    )
 
 
 def assert_unchanged(model, before):

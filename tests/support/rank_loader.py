@@ -40,8 +40,9 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if options.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda"
-                            else None)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+    )
     references = {seed: make_stack(seed=seed).to(device) for seed in (0, 1)}
     model = make_stack(seed=9)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(device)
@@ -52,9 +53,12 @@ def main() -> None:
             out = model(x)
             seeds = [seed for seed, ref in references.items() if torch.allclose(out, ref(x), atol=1e-5)]
         stats = xpupack.stats(model)
-        result = {"seeds": seeds, "backends": sorted({s["backend"] for s in stats.values()}),
-                  "fallbacks": sum(s["fallbacks"] for s in stats.values()),
-                  "devices": sorted({str(d) for d in session_of(model).devices.values()})}
+        result = {
+            "seeds": seeds,
+            "backends": sorted({s["backend"] for s in stats.values()}),
+            "fallbacks": sum(s["fallbacks"] for s in stats.values()),
+            "devices": sorted({str(d) for d in session_of(model).devices.values()}),
+        }
     except xpupack.XpupackError as exc:
         result = {"error": f"{type(exc).__name__}: {exc}"}
     (options.out / f"rank{rank}.json").write_text(json.dumps(result))

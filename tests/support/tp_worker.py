@@ -89,8 +89,12 @@ def main() -> None:
             xpupack.tune(shard(make_blocks(seed=0).to(device), mesh), samples, modules=["layers.*"])
         except xpupack.TuningError as exc:
             result["speed_gated"] = str(exc)
-        model = xpupack.tune(shard(make_blocks(seed=0).to(device), mesh), samples, modules=["layers.*"],
-                             strategy=strategy(options.backend))
+        model = xpupack.tune(
+            shard(make_blocks(seed=0).to(device), mesh),
+            samples,
+            modules=["layers.*"],
+            strategy=strategy(options.backend),
+        )
         xpupack.save(model, options.package)
     else:
         model = xpupack.load(shard(make_blocks(seed=9).to(device), mesh), options.package)
@@ -99,11 +103,17 @@ def main() -> None:
         result["matches_unsharded"] = torch.allclose(out, reference(x), atol=1e-4, rtol=1e-4)
         result["matches_eager_tp"] = torch.allclose(out, torch.as_tensor(eager_tp(x)), atol=1e-4, rtol=1e-4)
     stats = xpupack.stats(model)
-    result.update(backends=sorted({s["backend"] for s in stats.values()}),
-                  fallbacks=sum(s["fallbacks"] for s in stats.values()),
-                  calls=sum(s["calls"] for s in stats.values()))
-    rejected = [f"{path}: {entry.backend}: {entry.reason}" for path, tuned in session_of(model).modules.items()
-                for entry in tuned.report if entry.status == "rejected"]
+    result.update(
+        backends=sorted({s["backend"] for s in stats.values()}),
+        fallbacks=sum(s["fallbacks"] for s in stats.values()),
+        calls=sum(s["calls"] for s in stats.values()),
+    )
+    rejected = [
+        f"{path}: {entry.backend}: {entry.reason}"
+        for path, tuned in session_of(model).modules.items()
+        for entry in tuned.report
+        if entry.status == "rejected"
+    ]
     if rejected:  # why a backend did not take a module (e.g. a device graph that cannot record a collective)
         result["rejected"] = rejected
     (options.out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -53,8 +53,11 @@ class BackendFacts:
 
     def why_unavailable(self, device: Any) -> str:
         if self.runs_on is not None and device.type not in self.runs_on:
-            return f"no device graphs on {device.type}" if self.name == "graph" else \
-                f"{self.name} cannot run on {device.type}"
+            return (
+                f"no device graphs on {device.type}"
+                if self.name == "graph"
+                else f"{self.name} cannot run on {device.type}"
+            )
         return self.base.why_unavailable(device) if self.base else f"{self.name} cannot run on {device.type}"
 
 
@@ -66,8 +69,10 @@ def settings_tag(options: dict) -> str:
     ``[coordinate_descent_tuning]`` (a setting turned on), ``[max_fusion_size=32]``; "" for the defaults."""
     mode = options.get("mode")
     parts = [mode] if mode not in (None, "default") else []
-    parts += [key if value is True else f"{key}={value!r}"
-              for key, value in sorted((options.get("compile_options") or {}).items())]
+    parts += [
+        key if value is True else f"{key}={value!r}"
+        for key, value in sorted((options.get("compile_options") or {}).items())
+    ]
     return f"[{','.join(parts)}]" if parts else ""
 
 
@@ -85,11 +90,16 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
         copies = rest.pop("copy_outputs", None)
         budget = rest.pop("max_memory", None)
         collectives = rest.pop("record_collectives", None)
-        if rest or (recordings is not None and (type(recordings) is not int or recordings < 1
-                                           or recordings == GRAPH_MAX_RECORDINGS)) \
-                or (copies is not None and copies is not False) \
-                or (collectives is not None and collectives is not True) \
-                or (budget is not None and (type(budget) is not int or budget < 1)):
+        if (
+            rest
+            or (
+                recordings is not None
+                and (type(recordings) is not int or recordings < 1 or recordings == GRAPH_MAX_RECORDINGS)
+            )
+            or (copies is not None and copies is not False)
+            or (collectives is not None and collectives is not True)
+            or (budget is not None and (type(budget) is not int or budget < 1))
+        ):
             return None
         inner = None
         if base is not None:
@@ -100,11 +110,23 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
                 return None
         # a CPU has no device graphs (tests emulate them in-process, where torch is loaded and the
         # real backend answers)
-        return BackendFacts("graph", inner, inner.depends_on if inner else (),
-                            bool(inner and inner.compiled_artifacts), runs_on=("cuda", "xpu"), pads_calls=True)
+        return BackendFacts(
+            "graph",
+            inner,
+            inner.depends_on if inner else (),
+            bool(inner and inner.compiled_artifacts),
+            runs_on=("cuda", "xpu"),
+            pads_calls=True,
+        )
     if name == "inductor":
         if set(options) - {"mode"} or ("mode" in options and options["mode"] not in INDUCTOR_MODES):
             return None  # a base (torchao), or an option the real backend refuses or would not write
-        return BackendFacts("inductor", None, INDUCTOR_DEPENDS_ON, compiled_artifacts=True, pads_calls=True,
-                            settings=settings_tag(options))
+        return BackendFacts(
+            "inductor",
+            None,
+            INDUCTOR_DEPENDS_ON,
+            compiled_artifacts=True,
+            pads_calls=True,
+            settings=settings_tag(options),
+        )
     return None

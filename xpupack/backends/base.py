@@ -127,8 +127,9 @@ class ModuleSpec:
                 self._after_run.setdefault(id(tensor), (tensor, own_copy(tensor)))
                 write(tensor, copy)
         counts = self.counts[index][number] if index < len(self.counts) else []
-        for (counters, obj), saved_counts in zip(self.signatures[index].state_counters(flatten(args, kwargs)[0]),
-                                                 counts):
+        for (counters, obj), saved_counts in zip(
+            self.signatures[index].state_counters(flatten(args, kwargs)[0]), counts
+        ):
             self._counts_after_run.setdefault(id(obj), (counters, obj, counters.read(obj)))
             counters.write(obj, saved_counts)
         return args, kwargs
@@ -178,8 +179,9 @@ class ModuleSpec:
         self.samples, self.states, self.counts = [], [], []
 
 
-def check_against_original(target: Target, spec: ModuleSpec, backend: Backend, runner: Runner, *,
-                           reset: Callable[[], object] = lambda: None) -> None:
+def check_against_original(
+    target: Target, spec: ModuleSpec, backend: Backend, runner: Runner, *, reset: Callable[[], object] = lambda: None
+) -> None:
     """Runs every restored signature once through ``runner`` and once through the original module; raises
     `OutputMismatchError` where ``backend.compare`` finds them apart. ``reset`` runs before each run (a
     loader puts the module's buffers back there).
@@ -211,9 +213,11 @@ def check_against_original(target: Target, spec: ModuleSpec, backend: Backend, r
             leaves, _ = flatten(args, kwargs)
             problem = backend.compare(runner.run(index, args, kwargs, leaves), expected)
             if problem:
-                raise OutputMismatchError(f"{target.path or '<model>'}: the restored {backend.name} backend "
-                                          f"differs from the original module on {spec.signatures[index].describe()}"
-                                          f" ({problem})")
+                raise OutputMismatchError(
+                    f"{target.path or '<model>'}: the restored {backend.name} backend "
+                    f"differs from the original module on {spec.signatures[index].describe()}"
+                    f" ({problem})"
+                )
 
 
 class Runner:
@@ -477,8 +481,9 @@ class Backend:
         """
         return {}
 
-    def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
-                device: torch.device, *, use_artifacts: bool) -> Runner:
+    def restore(
+        self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device, *, use_artifacts: bool
+    ) -> Runner:
         """Rebuilds the runner at load time from ``spec``'s signatures and saved artifacts.
 
         No recorded samples exist here: inputs are synthesised from the signatures
@@ -593,8 +598,9 @@ class ComposedBackend(Backend):
 
     def _set_base(self, base: Backend | dict | None) -> None:
         if not isinstance(base, (Backend, dict, type(None))):
-            raise ValueError(f"{type(self).__name__}(base={base!r}): give a backend such as "
-                             "xpupack.InductorBackend(), or None")
+            raise ValueError(
+                f"{type(self).__name__}(base={base!r}): give a backend such as xpupack.InductorBackend(), or None"
+            )
         self.base = backend_from_json(base["name"], base.get("options", {})) if isinstance(base, dict) else base
 
     @property
@@ -634,12 +640,14 @@ class ComposedBackend(Backend):
     def _build_base(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner | None:
         return self.base.build(target, spec, device) if self.base else None
 
-    def _restore_base(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
-                      device: torch.device, use_artifacts: bool) -> Runner | None:
+    def _restore_base(
+        self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device, use_artifacts: bool
+    ) -> Runner | None:
         if self.base is None:
             return None
-        return self.base.restore(target, spec, config.get("base", {}), folder / self.base.name, device,
-                                 use_artifacts=use_artifacts)
+        return self.base.restore(
+            target, spec, config.get("base", {}), folder / self.base.name, device, use_artifacts=use_artifacts
+        )
 
 
 def changes_module(backend: Backend | None) -> bool:
@@ -725,7 +733,8 @@ def backend_from_json(name: str, options: dict) -> Backend:
     except (KeyError, TypeError):
         raise UnknownConfigError(
             f"unknown backend {name!r}; this xpupack knows {', '.join(sorted(known))} "
-            "— upgrade xpupack if the package was built by a newer one") from None
+            "— upgrade xpupack if the package was built by a newer one"
+        ) from None
     try:
         backend = cls(**options)
         canonical = backend.options()
@@ -734,9 +743,11 @@ def backend_from_json(name: str, options: dict) -> Backend:
     except Exception as exc:  # whatever a constructor raises on options it cannot take
         raise UnknownConfigError(
             f"the {name} backend cannot take the options {options!r} ({type(exc).__name__}: {exc}) — "
-            "upgrade xpupack if the package was built by a newer one, or rebuild the package") from None
+            "upgrade xpupack if the package was built by a newer one, or rebuild the package"
+        ) from None
     if canonical != options:
         raise UnknownConfigError(
             f"the {name} backend does not write the options {options!r} (it would write {canonical!r}) — "
-            "the package is damaged or was built by another xpupack; rebuild the package")
+            "the package is damaged or was built by another xpupack; rebuild the package"
+        )
     return backend

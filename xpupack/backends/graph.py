@@ -128,11 +128,16 @@ class _Capture:
             if leaf is self.live[slot]:
                 return _StateRef(slot)
         if isinstance(leaf, torch.Tensor):
-            state = {t.untyped_storage().data_ptr() for slot in self.state_slots
-                     for t in state_type(self.live[slot]).state_tensors(self.live[slot])}
+            state = {
+                t.untyped_storage().data_ptr()
+                for slot in self.state_slots
+                for t in state_type(self.live[slot]).state_tensors(self.live[slot])
+            }
             if leaf.untyped_storage().data_ptr() in state:
-                raise RuntimeError("the module returns one of its state tensors; a replay for another "
-                                   "state object would return the recorded one")
+                raise RuntimeError(
+                    "the module returns one of its state tensors; a replay for another "
+                    "state object would return the recorded one"
+                )
         elif type(leaf) not in _PLAIN_OUTPUTS:
             raise RuntimeError(f"the module returns a {type(leaf).__name__} object a replay cannot renew")
         return leaf
@@ -151,8 +156,10 @@ class _Capture:
         """The replayed outputs: copies of the static outputs (or aliases), the caller's state objects."""
         if self.single_output is not None:
             return self.single_output.clone() if copy else self.single_output
-        results = [leaves[x.slot] if isinstance(x, _StateRef)
-                   else x.clone() if copy and isinstance(x, torch.Tensor) else x for x in self.output_leaves]
+        results = [
+            leaves[x.slot] if isinstance(x, _StateRef) else x.clone() if copy and isinstance(x, torch.Tensor) else x
+            for x in self.output_leaves
+        ]
         return unflatten(results, self.output_spec)[0][0]
 
 
@@ -184,8 +191,11 @@ class _StorageWatch:
         self.addresses = [tensor.data_ptr() for tensor in self.tensors]
         self.indices = list(range(len(self.tensors)))
         # a DTensor's own address is 0 and ``.to()`` swaps its shard in place: its local shard is watched
-        self.shards = [(tensor, tensor._local_tensor, tensor._local_tensor.data_ptr())
-                       for tensor in self.tensors if is_dtensor(tensor)]
+        self.shards = [
+            (tensor, tensor._local_tensor, tensor._local_tensor.data_ptr())
+            for tensor in self.tensors
+            if is_dtensor(tensor)
+        ]
         self.pinned += [shard for _, shard, _ in self.shards]
 
     def changed(self) -> bool:
@@ -225,10 +235,19 @@ class GraphRunner(Runner):
         base_runner: the runner of ``GraphBackend(base=...)``'s base, or None.
     """
 
-    def __init__(self, target: Target, spec: ModuleSpec, device: torch.device,
-                 api: _device.DeviceGraphs, function: Callable[..., Any], *,
-                 max_recordings: int, copy_outputs: bool, max_memory: int | None = None,
-                 base_runner: Runner | None = None):
+    def __init__(
+        self,
+        target: Target,
+        spec: ModuleSpec,
+        device: torch.device,
+        api: _device.DeviceGraphs,
+        function: Callable[..., Any],
+        *,
+        max_recordings: int,
+        copy_outputs: bool,
+        max_memory: int | None = None,
+        base_runner: Runner | None = None,
+    ):
         super().__init__(set())
         self.target = target
         self.spec = spec
@@ -318,8 +337,9 @@ class GraphRunner(Runner):
                 self.failures[index] = f"over the cap of {self.max_recordings} recordings per module"
                 continue
             if self.skipped:  # the budget is spent: a recording of less benefit comes after
-                self.skipped[index] = (f"over the memory budget (max_memory={self.max_memory} bytes): "
-                                       f"recordings of more benefit took it")
+                self.skipped[index] = (
+                    f"over the memory budget (max_memory={self.max_memory} bytes): recordings of more benefit took it"
+                )
                 continue
             args, kwargs = self.spec.example(index)
             try:
@@ -330,14 +350,24 @@ class GraphRunner(Runner):
                 if strict:
                     raise RuntimeError(f"recording {self.spec.signatures[index].describe()} failed: {reason}") from exc
                 self.failures[index] = reason
-                log.warning("%s: recording %s failed (%s); those calls run the original module",
-                            self.target.path or "<model>", self.spec.signatures[index].describe(), reason)
+                log.warning(
+                    "%s: recording %s failed (%s); those calls run the original module",
+                    self.target.path or "<model>",
+                    self.spec.signatures[index].describe(),
+                    reason,
+                )
                 continue
             if self.max_memory is not None and spent + recording.memory > self.max_memory:
-                self.skipped[index] = (f"over the memory budget (max_memory={self.max_memory} bytes): it took "
-                                       f"{recording.memory} bytes with {spent} spent")
-                log.info("%s: %s not kept: %s", self.target.path or "<model>",
-                         self.spec.signatures[index].describe(), self.skipped[index])
+                self.skipped[index] = (
+                    f"over the memory budget (max_memory={self.max_memory} bytes): it took "
+                    f"{recording.memory} bytes with {spent} spent"
+                )
+                log.info(
+                    "%s: %s not kept: %s",
+                    self.target.path or "<model>",
+                    self.spec.signatures[index].describe(),
+                    self.skipped[index],
+                )
                 continue
             spent += recording.memory
             self.recordings[index] = recording
@@ -348,8 +378,12 @@ class GraphRunner(Runner):
     def _recording_order(self, indices: list[int]) -> list[int]:
         """Largest first (input bytes); with a memory budget, most benefit first: the most calls
         while recording, then the largest (a smaller batch left out can still be padded up to it)."""
-        sizes = {index: sum(math.prod(leaf.shape) * leaf.dtype.itemsize
-                            for leaf in self.spec.signatures[index].tensor_leaves) for index in indices}
+        sizes = {
+            index: sum(
+                math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.spec.signatures[index].tensor_leaves
+            )
+            for index in indices
+        }
         if self.max_memory is None:
             return sorted(indices, key=lambda index: -sizes[index])
         weights = self.spec.signature_weights()
@@ -372,8 +406,10 @@ class GraphRunner(Runner):
         leaves, treespec = flatten(args, kwargs)
         slots = self.state_slots[index]
         # normal tensors, even for a call under inference mode: a later call in another mode copies into them
-        static = [None if i in slots else own_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf
-                  for i, leaf in enumerate(leaves)]
+        static = [
+            None if i in slots else own_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf
+            for i, leaf in enumerate(leaves)
+        ]
         recording = _Capture(static, slots)
 
         def call() -> Any:
@@ -385,7 +421,8 @@ class GraphRunner(Runner):
         try:
             with _device.on_device(self.device):
                 recording.replay, outputs, pool_memory = self.api.capture(
-                    call, device=self.device, warmup=warmup, pool=self.api.shared_pool(self.device))
+                    call, device=self.device, warmup=warmup, pool=self.api.shared_pool(self.device)
+                )
             recording.set_outputs(outputs)
         finally:
             recording.live = {}
@@ -393,8 +430,7 @@ class GraphRunner(Runner):
         if axes is not None:  # padded calls will be cut by these axes: they must fit (a package's are a claim)
             check_output_axes(outputs, axes, signature_batch(self.spec.signatures[index], axes)[1])
         # its static inputs, and what its capture added to the shared pool (outputs, work space)
-        recording.memory = pool_memory + sum(static[slot].untyped_storage().nbytes()
-                                             for slot in recording.tensor_slots)
+        recording.memory = pool_memory + sum(static[slot].untyped_storage().nbytes() for slot in recording.tensor_slots)
         return recording
 
     def release(self) -> None:
@@ -413,8 +449,10 @@ class GraphRunner(Runner):
 
     def _rerecord(self) -> None:
         """The module's storage moved (or was released): record again from the signatures. Under the lock."""
-        log.info("%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
-                 self.target.path or "<model>")
+        log.info(
+            "%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
+            self.target.path or "<model>",
+        )
         self.rerecordings += 1
         self._record_again()
 
@@ -479,8 +517,9 @@ class GraphRunner(Runner):
                 self._record_again()
                 self._keep_original(f"recording over the compiled module failed: {failed}")
                 return
-            log.info("%s: the compiled module serves now (restored off the caller's path)",
-                     self.target.path or "<model>")
+            log.info(
+                "%s: the compiled module serves now (restored off the caller's path)", self.target.path or "<model>"
+            )
             if not any(self.state_slots):
                 self._original = None  # every signature is the base's: nothing left to route
         finally:
@@ -506,9 +545,12 @@ class GraphRunner(Runner):
             return
         del self._preparing[index]
         if future.exception() is not None:
-            log.warning("%s: the compiled module could not take %s (%s); the original module's recordings "
-                        "serve it", self.target.path or "<model>", self.spec.signatures[index].describe(),
-                        error_line(future.exception()))
+            log.warning(
+                "%s: the compiled module could not take %s (%s); the original module's recordings serve it",
+                self.target.path or "<model>",
+                self.spec.signatures[index].describe(),
+                error_line(future.exception()),
+            )
             self._base_refused.add(index)  # never asked again
             return
         self._base_ready.add(index)
@@ -622,8 +664,9 @@ class GraphRunner(Runner):
                 self._added[index] = _difference(tuple(counters.read(obj) for counters, obj in counted), before)
                 self.warm_runs += 1
                 return output
-            paths = tuple(counters.path(obj, counts, adds)
-                          for (counters, obj), counts, adds in zip(counted, before, added))
+            paths = tuple(
+                counters.path(obj, counts, adds) for (counters, obj), counts, adds in zip(counted, before, added)
+            )
             if None in paths:
                 self.unreplayable_runs += 1
                 if self._held is not None:  # no recording will come to wait for
@@ -664,10 +707,14 @@ class GraphRunner(Runner):
             if self._held is not None:  # recorded (or refused): the compile may start once the caller pauses
                 self._start_held_upgrade()
         del self._warm[key]
-        if paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) \
-                != self._added[index]:  # its replays would advance the counters by what another call added
-            log.warning("%s: calls of %s change their state's counters by different amounts; not replayed",
-                        self.target.path or "<model>", signature.describe())
+        if (
+            paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) != self._added[index]
+        ):  # its replays would advance the counters by what another call added
+            log.warning(
+                "%s: calls of %s change their state's counters by different amounts; not replayed",
+                self.target.path or "<model>",
+                signature.describe(),
+            )
             self._added.pop(index)
         else:
             self.state_recordings[key] = recording
@@ -694,8 +741,10 @@ class GraphRunner(Runner):
         """The recordings' memory, each one's and the module's, and what the budget skipped (`describe`,
         and the package's config for `xpupack inspect`)."""
         signatures = self.spec.signatures
-        facts: dict = {"memory_bytes": self._memory_bytes(),
-                       "recording_memory": {signatures[i].describe(): r.memory for i, r in self.recordings.items()}}
+        facts: dict = {
+            "memory_bytes": self._memory_bytes(),
+            "recording_memory": {signatures[i].describe(): r.memory for i, r in self.recordings.items()},
+        }
         if self.max_memory is not None:
             facts["max_memory"] = self.max_memory
         if self.skipped:
@@ -705,8 +754,11 @@ class GraphRunner(Runner):
     def describe(self) -> dict:
         """Recordings, re-recordings, memory, and what could not be recorded, for `stats` and `inspect`."""
         with self._lock:
-            facts = {"recordings": len(self.recordings) + len(self.state_recordings),
-                     "rerecordings": self.rerecordings, **self.recorded()}
+            facts = {
+                "recordings": len(self.recordings) + len(self.state_recordings),
+                "rerecordings": self.rerecordings,
+                **self.recorded(),
+            }
             if any(self.state_slots):
                 facts["warm_runs"] = self.warm_runs
             if self.unreplayable_runs:
@@ -745,13 +797,16 @@ def _refuse_unsafe_collectives(target: Target, device: torch.device, opted_in: b
         raise RuntimeError(
             "a tensor-parallel module's collectives are not recorded on "
             f"{device.type}: capturing an all-reduce failed on torch 2.11 with NCCL ('CUDA error: invalid "
-            "argument') and left the ranks hung; GraphBackend(record_collectives=True) tries anyway")
+            "argument') and left the ranks hung; GraphBackend(record_collectives=True) tries anyway"
+        )
 
 
 def _refuse_input_mutation(spec: ModuleSpec) -> None:
     if spec.mutates_inputs:
-        raise RuntimeError("the module changes its input tensors in place; a replay would change its own "
-                           "static copies of them, not the caller's tensors")
+        raise RuntimeError(
+            "the module changes its input tensors in place; a replay would change its own "
+            "static copies of them, not the caller's tensors"
+        )
 
 
 @register_backend
@@ -790,8 +845,15 @@ class GraphBackend(ComposedBackend):
     name = "graph"
     pads_calls = True
 
-    def __init__(self, base: Backend | dict | None = None, *, max_recordings: int = GRAPH_MAX_RECORDINGS,
-                 copy_outputs: bool = True, max_memory: int | None = None, record_collectives: bool = False):
+    def __init__(
+        self,
+        base: Backend | dict | None = None,
+        *,
+        max_recordings: int = GRAPH_MAX_RECORDINGS,
+        copy_outputs: bool = True,
+        max_memory: int | None = None,
+        record_collectives: bool = False,
+    ):
         self._set_base(base)
         if isinstance(self.base, GraphBackend):
             raise ValueError("GraphBackend(base=GraphBackend()) would record a recording")
@@ -799,10 +861,13 @@ class GraphBackend(ComposedBackend):
             raise ValueError(f"GraphBackend(max_recordings={max_recordings!r}): give a positive integer")
         if not isinstance(copy_outputs, bool):
             raise ValueError(f"GraphBackend(copy_outputs={copy_outputs!r}): give True or False")
-        if max_memory is not None and (isinstance(max_memory, bool) or not isinstance(max_memory, int)
-                                       or max_memory < 1):
-            raise TuningError(f"GraphBackend(max_memory={max_memory!r}): give a positive number of bytes "
-                              "(an int, e.g. 2 * 2**30 for 2 GiB), or None for no budget")
+        if max_memory is not None and (
+            isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory < 1
+        ):
+            raise TuningError(
+                f"GraphBackend(max_memory={max_memory!r}): give a positive number of bytes "
+                "(an int, e.g. 2 * 2**30 for 2 GiB), or None for no budget"
+            )
         if not isinstance(record_collectives, bool):
             raise ValueError(f"GraphBackend(record_collectives={record_collectives!r}): give True or False")
         self.max_recordings = max_recordings
@@ -863,16 +928,26 @@ class GraphBackend(ComposedBackend):
         """
         return self.base.tolerances() if self.base else super().tolerances()
 
-    def _runner(self, target: Target, spec: ModuleSpec, device: torch.device,
-                base_runner: Runner | None) -> GraphRunner:
+    def _runner(
+        self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None
+    ) -> GraphRunner:
         api = _device.graphs_for(device)
         if base_runner is not None:
             function = base_runner.run
         else:
             forward = target.forward
             function = lambda index, args, kwargs, leaves: forward(*args, **kwargs)  # noqa: E731
-        return GraphRunner(target, spec, device, api, function, max_recordings=self.max_recordings,
-                           copy_outputs=self.copy_outputs, max_memory=self.max_memory, base_runner=base_runner)
+        return GraphRunner(
+            target,
+            spec,
+            device,
+            api,
+            function,
+            max_recordings=self.max_recordings,
+            copy_outputs=self.copy_outputs,
+            max_memory=self.max_memory,
+            base_runner=base_runner,
+        )
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         """Builds the base (if any), then records every signature without state. See `Backend.build`.
@@ -902,8 +977,9 @@ class GraphBackend(ComposedBackend):
             raise
         return runner
 
-    def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
-                device: torch.device, *, use_artifacts: bool) -> Runner:
+    def restore(
+        self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device, *, use_artifacts: bool
+    ) -> Runner:
         """Restores the base, then records every signature again on this device from synthesised inputs.
 
         Within ``xpupack.load(..., defer_compile=True)``, a base with compiled code is restored off the
@@ -934,34 +1010,44 @@ class GraphBackend(ComposedBackend):
             else:
                 runner.upgrade_when_ready(_background.later(restore))
             return runner
-        return self._recorded(target, spec, device,
-                              self._restore_base(target, spec, config, folder, device, use_artifacts))
+        return self._recorded(
+            target, spec, device, self._restore_base(target, spec, config, folder, device, use_artifacts)
+        )
 
     def _defers(self, spec: ModuleSpec) -> bool:
         """Whether this load records the original module now and restores the base off the caller's path
         (README: "Cold start"): a base with compiled code (Inductor: seconds of importing and loading on
         a fresh server) that leaves the module as it is, for a module that writes none of its buffers
         (the worker runs it while calls do)."""
-        return (_background.deferred() and self.base is not None and self.base.compiled_artifacts
-                and not changes_module(self.base) and not spec.writes_buffers)
+        return (
+            _background.deferred()
+            and self.base is not None
+            and self.base.compiled_artifacts
+            and not changes_module(self.base)
+            and not spec.writes_buffers
+        )
 
-    def _checked_base(self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device,
-                      use_artifacts: bool) -> Runner:
+    def _checked_base(
+        self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device, use_artifacts: bool
+    ) -> Runner:
         """The base runner, restored and checked against the original module (on the worker)."""
         with _device.on_device(device):
             base = self._restore_base(target, spec, config, folder, device, use_artifacts)
             check_against_original(target, spec, self, base)
         return base
 
-    def _recorded(self, target: Target, spec: ModuleSpec, device: torch.device,
-                  base_runner: Runner | None) -> GraphRunner:
+    def _recorded(
+        self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None
+    ) -> GraphRunner:
         runner = self._runner(target, spec, device, base_runner)
         try:
             with _device.on_device(device):
                 runner.record_all(strict=False)
             if not runner.supported:
-                raise RuntimeError("no signature could be recorded: "
-                                   + "; ".join([*runner.failures.values(), *runner.skipped.values()]))
+                raise RuntimeError(
+                    "no signature could be recorded: "
+                    + "; ".join([*runner.failures.values(), *runner.skipped.values()])
+                )
         except BaseException:
             runner.undo()
             raise

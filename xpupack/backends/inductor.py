@@ -79,8 +79,10 @@ class _Compiled:
 
 
 #: why a signature counts as not compiled: Dynamo ran its function and left no compiled code for it
-NOT_COMPILED = ("Dynamo ran it without compiling (torch.compiler.set_stance('force_eager'), a frame Dynamo "
-                "skips, or a compile limit); its calls run the original module")
+NOT_COMPILED = (
+    "Dynamo ran it without compiling (torch.compiler.set_stance('force_eager'), a frame Dynamo "
+    "skips, or a compile limit); its calls run the original module"
+)
 
 
 class InductorRunner(Runner):
@@ -105,9 +107,15 @@ class InductorRunner(Runner):
         symbolic_state: whether calls with state share one compile with sizes as symbols.
     """
 
-    def __init__(self, path: str, spec: ModuleSpec, device: torch.device,
-                 compile_one: Callable[[bool], tuple[Callable[..., Any], Callable[..., Any]]], *,
-                 symbolic_state: bool):
+    def __init__(
+        self,
+        path: str,
+        spec: ModuleSpec,
+        device: torch.device,
+        compile_one: Callable[[bool], tuple[Callable[..., Any], Callable[..., Any]]],
+        *,
+        symbolic_state: bool,
+    ):
         super().__init__(set())
         self.path = path
         self.spec = spec
@@ -234,8 +242,12 @@ class InductorRunner(Runner):
         else:
             self.not_compiled[index] = NOT_COMPILED
             self.supported.discard(index)
-            log.warning("%s: %s was not compiled: %s", self.path or "<model>", self.spec.signatures[index].describe(),
-                        NOT_COMPILED)
+            log.warning(
+                "%s: %s was not compiled: %s",
+                self.path or "<model>",
+                self.spec.signatures[index].describe(),
+                NOT_COMPILED,
+            )
         return output
 
     def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
@@ -270,11 +282,16 @@ class InductorRunner(Runner):
             return None
         try:
             scratch_args, scratch_kwargs = scratch_copy(
-                args, kwargs, self.spec.signatures[index].state_tensors(flatten(args, kwargs)[0]))
+                args, kwargs, self.spec.signatures[index].state_tensors(flatten(args, kwargs)[0])
+            )
         except Exception as exc:
             failed: Future = Future()
-            failed.set_exception(RuntimeError(f"no scratch copy of the call to compile on ({type(exc).__name__}: "
-                                              f"{exc}); its calls run the original module"))
+            failed.set_exception(
+                RuntimeError(
+                    f"no scratch copy of the call to compile on ({type(exc).__name__}: "
+                    f"{exc}); its calls run the original module"
+                )
+            )
             return failed
         grad, inference, device = torch.is_grad_enabled(), torch.is_inference_mode_enabled(), self.device
 
@@ -414,6 +431,7 @@ def _own_entry(function: Callable[..., Any]) -> Callable[..., Any]:
     record nothing. Its own code object makes Dynamo compile it (cheaply when
     Inductor's caches hold the result).
     """
+
     def entry(*args, **kwargs):
         return function(*args, **kwargs)
 
@@ -430,13 +448,19 @@ def _vec_isa_probes(root: Path) -> dict[str, Path]:
     """
     from torch._inductor import cpu_vec_isa
 
-    programs = {value.encode() for isa in vars(cpu_vec_isa).values()
-                if isinstance(isa, type) and issubclass(isa, cpu_vec_isa.VecISA)
-                for name, value in vars(isa).items() if name.endswith("_code") and isinstance(value, str)}
+    programs = {
+        value.encode()
+        for isa in vars(cpu_vec_isa).values()
+        if isinstance(isa, type) and issubclass(isa, cpu_vec_isa.VecISA)
+        for name, value in vars(isa).items()
+        if name.endswith("_code") and isinstance(value, str)
+    }
     sizes = {len(program) for program in programs}
-    return {source.relative_to(root).as_posix(): source for source in sorted(root.glob("*/*.cpp"))
-            if source.stat().st_size in sizes and source.read_bytes() in programs
-            and source.with_suffix(".so").is_file()}
+    return {
+        source.relative_to(root).as_posix(): source
+        for source in sorted(root.glob("*/*.cpp"))
+        if source.stat().st_size in sizes and source.read_bytes() in programs and source.with_suffix(".so").is_file()
+    }
 
 
 @register_backend
@@ -473,15 +497,24 @@ class InductorBackend(ComposedBackend):
     compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
     supports_autocast = True  # Dynamo guards on the autocast state and compiles again
 
-    def __init__(self, mode: str | None = None, *, base: Backend | dict | None = None,
-                 compile_options: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        mode: str | None = None,
+        *,
+        base: Backend | dict | None = None,
+        compile_options: dict[str, Any] | None = None,
+    ):
         if mode is not None and mode not in INDUCTOR_MODES:
-            raise ValueError(f"InductorBackend(mode={mode!r}) would record CUDA graphs; "
-                             "use GraphBackend for that, or mode='max-autotune-no-cudagraphs'")
+            raise ValueError(
+                f"InductorBackend(mode={mode!r}) would record CUDA graphs; "
+                "use GraphBackend for that, or mode='max-autotune-no-cudagraphs'"
+            )
         self._set_base(base)
         if self.base is not None and not self.base.transforms_module:
-            raise ValueError(f"InductorBackend(base={self.base!r}): only a backend that transforms the module "
-                             "in place (TorchAOBackend) can be compiled on top")
+            raise ValueError(
+                f"InductorBackend(base={self.base!r}): only a backend that transforms the module "
+                "in place (TorchAOBackend) can be compiled on top"
+            )
         self.mode = mode
         self.compile_options = _checked_compile_options(compile_options)
 
@@ -492,9 +525,11 @@ class InductorBackend(ComposedBackend):
 
     def options(self) -> dict:
         """``mode``, ``compile_options`` and ``base``, where set."""
-        return {**({"mode": self.mode} if self.mode else {}),
-                **({"compile_options": dict(self.compile_options)} if self.compile_options else {}),
-                **self._base_options()}
+        return {
+            **({"mode": self.mode} if self.mode else {}),
+            **({"compile_options": dict(self.compile_options)} if self.compile_options else {}),
+            **self._base_options(),
+        }
 
     @property
     def label(self) -> str:
@@ -555,8 +590,15 @@ class InductorBackend(ComposedBackend):
         """
         return self._compile_or_undo(target, spec, device, self._build_base(target, spec, device))
 
-    def _compile_or_undo(self, target: Target, spec: ModuleSpec, device: torch.device,
-                         base_runner: Runner | None, *, symbolic_state: bool = True) -> Runner:
+    def _compile_or_undo(
+        self,
+        target: Target,
+        spec: ModuleSpec,
+        device: torch.device,
+        base_runner: Runner | None,
+        *,
+        symbolic_state: bool = True,
+    ) -> Runner:
         """Compiles; if that fails, the base's changes to the module are taken back."""
         try:
             return self._compile(target, spec, device, base_runner, symbolic_state=symbolic_state)
@@ -573,8 +615,9 @@ class InductorBackend(ComposedBackend):
         # torch.compile takes a mode or options, not both: the mode's own options go first
         return {"options": {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), **options}}
 
-    def _runner(self, target: Target, spec: ModuleSpec, device: torch.device, *,
-                symbolic_state: bool) -> InductorRunner:
+    def _runner(
+        self, target: Target, spec: ModuleSpec, device: torch.device, *, symbolic_state: bool
+    ) -> InductorRunner:
         settings = self._settings(device)
 
         def compile_one(dynamic: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -584,8 +627,15 @@ class InductorBackend(ComposedBackend):
 
         return InductorRunner(target.path, spec, device, compile_one, symbolic_state=symbolic_state)
 
-    def _compile(self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None,
-                 *, symbolic_state: bool) -> Runner:
+    def _compile(
+        self,
+        target: Target,
+        spec: ModuleSpec,
+        device: torch.device,
+        base_runner: Runner | None,
+        *,
+        symbolic_state: bool,
+    ) -> Runner:
         runner = self._runner(target, spec, device, symbolic_state=symbolic_state)
         self._compile_into(runner, target, spec)
         runner.base_runner = base_runner
@@ -597,8 +647,12 @@ class InductorBackend(ComposedBackend):
             try:
                 attempted = _compile_examples(runner, spec)
             except _SymbolicSizesFailed as failed:
-                log.warning("%s: its calls with state do not compile with sizes as symbols (%s); they are "
-                            "compiled per cache length instead", target.path or "<model>", failed.__cause__)
+                log.warning(
+                    "%s: its calls with state do not compile with sizes as symbols (%s); they are "
+                    "compiled per cache length instead",
+                    target.path or "<model>",
+                    failed.__cause__,
+                )
                 runner.compile_state_per_shape()
                 attempted = _compile_examples(runner, spec)
         runner.compiled = recorded
@@ -621,8 +675,9 @@ class InductorBackend(ComposedBackend):
             config[STATE_SIZES] = PER_SHAPE  # a loader compiles them the same way
         return config
 
-    def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
-                device: torch.device, *, use_artifacts: bool) -> Runner:
+    def restore(
+        self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device, *, use_artifacts: bool
+    ) -> Runner:
         """Compiles every signature again from synthesised inputs, hitting the caches `restore_shared`
         filled. Within ``xpupack.load(..., defer_compile=True)`` it compiles off the caller's path, the
         original module serving meanwhile (README: "Cold start"). See `Backend.restore`.
@@ -644,9 +699,13 @@ class InductorBackend(ComposedBackend):
         symbolic_state = config.get(STATE_SIZES) != PER_SHAPE
         if self._defers(spec):
             return self._compiled_later(target, spec, device, symbolic_state)
-        return self._compile_or_undo(target, spec, device,
-                                     self._restore_base(target, spec, config, folder, device, use_artifacts),
-                                     symbolic_state=symbolic_state)
+        return self._compile_or_undo(
+            target,
+            spec,
+            device,
+            self._restore_base(target, spec, config, folder, device, use_artifacts),
+            symbolic_state=symbolic_state,
+        )
 
     def _defers(self, spec: ModuleSpec | None = None) -> bool:
         """Whether this load compiles off the caller's path (README: "Cold start"), the original module
@@ -654,8 +713,7 @@ class InductorBackend(ComposedBackend):
         module that writes none of its buffers (the worker runs it while calls do)."""
         return _background.deferred() and self.base is None and not (spec is not None and spec.writes_buffers)
 
-    def _compiled_later(self, target: Target, spec: ModuleSpec, device: torch.device,
-                        symbolic_state: bool) -> Runner:
+    def _compiled_later(self, target: Target, spec: ModuleSpec, device: torch.device, symbolic_state: bool) -> Runner:
         """A runner that runs the original module until the worker has compiled every signature it can
         and checked the compiled module against the original; one that fails keeps the original."""
         runner = self._runner(target, spec, device, symbolic_state=symbolic_state)
@@ -714,17 +772,26 @@ class InductorBackend(ComposedBackend):
         # (nor, for kernels, outside the Inductor cache they are copied into)
         kernels = config.get(KERNELS, [])
         if not isinstance(kernels, list):
-            raise PackageFormatError(f"the backend config for {folder} lists the kernels as {kernels!r}, not as "
-                                     "a list of files; the package is damaged — rebuild it", path=str(folder))
+            raise PackageFormatError(
+                f"the backend config for {folder} lists the kernels as {kernels!r}, not as "
+                "a list of files; the package is damaged — rebuild it",
+                path=str(folder),
+            )
         sources = [artifact_file(folder / KERNELS, relative) for relative in kernels]
         cache = artifact_file(folder, config["cache"]) if "cache" in config else None
         if self._defers():  # on the worker, before the modules' compiles it queues (importing Inductor: seconds)
+
             def install() -> None:
                 try:
                     self._install_shared(cache, kernels, sources, folder)
                 except Exception as exc:  # the modules then compile here, off the caller's path all the same
-                    log.warning("the shared Inductor artifacts in %s cannot be loaded (%s: %s); compiling here "
-                                "instead", folder, type(exc).__name__, exc)
+                    log.warning(
+                        "the shared Inductor artifacts in %s cannot be loaded (%s: %s); compiling here instead",
+                        folder,
+                        type(exc).__name__,
+                        exc,
+                    )
+
             _background.later(install)
             return
         self._install_shared(cache, kernels, sources, folder)
@@ -753,18 +820,49 @@ class InductorBackend(ComposedBackend):
 #: nor debugging or tracing (``trace.enabled`` writes tensors into the working directory), nor a
 #: testing hook (``sleep_sec_TESTING_ONLY``), nor a string (a compiler, an include directory, a file).
 SPEED_SETTINGS: dict[str, type | range] = {
-    **dict.fromkeys((
-        "max_autotune", "max_autotune_gemm", "max_autotune_pointwise",
-        "coordinate_descent_tuning", "coordinate_descent_check_all_directions",
-        "epilogue_fusion", "epilogue_fusion_first", "prologue_fusion", "aggressive_fusion", "benchmark_fusion",
-        "benchmark_epilogue_fusion", "loop_ordering_after_fusion", "combo_kernels", "benchmark_combo_kernel",
-        "pattern_matcher", "group_fusion", "batch_fusion", "split_cat_fx_passes", "permute_fusion",
-        "reorder_for_locality", "reorder_for_peak_memory", "shape_padding", "comprehensive_padding",
-        "layout_optimization", "conv_1x1_as_mm", "split_reductions", "use_mixed_mm",
-        "inplace_buffers", "allow_buffer_reuse",
-        "triton.autotune_pointwise", "triton.autotune_cublasLt", "triton.persistent_reductions",
-        "triton.prefer_nd_tiling", "triton.tile_reductions", "triton.cooperative_reductions",
-        "triton.use_block_ptr", "cpp.enable_tiling_heuristics", "cpp.enable_loop_tail_vec"), bool),
+    **dict.fromkeys(
+        (
+            "max_autotune",
+            "max_autotune_gemm",
+            "max_autotune_pointwise",
+            "coordinate_descent_tuning",
+            "coordinate_descent_check_all_directions",
+            "epilogue_fusion",
+            "epilogue_fusion_first",
+            "prologue_fusion",
+            "aggressive_fusion",
+            "benchmark_fusion",
+            "benchmark_epilogue_fusion",
+            "loop_ordering_after_fusion",
+            "combo_kernels",
+            "benchmark_combo_kernel",
+            "pattern_matcher",
+            "group_fusion",
+            "batch_fusion",
+            "split_cat_fx_passes",
+            "permute_fusion",
+            "reorder_for_locality",
+            "reorder_for_peak_memory",
+            "shape_padding",
+            "comprehensive_padding",
+            "layout_optimization",
+            "conv_1x1_as_mm",
+            "split_reductions",
+            "use_mixed_mm",
+            "inplace_buffers",
+            "allow_buffer_reuse",
+            "triton.autotune_pointwise",
+            "triton.autotune_cublasLt",
+            "triton.persistent_reductions",
+            "triton.prefer_nd_tiling",
+            "triton.tile_reductions",
+            "triton.cooperative_reductions",
+            "triton.use_block_ptr",
+            "cpp.enable_tiling_heuristics",
+            "cpp.enable_loop_tail_vec",
+        ),
+        bool,
+    ),
     # numbers, bounded: a package must not make a loader's compile search without end
     "coordinate_descent_search_radius": range(1, 5),
     "max_fusion_size": range(1, 1025),
@@ -823,10 +921,20 @@ def _refusal(key: str) -> str:
 
 
 #: settings `_refusal` names for what they are (the rest of what is refused gets the general reason)
-_DEBUG_SETTINGS = frozenset({"benchmark_harness", "benchmark_kernel", "comment_origin", "save_args",
-                             "log_tlparse", "developer_warnings", "generate_intermediate_hooks"})
-_SAFETY_SETTINGS = frozenset({"triton.divisible_by_16", "fallback_random", "freezing", "use_fast_math",
-                              "cpp.enable_unsafe_math_opt_flag"})
+_DEBUG_SETTINGS = frozenset(
+    {
+        "benchmark_harness",
+        "benchmark_kernel",
+        "comment_origin",
+        "save_args",
+        "log_tlparse",
+        "developer_warnings",
+        "generate_intermediate_hooks",
+    }
+)
+_SAFETY_SETTINGS = frozenset(
+    {"triton.divisible_by_16", "fallback_random", "freezing", "use_fast_math", "cpp.enable_unsafe_math_opt_flag"}
+)
 
 
 def _checked_compile_options(options: Any) -> dict[str, Any]:
@@ -846,14 +954,16 @@ def _checked_compile_options(options: Any) -> dict[str, Any]:
             raise ValueError(f"{where}: {key!r} is not a setting of torch._inductor.config")
         allowed = SPEED_SETTINGS.get(key)
         if allowed is None:
-            raise ValueError(f"{where}: {key} {_refusal(key)}; a package carries only settings that change "
-                             f"speed ({', '.join(sorted(SPEED_SETTINGS))}), since a loader compiles with them")
+            raise ValueError(
+                f"{where}: {key} {_refusal(key)}; a package carries only settings that change "
+                f"speed ({', '.join(sorted(SPEED_SETTINGS))}), since a loader compiles with them"
+            )
         if allowed is bool and not isinstance(value, bool):
             raise ValueError(f"{where}: {key}={value!r} is not a boolean (True or False)")
-        if isinstance(allowed, range) and (isinstance(value, bool) or not isinstance(value, int)
-                                           or value not in allowed):
-            raise ValueError(f"{where}: {key}={value!r} is not an integer from {allowed.start} to "
-                             f"{allowed.stop - 1}")
+        if isinstance(allowed, range) and (
+            isinstance(value, bool) or not isinstance(value, int) or value not in allowed
+        ):
+            raise ValueError(f"{where}: {key}={value!r} is not an integer from {allowed.start} to {allowed.stop - 1}")
     return dict(options)
 
 
@@ -861,8 +971,13 @@ def _save_kernels(sources: dict[str, Path], folder: Path) -> list[str]:
     """Copies each C++ source and what was built from it into ``folder``; returns their relative paths."""
     saved = []
     for relative, source in sorted(sources.items()):
-        for name, path in [(relative, source), *((str(PurePosixPath(relative).with_suffix(suffix)),
-                                                   source.with_suffix(suffix)) for suffix in _BUILT_SUFFIXES)]:
+        for name, path in [
+            (relative, source),
+            *(
+                (str(PurePosixPath(relative).with_suffix(suffix)), source.with_suffix(suffix))
+                for suffix in _BUILT_SUFFIXES
+            ),
+        ]:
             if path.is_file() and not path.is_symlink():
                 (folder / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, folder / name)

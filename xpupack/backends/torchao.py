@@ -52,15 +52,29 @@ WEIGHTS_FILE = "weights.safetensors"
 _ROOT = "module"
 
 #: torchao tensor subclasses a package may hold (those the configs of `CONFIG_CLASSES` produce)
-TENSOR_CLASSES = frozenset({
-    "Int8Tensor", "Float8Tensor", "Int4Tensor", "Int4TilePackedTo4dTensor", "Int4PlainInt32Tensor",
-    "IntxUnpackedToInt8Tensor",
-})
+TENSOR_CLASSES = frozenset(
+    {
+        "Int8Tensor",
+        "Float8Tensor",
+        "Int4Tensor",
+        "Int4TilePackedTo4dTensor",
+        "Int4PlainInt32Tensor",
+        "IntxUnpackedToInt8Tensor",
+    }
+)
 #: types that may appear inside those tensors' attributes
-_TENSOR_PARTS = frozenset({
-    "torch.dtype", "PerRow", "PerTensor", "MappingType", "KernelPreference", "Float8MMConfig",
-    "QuantizeTensorToInt8Kwargs", "QuantizeTensorToFloat8Kwargs",
-})
+_TENSOR_PARTS = frozenset(
+    {
+        "torch.dtype",
+        "PerRow",
+        "PerTensor",
+        "MappingType",
+        "KernelPreference",
+        "Float8MMConfig",
+        "QuantizeTensorToInt8Kwargs",
+        "QuantizeTensorToFloat8Kwargs",
+    }
+)
 
 
 class _Swap(NamedTuple):
@@ -85,8 +99,14 @@ class TorchAORunner(Runner):
         config: the torchao config as JSON (``config_to_dict``), for `TorchAOBackend.save`.
     """
 
-    def __init__(self, forward: Callable[..., Any], supported: set[int], swaps: list[_Swap],
-                 added: dict[nn.Module, dict[str, Any]] | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        supported: set[int],
+        swaps: list[_Swap],
+        added: dict[nn.Module, dict[str, Any]] | None = None,
+        config: dict | None = None,
+    ):
         super().__init__(supported)
         self._forward = forward
         self.swaps = swaps
@@ -177,8 +197,9 @@ class TorchAOBackend(Backend):
         if isinstance(config, str):
             if config not in NAMED_CONFIGS:
                 known = "; ".join(f"{name} ({named.devices})" for name, named in NAMED_CONFIGS.items())
-                raise UnknownConfigError(f"unknown torchao config {config!r}; known names: {known} "
-                                         "— or pass a torchao AOBaseConfig")
+                raise UnknownConfigError(
+                    f"unknown torchao config {config!r}; known names: {known} — or pass a torchao AOBaseConfig"
+                )
             self._named, self.config_name = NAMED_CONFIGS[config], config
             config_class = self._named.config_class
         elif isinstance(config, dict):
@@ -187,8 +208,10 @@ class TorchAOBackend(Backend):
         else:
             config_class = type(config).__name__
             if config_class not in CONFIG_CLASSES:
-                raise UnknownConfigError(f"TorchAOBackend cannot package a {config_class}; known config classes: "
-                                         f"{', '.join(sorted(CONFIG_CLASSES))}")
+                raise UnknownConfigError(
+                    f"TorchAOBackend cannot package a {config_class}; known config classes: "
+                    f"{', '.join(sorted(CONFIG_CLASSES))}"
+                )
             self._instance, self.config_name = config, config_class
         self._explicit_sqnr = min_sqnr_db
         self.min_sqnr_db = CONFIG_CLASSES[config_class] if min_sqnr_db is None else float(min_sqnr_db)
@@ -304,13 +327,19 @@ class TorchAOBackend(Backend):
         attributes = {m: set(m.__dict__) for m in module.modules()}
         try:
             quantize_(module, config)
-            swaps = [_Swap(name, owner, attribute, original, owner._parameters[attribute])
-                     for name, (owner, attribute, original) in parameters.items()
-                     if owner._parameters.get(attribute) is not original]
-            added = {m: {k: m.__dict__[k] for k in set(m.__dict__) - known}
-                     for m, known in attributes.items() if set(m.__dict__) - known}
-            runner = TorchAORunner(target.forward, set(range(len(spec.signatures))), swaps, added,
-                                   config_to_json(config))
+            swaps = [
+                _Swap(name, owner, attribute, original, owner._parameters[attribute])
+                for name, (owner, attribute, original) in parameters.items()
+                if owner._parameters.get(attribute) is not original
+            ]
+            added = {
+                m: {k: m.__dict__[k] for k in set(m.__dict__) - known}
+                for m, known in attributes.items()
+                if set(m.__dict__) - known
+            }
+            runner = TorchAORunner(
+                target.forward, set(range(len(spec.signatures))), swaps, added, config_to_json(config)
+            )
             _check_quantized(runner, module, children)
         except BaseException:
             for (parent, name), child in children.items():
@@ -340,15 +369,24 @@ class TorchAOBackend(Backend):
         quantized = runner.quantized()
         data, metadata = flatten_tensor_state_dict({f"{_ROOT}.{name}": t for name, t in quantized.items()})
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({key: value.detach().to("cpu").contiguous() for key, value in data.items()},
-                  str(folder / WEIGHTS_FILE), metadata=metadata)
-        return {"config": runner.config, "weights": WEIGHTS_FILE,
-                "tensors": {name: {"type": type(t).__name__, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-                            for name, t in sorted(quantized.items())}}
+        save_file(
+            {key: value.detach().to("cpu").contiguous() for key, value in data.items()},
+            str(folder / WEIGHTS_FILE),
+            metadata=metadata,
+        )
+        return {
+            "config": runner.config,
+            "weights": WEIGHTS_FILE,
+            "tensors": {
+                name: {"type": type(t).__name__, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+                for name, t in sorted(quantized.items())
+            },
+        }
 
     # -- load time -----------------------------------------------------------------
-    def restore(self, target: Target, spec: ModuleSpec, config: dict, folder: Path,
-                device: torch.device, *, use_artifacts: bool) -> Runner:
+    def restore(
+        self, target: Target, spec: ModuleSpec, config: dict, folder: Path, device: torch.device, *, use_artifacts: bool
+    ) -> Runner:
         """Puts the stored quantized tensors into the module; never calls ``quantize_``.
 
         Args:
@@ -376,24 +414,32 @@ class TorchAOBackend(Backend):
             config_from_json(config["config"], f"{folder} (torchao config)")
         expected = config.get("tensors")
         if not isinstance(expected, dict) or not expected:
-            raise PackageFormatError(f"the torchao config of {folder} lists no tensors; rebuild the package",
-                                     path=where)
+            raise PackageFormatError(
+                f"the torchao config of {folder} lists no tensors; rebuild the package", path=where
+            )
         tensors = read_quantized(weights, device)
         if set(tensors) != set(expected):
-            raise PackageFormatError(f"{where} holds {sorted(tensors)}, the manifest lists {sorted(expected)}; "
-                                     "rebuild the package", path=where)
+            raise PackageFormatError(
+                f"{where} holds {sorted(tensors)}, the manifest lists {sorted(expected)}; rebuild the package",
+                path=where,
+            )
         parameters = _parameter_table(target.module)
         swaps = []
         for name, tensor in sorted(tensors.items()):
             facts = {"type": type(tensor).__name__, "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
             if name not in parameters or facts != expected[name]:
-                raise PackageFormatError(f"{where}: {name} is {facts}, the manifest says {expected[name]} "
-                                         f"(module parameter present: {name in parameters}); rebuild the package",
-                                         path=where)
+                raise PackageFormatError(
+                    f"{where}: {name} is {facts}, the manifest says {expected[name]} "
+                    f"(module parameter present: {name in parameters}); rebuild the package",
+                    path=where,
+                )
             owner, attribute, original = parameters[name]
             if list(original.shape) != facts["shape"] or dtype_name(original.dtype) != facts["dtype"]:
-                raise PackageFormatError(f"{where}: {name} is {facts['dtype']}{facts['shape']}, the module's "
-                                         f"is {dtype_name(original.dtype)}{list(original.shape)}", path=where)
+                raise PackageFormatError(
+                    f"{where}: {name} is {facts['dtype']}{facts['shape']}, the module's "
+                    f"is {dtype_name(original.dtype)}{list(original.shape)}",
+                    path=where,
+                )
             swaps.append(_Swap(name, owner, attribute, original, nn.Parameter(tensor, requires_grad=False)))
         runner = TorchAORunner(target.forward, set(range(len(spec.signatures))), swaps, config=config.get("config"))
         runner.redo()
@@ -425,8 +471,9 @@ def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
             metadata = handle.metadata() or {}
             data = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 (safe_open is no dict)
     except (SafetensorError, OSError, ValueError) as exc:
-        raise PackageFormatError(f"{path} is not a readable safetensors file ({exc}); rebuild the package",
-                                 path=str(path)) from None
+        raise PackageFormatError(
+            f"{path} is not a readable safetensors file ({exc}); rebuild the package", path=str(path)
+        ) from None
     where = f"{path}: the torchao header"
     try:
         names = json.loads(metadata.get("tensor_names", "null"))
@@ -438,21 +485,27 @@ def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
             check_depth(entry, f"{where} ({name})")
             if not isinstance(entry, dict) or entry.get("_type") not in TENSOR_CLASSES:
                 kind = entry.get("_type") if isinstance(entry, dict) else entry
-                raise UnknownConfigError(f"{path} holds {name!r} as {kind!r}, which xpupack does not load; "
-                                         f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}")
+                raise UnknownConfigError(
+                    f"{path} holds {name!r} as {kind!r}, which xpupack does not load; "
+                    f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}"
+                )
             check_types(entry.get("_data"), _TENSOR_PARTS, f"{path} ({name})")
         tensors, leftover = unflatten_tensor_state_dict(data, metadata)
     except (UnknownConfigError, PackageFormatError):
         raise
     except RecursionError:
-        raise PackageFormatError(f"{where} is nested too deep to parse; rebuild the package",
-                                 path=str(path)) from None
+        raise PackageFormatError(f"{where} is nested too deep to parse; rebuild the package", path=str(path)) from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise PackageFormatError(f"{path}: the torchao header cannot be read ({type(exc).__name__}: {exc}); "
-                                 "rebuild the package", path=str(path)) from None
+        raise PackageFormatError(
+            f"{path}: the torchao header cannot be read ({type(exc).__name__}: {exc}); rebuild the package",
+            path=str(path),
+        ) from None
     if leftover or set(tensors) != set(names):
-        raise PackageFormatError(f"{path}: tensors {sorted(set(names) - set(tensors)) or sorted(leftover)} "
-                                 "do not match its header; rebuild the package", path=str(path))
+        raise PackageFormatError(
+            f"{path}: tensors {sorted(set(names) - set(tensors)) or sorted(leftover)} "
+            "do not match its header; rebuild the package",
+            path=str(path),
+        )
     prefix = _ROOT + "."
     return {name.removeprefix(prefix): tensor for name, tensor in tensors.items()}
 
@@ -471,12 +524,17 @@ def _check_quantized(runner: TorchAORunner, module: nn.Module, children: dict) -
     """Refuses what the package format cannot hold: swapped modules, unknown tensor types, nothing quantized."""
     swapped = [name for (parent, name), child in children.items() if parent._modules.get(name) is not child]
     if swapped:
-        raise BackendError(f"the config replaced submodules ({', '.join(swapped[:3])}); xpupack packages only "
-                           "configs that quantize weights in place (tensor subclasses)")
+        raise BackendError(
+            f"the config replaced submodules ({', '.join(swapped[:3])}); xpupack packages only "
+            "configs that quantize weights in place (tensor subclasses)"
+        )
     if not runner.swaps:
-        raise BackendError("the config quantized no weight of this module (no nn.Linear, or shapes the "
-                           "config cannot take)")
+        raise BackendError(
+            "the config quantized no weight of this module (no nn.Linear, or shapes the config cannot take)"
+        )
     unknown = {type(swap.replacement).__name__ for swap in runner.swaps} - TENSOR_CLASSES
     if unknown:
-        raise BackendError(f"the config produced {', '.join(sorted(unknown))}, which xpupack cannot store; "
-                           f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}")
+        raise BackendError(
+            f"the config produced {', '.join(sorted(unknown))}, which xpupack cannot store; "
+            f"known tensor classes: {', '.join(sorted(TENSOR_CLASSES))}"
+        )

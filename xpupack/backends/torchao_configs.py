@@ -33,14 +33,31 @@ CONFIG_CLASSES: dict[str, float] = {
     "IntxWeightOnlyConfig": 15.0,
 }
 #: types that may appear inside those configs (granularities, enums, dtypes)
-_CONFIG_PARTS = frozenset({
-    "torch.dtype", "PerRow", "PerTensor", "PerAxis", "PerGroup", "MappingType", "KernelPreference",
-    "Float8MMConfig", "Float8PackingFormat", "Int4PackingFormat", "Int4ChooseQParamsAlgorithm",
-    "IntxPackingFormat", "IntxChooseQParamsAlgorithm",
-})
+_CONFIG_PARTS = frozenset(
+    {
+        "torch.dtype",
+        "PerRow",
+        "PerTensor",
+        "PerAxis",
+        "PerGroup",
+        "MappingType",
+        "KernelPreference",
+        "Float8MMConfig",
+        "Float8PackingFormat",
+        "Int4PackingFormat",
+        "Int4ChooseQParamsAlgorithm",
+        "IntxPackingFormat",
+        "IntxChooseQParamsAlgorithm",
+    }
+)
 #: the torchao modules that define `CONFIG_CLASSES` and `_CONFIG_PARTS`, searched in this order
-_CONFIG_MODULES = ("torchao.quantization", "torchao.quantization.quantize_.workflows",
-                   "torchao.quantization.quantize_.common")
+_CONFIG_MODULES = (
+    "torchao.quantization",
+    "torchao.quantization.quantize_.workflows",
+    "torchao.quantization.quantize_.common",
+)
+
+
 @dataclass(frozen=True)
 class NamedConfig:
     """A config by name: how to make it, and where it can run.
@@ -95,8 +112,9 @@ def _int4_weight_only():
     from torchao.quantization import Int4WeightOnlyConfig
     from torchao.quantization.quantize_.workflows import Int4PackingFormat
 
-    return Int4WeightOnlyConfig(group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
-                                set_inductor_config=False)
+    return Int4WeightOnlyConfig(
+        group_size=128, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D, set_inductor_config=False
+    )
 
 
 def _float8_weight_only():
@@ -111,10 +129,10 @@ def _float8_weight_only():
 NAMED_CONFIGS: dict[str, NamedConfig] = {
     "int8-weight-only": NamedConfig("Int8WeightOnlyConfig", _int8_weight_only, "cpu, cuda", _anywhere),
     "int8-dynamic": NamedConfig("Int8DynamicActivationInt8WeightConfig", _int8_dynamic, "cpu, cuda", _anywhere),
-    "int4-weight-only": NamedConfig("Int4WeightOnlyConfig", _int4_weight_only, "cuda (bfloat16 models)",
-                                    _cuda_only),
-    "float8-weight-only": NamedConfig("Float8WeightOnlyConfig", _float8_weight_only,
-                                      "cpu, cuda (compute capability 8.9+)", _float8_device),
+    "int4-weight-only": NamedConfig("Int4WeightOnlyConfig", _int4_weight_only, "cuda (bfloat16 models)", _cuda_only),
+    "float8-weight-only": NamedConfig(
+        "Float8WeightOnlyConfig", _float8_weight_only, "cpu, cuda (compute capability 8.9+)", _float8_device
+    ),
 }
 
 
@@ -158,13 +176,15 @@ def check_types(tree: Any, allowed: frozenset[str] | set[str], where: str) -> No
             if not isinstance(kind, str) or kind not in allowed:
                 raise UnknownConfigError(
                     f"{where} names the type {kind!r}, which xpupack does not load; known: "
-                    f"{', '.join(sorted(allowed))} — upgrade xpupack if a newer one built the package")
+                    f"{', '.join(sorted(allowed))} — upgrade xpupack if a newer one built the package"
+                )
             if kind == "torch.dtype":
                 try:
                     dtype_from_name(str(tree.get("_data")))
                 except ValueError:
-                    raise UnknownConfigError(f"{where} names {tree.get('_data')!r}, "
-                                             "which is not a torch dtype") from None
+                    raise UnknownConfigError(
+                        f"{where} names {tree.get('_data')!r}, which is not a torch dtype"
+                    ) from None
         for value in tree.values():
             check_types(value, allowed, where)
     elif isinstance(tree, list):
@@ -195,8 +215,10 @@ def config_from_json(data: Any, where: str = "the torchao config") -> Any:
     """
     kind = data.get("_type") if isinstance(data, dict) else type(data).__name__
     if not isinstance(data, dict) or not isinstance(kind, str) or kind not in CONFIG_CLASSES:
-        raise UnknownConfigError(f"{where} names the config class {kind!r}, which xpupack does not load; "
-                                 f"known: {', '.join(sorted(CONFIG_CLASSES))}")
+        raise UnknownConfigError(
+            f"{where} names the config class {kind!r}, which xpupack does not load; "
+            f"known: {', '.join(sorted(CONFIG_CLASSES))}"
+        )
     check_depth(data, where)
     check_types(data.get("_data"), _CONFIG_PARTS, where)
     require_torchao()
@@ -217,26 +239,34 @@ def _build(node: Any, where: str) -> Any:
     cls = _torchao_class(kind, where)
     if issubclass(cls, enum.Enum):
         if not isinstance(data, str) or data not in cls.__members__:
-            raise UnknownConfigError(f"{where} names {kind}.{data}, which this torchao does not have; known: "
-                                     f"{', '.join(cls.__members__)} — rebuild the package with this torchao")
+            raise UnknownConfigError(
+                f"{where} names {kind}.{data}, which this torchao does not have; known: "
+                f"{', '.join(cls.__members__)} — rebuild the package with this torchao"
+            )
         return cls[data]
     fields = _fields(cls)
     if not isinstance(data, dict) or set(data) - fields:
         extra = sorted(set(data) - fields) if isinstance(data, dict) else data
-        raise UnknownConfigError(f"{where} gives {kind} {extra!r}, which are not fields of it in this torchao "
-                                 f"(fields: {', '.join(sorted(fields))}) — rebuild the package with this torchao")
+        raise UnknownConfigError(
+            f"{where} gives {kind} {extra!r}, which are not fields of it in this torchao "
+            f"(fields: {', '.join(sorted(fields))}) — rebuild the package with this torchao"
+        )
     values = {name: _build(value, where) for name, value in data.items()}
     stored = node.get("_version")
     if "_version" in node and type(stored) is not int:
-        raise UnknownConfigError(f"{where} gives {kind} the version {stored!r}, which is not a version number; "
-                                 "the package is damaged — rebuild it")
+        raise UnknownConfigError(
+            f"{where} gives {kind} the version {stored!r}, which is not a version number; "
+            "the package is damaged — rebuild it"
+        )
     if stored is not None and stored != getattr(cls, "version", stored) and "version" in _fields(cls, all_fields=True):
         values["version"] = stored  # an older layout of the class: torchao reads it as that version
     try:
         return cls(**values)
     except (TypeError, ValueError, AssertionError) as exc:
-        raise UnknownConfigError(f"{where}: this torchao refuses the {kind} the package names "
-                                 f"({type(exc).__name__}: {exc}) — rebuild the package with this torchao") from None
+        raise UnknownConfigError(
+            f"{where}: this torchao refuses the {kind} the package names "
+            f"({type(exc).__name__}: {exc}) — rebuild the package with this torchao"
+        ) from None
 
 
 def _torchao_class(name: str, where: str) -> type:
@@ -247,8 +277,10 @@ def _torchao_class(name: str, where: str) -> type:
         cls = getattr(importlib.import_module(module), name, None)
         if isinstance(cls, type):
             return cls
-    raise UnknownConfigError(f"{where} names {name!r}, which this torchao does not define — rebuild the package "
-                             "with this torchao, or install the torchao that built it")
+    raise UnknownConfigError(
+        f"{where} names {name!r}, which this torchao does not define — rebuild the package "
+        "with this torchao, or install the torchao that built it"
+    )
 
 
 def _fields(cls: type, *, all_fields: bool = False) -> set[str]:

@@ -50,16 +50,19 @@ def import_object(reference: str, what: str, *, package: str | Path | None = Non
     (inside) the package directory ``package``: nothing is ever imported from a package."""
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
-        raise click.BadParameter(f"{reference!r} is not MODULE:NAME (e.g. xpupack.examples:tiny_transformer)",
-                                 param_hint=what)
+        raise click.BadParameter(
+            f"{reference!r} is not MODULE:NAME (e.g. xpupack.examples:tiny_transformer)", param_hint=what
+        )
     cwd = Path.cwd().resolve()
     root = Path(package).resolve() if package is not None and Path(package).is_dir() else None
     hint = ""
     if root is not None and cwd.is_relative_to(root):
         # a package's files are data: keep its directory off the path (`python -m` put it first)
         sys.path[:] = [entry for entry in sys.path if not Path(entry or ".").resolve().is_relative_to(root)]
-        hint = (f" (the current directory is inside the package {package}, which xpupack never imports from: "
-                "run from your project directory, or install the module)")
+        hint = (
+            f" (the current directory is inside the package {package}, which xpupack never imports from: "
+            "run from your project directory, or install the module)"
+        )
     elif str(cwd) not in sys.path:
         sys.path.insert(0, str(cwd))
     try:

@@ -9,12 +9,22 @@ from ._common import byte_size, console, echo_json, handle_errors, import_object
 
 @click.command()
 @click.argument("package", metavar="PACKAGE")
-@click.option("--model", "model_factory", required=True, metavar="MODULE:FACTORY",
-              help="Function building the model the package was made from.")
+@click.option(
+    "--model",
+    "model_factory",
+    required=True,
+    metavar="MODULE:FACTORY",
+    help="Function building the model the package was made from.",
+)
 @click.option("--device", default=None, help="Device to load onto. Default: the best device here.")
-@click.option("--iterations", type=click.IntRange(min=1), default=50, show_default=True,
-              help="Timed rounds (a tuned and an eager call) per signature; up to 4x as many while the "
-                   "timings cannot tell whether tuned is faster.")
+@click.option(
+    "--iterations",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="Timed rounds (a tuned and an eager call) per signature; up to 4x as many while the "
+    "timings cannot tell whether tuned is faster.",
+)
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
 @json_option
 @handle_errors
@@ -36,28 +46,51 @@ def bench(package, model_factory, device, iterations, revision, as_json):
     model = import_object(model_factory, "--model", package=package)()
     model = xpupack.load(model, package, device=device, revision=revision)
     stats = xpupack.stats(model, totals=True)  # before timing: eager's turn releases the recordings
-    memory = {"modules": {path: entry["memory_bytes"] for path, entry in stats["modules"].items()},
-              "total_bytes": stats["totals"]["memory_bytes"],
-              "skipped": {path: entry["skipped"] for path, entry in stats["modules"].items() if entry.get("skipped")}}
+    memory = {
+        "modules": {path: entry["memory_bytes"] for path, entry in stats["modules"].items()},
+        "total_bytes": stats["totals"]["memory_bytes"],
+        "skipped": {path: entry["skipped"] for path, entry in stats["modules"].items() if entry.get("skipped")},
+    }
     rows = benchmark(model, iterations=iterations)
     if as_json:
-        echo_json({"package": package, "device": str(xpupack.tuned.session_of(model).device), "results": rows,
-                   "recording_memory": memory})
+        echo_json(
+            {
+                "package": package,
+                "device": str(xpupack.tuned.session_of(model).device),
+                "results": rows,
+                "recording_memory": memory,
+            }
+        )
         return
     from rich.table import Table
 
-    table = Table("module", "signature", "backend", "tuned median µs", "tuned p90 µs", "eager median µs",
-                  "eager p90 µs", "speedup")
+    table = Table(
+        "module",
+        "signature",
+        "backend",
+        "tuned median µs",
+        "tuned p90 µs",
+        "eager median µs",
+        "eager p90 µs",
+        "speedup",
+    )
     for row in rows:
-        table.add_row(row["module"] or "<model>", row["signature"],
-                      row["backend"] + (" (fell back)" if row["fell_back"] else ""),
-                      f"{row['tuned']['median_us']:.1f}", f"{row['tuned']['p90_us']:.1f}",
-                      f"{row['eager']['median_us']:.1f}", f"{row['eager']['p90_us']:.1f}",
-                      f"{row['speedup']:.2f}× ({row['speedup_interval'][0]:.2f}-{row['speedup_interval'][1]:.2f})"
-                      + (" noisy" if row["noisy"] else ""))
+        table.add_row(
+            row["module"] or "<model>",
+            row["signature"],
+            row["backend"] + (" (fell back)" if row["fell_back"] else ""),
+            f"{row['tuned']['median_us']:.1f}",
+            f"{row['tuned']['p90_us']:.1f}",
+            f"{row['eager']['median_us']:.1f}",
+            f"{row['eager']['p90_us']:.1f}",
+            f"{row['speedup']:.2f}× ({row['speedup_interval'][0]:.2f}-{row['speedup_interval'][1]:.2f})"
+            + (" noisy" if row["noisy"] else ""),
+        )
     console().print(table)
-    console().print(f"recording memory: {byte_size(memory['total_bytes'])} in all; "
-                    + ", ".join(f"{path or '<model>'} {byte_size(n)}" for path, n in memory["modules"].items()))
+    console().print(
+        f"recording memory: {byte_size(memory['total_bytes'])} in all; "
+        + ", ".join(f"{path or '<model>'} {byte_size(n)}" for path, n in memory["modules"].items())
+    )
     for path, skipped in memory["skipped"].items():
         for signature, why in skipped.items():
             console().print(f"{path or '<model>'}: skipped {signature}: {why}")

@@ -34,11 +34,15 @@ def parse_backends(text: str):
     def one(item: str):
         name, _, argument = item.partition(":")
         if name not in known:
-            raise click.BadParameter(f"unknown backend {name!r}; choose from {', '.join(sorted(known))}",
-                                     param_hint="--backends")
+            raise click.BadParameter(
+                f"unknown backend {name!r}; choose from {', '.join(sorted(known))}", param_hint="--backends"
+            )
         if argument and name == "graph":
-            raise click.BadParameter(f"{item!r}: graph takes no argument; graph+NAME records another backend "
-                                     "(graph+inductor, graph+torchao:int8-weight-only)", param_hint="--backends")
+            raise click.BadParameter(
+                f"{item!r}: graph takes no argument; graph+NAME records another backend "
+                "(graph+inductor, graph+torchao:int8-weight-only)",
+                param_hint="--backends",
+            )
         try:
             return known[name](argument) if argument else known[name]()
         except (ValueError, TypeError) as exc:  # the backend's own refusal of the argument
@@ -76,22 +80,28 @@ def _sizes(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or not all(1 <= size <= MAX_BATCH_SIZE for size in sizes):
-        raise click.BadParameter(f"{text!r}: give batch sizes separated by commas, each from 1 to "
-                                 f"{MAX_BATCH_SIZE}, e.g. 1,2,4,8", param_hint="--batch-sizes")
+        raise click.BadParameter(
+            f"{text!r}: give batch sizes separated by commas, each from 1 to {MAX_BATCH_SIZE}, e.g. 1,2,4,8",
+            param_hint="--batch-sizes",
+        )
     return sizes
 
 
 def _quantize(text: str | None, search: str, backends: str | None) -> bool | list[str]:
     """``--quantize``: False, True (``all``) or the config names, checked before minutes of tuning."""
     if search == "thorough" and backends is not None:
-        raise click.BadParameter("--backends names the candidates itself; --search thorough tries xpupack's own: "
-                                 "pass one or the other", param_hint="--search")
+        raise click.BadParameter(
+            "--backends names the candidates itself; --search thorough tries xpupack's own: pass one or the other",
+            param_hint="--search",
+        )
     if text is None:
         return False
     if search != "thorough":
-        raise click.BadParameter("--quantize adds TorchAO configurations to the thorough search: add --search "
-                                 "thorough, or name torchao backends in --backends (torchao:int8-weight-only)",
-                                 param_hint="--quantize")
+        raise click.BadParameter(
+            "--quantize adds TorchAO configurations to the thorough search: add --search "
+            "thorough, or name torchao backends in --backends (torchao:int8-weight-only)",
+            param_hint="--quantize",
+        )
     if text.strip().lower() == "all":
         return True
     from ..strategies import quantized_backends
@@ -132,50 +142,119 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
 
 @click.command()
 @click.argument("model_factory", metavar="MODULE:FACTORY")
-@click.option("--samples", "samples_factory", required=True, metavar="MODULE:FN",
-              help="Function returning the sample inputs (an iterable; each item a tensor, tuple or dict).")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
-              help="Package directory to write (an existing package there is replaced atomically).")
-@click.option("--modules", "modules", multiple=True, metavar="GLOB",
-              help="Submodules to tune, as globs over named_modules() object paths (repeatable), e.g. "
-                   "'layers.*.mlp'. '*' matches one dot-separated segment ('model.layers.*' selects "
-                   "model.layers.0, not model.layers.0.self_attn), '**' any number of segments, none "
-                   "included ('**.mlp'). A module and one inside it cannot both be selected. "
-                   "Default: the whole model as one unit.")
+@click.option(
+    "--samples",
+    "samples_factory",
+    required=True,
+    metavar="MODULE:FN",
+    help="Function returning the sample inputs (an iterable; each item a tensor, tuple or dict).",
+)
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Package directory to write (an existing package there is replaced atomically).",
+)
+@click.option(
+    "--modules",
+    "modules",
+    multiple=True,
+    metavar="GLOB",
+    help="Submodules to tune, as globs over named_modules() object paths (repeatable), e.g. "
+    "'layers.*.mlp'. '*' matches one dot-separated segment ('model.layers.*' selects "
+    "model.layers.0, not model.layers.0.self_attn), '**' any number of segments, none "
+    "included ('**.mlp'). A module and one inside it cannot both be selected. "
+    "Default: the whole model as one unit.",
+)
 @click.option("--device", default=None, help="xpu, cuda, cuda:1 or cpu. Default: the best device here.")
-@click.option("--backends", "backends", default=None,
-              help="Candidate backends in order of preference, comma-separated; NAME:ARG passes one "
-                   "argument (torchao:int8-weight-only), graph+NAME / inductor+NAME record or compile "
-                   "that backend's module (graph+inductor, graph+torchao:int8-weight-only). "
-                   "Default: graph+inductor,graph,inductor,eager on a GPU; graph,inductor,eager elsewhere.")
-@click.option("--strategy", type=click.Choice(["first-wins", "fastest"]), default="first-wins",
-              show_default=True, help="first-wins keeps the first backend that matches eager; "
-                                      "fastest times all that match and keeps the fastest.")
-@click.option("--min-speedup", "min_speedup", default="1.0", show_default=True, metavar="RATIO|none",
-              help="Reject a candidate (other than eager) unless it runs the samples' calls more than RATIO "
-                   "times as fast as eager; 'none' keeps slower ones (quantizing for size, say).")
-@click.option("--startup-margin", "startup_margin", default="1.05", show_default=True, metavar="RATIO|none",
-              help="first-wins: a candidate with compiled code (graph+inductor) is kept only when it runs the "
-                   "calls RATIO times as fast as the next candidate without it (the plain graph), since its "
-                   "compiled code costs seconds on a fresh server; 'none': the first to pass wins.")
-@click.option("--search", type=click.Choice(["quick", "thorough"]), default="quick", show_default=True,
-              help="quick: the candidates above, as --strategy says; thorough: every candidate checked and timed, "
-                   "the fastest kept (with --min-speedup and --startup-margin): Inductor's default settings, "
-                   "coordinate descent (GPU) and max-autotune, each recorded as a device graph on a GPU, then the "
-                   "plain graph, Inductor and eager; with --quantize, TorchAO configurations too.")
-@click.option("--quantize", default=None, metavar="CONFIG,...|all",
-              help="With --search thorough: also try these TorchAO configurations (int8-weight-only,"
-                   "float8-weight-only,int4-weight-only...), or 'all' for those three, each where the device "
-                   "has it. Quantization changes numerics: off unless given.")
-@click.option("--batch-sizes", "batch_sizes", default=None, metavar="N,N,...",
-              help="Also record these batch sizes, made from each sample by repeating or cutting its rows "
-                   "(xpupack.tune's batch_sizes), e.g. 1,2,4,8,16,24,32: smaller batches are padded up to them.")
-@click.option("--batch-axis", "batch_axis", type=int, default=None, metavar="AXIS",
-              help="The samples' batch axis for --batch-sizes (default 0).")
+@click.option(
+    "--backends",
+    "backends",
+    default=None,
+    help="Candidate backends in order of preference, comma-separated; NAME:ARG passes one "
+    "argument (torchao:int8-weight-only), graph+NAME / inductor+NAME record or compile "
+    "that backend's module (graph+inductor, graph+torchao:int8-weight-only). "
+    "Default: graph+inductor,graph,inductor,eager on a GPU; graph,inductor,eager elsewhere.",
+)
+@click.option(
+    "--strategy",
+    type=click.Choice(["first-wins", "fastest"]),
+    default="first-wins",
+    show_default=True,
+    help="first-wins keeps the first backend that matches eager; fastest times all that match and keeps the fastest.",
+)
+@click.option(
+    "--min-speedup",
+    "min_speedup",
+    default="1.0",
+    show_default=True,
+    metavar="RATIO|none",
+    help="Reject a candidate (other than eager) unless it runs the samples' calls more than RATIO "
+    "times as fast as eager; 'none' keeps slower ones (quantizing for size, say).",
+)
+@click.option(
+    "--startup-margin",
+    "startup_margin",
+    default="1.05",
+    show_default=True,
+    metavar="RATIO|none",
+    help="first-wins: a candidate with compiled code (graph+inductor) is kept only when it runs the "
+    "calls RATIO times as fast as the next candidate without it (the plain graph), since its "
+    "compiled code costs seconds on a fresh server; 'none': the first to pass wins.",
+)
+@click.option(
+    "--search",
+    type=click.Choice(["quick", "thorough"]),
+    default="quick",
+    show_default=True,
+    help="quick: the candidates above, as --strategy says; thorough: every candidate checked and timed, "
+    "the fastest kept (with --min-speedup and --startup-margin): Inductor's default settings, "
+    "coordinate descent (GPU) and max-autotune, each recorded as a device graph on a GPU, then the "
+    "plain graph, Inductor and eager; with --quantize, TorchAO configurations too.",
+)
+@click.option(
+    "--quantize",
+    default=None,
+    metavar="CONFIG,...|all",
+    help="With --search thorough: also try these TorchAO configurations (int8-weight-only,"
+    "float8-weight-only,int4-weight-only...), or 'all' for those three, each where the device "
+    "has it. Quantization changes numerics: off unless given.",
+)
+@click.option(
+    "--batch-sizes",
+    "batch_sizes",
+    default=None,
+    metavar="N,N,...",
+    help="Also record these batch sizes, made from each sample by repeating or cutting its rows "
+    "(xpupack.tune's batch_sizes), e.g. 1,2,4,8,16,24,32: smaller batches are padded up to them.",
+)
+@click.option(
+    "--batch-axis",
+    "batch_axis",
+    type=int,
+    default=None,
+    metavar="AXIS",
+    help="The samples' batch axis for --batch-sizes (default 0).",
+)
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
 @handle_errors
-def build(model_factory, samples_factory, out, modules, device, backends, strategy, min_speedup, startup_margin,
-          search, quantize, batch_sizes, batch_axis, no_weights):
+def build(
+    model_factory,
+    samples_factory,
+    out,
+    modules,
+    device,
+    backends,
+    strategy,
+    min_speedup,
+    startup_margin,
+    search,
+    quantize,
+    batch_sizes,
+    batch_axis,
+    no_weights,
+):
     """Tune MODULE:FACTORY's model on its samples and write a package to --out.
 
     \b
@@ -204,20 +283,32 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
 
         device = _device.resolve(device)
         if search == "thorough":
-            chosen = xpupack.Fastest(thorough_backends(device, configs), min_speedup=_ratio(min_speedup),
-                                     startup_margin=_ratio(startup_margin, "--startup-margin"))
+            chosen = xpupack.Fastest(
+                thorough_backends(device, configs),
+                min_speedup=_ratio(min_speedup),
+                startup_margin=_ratio(startup_margin, "--startup-margin"),
+            )
         elif strategy == "fastest":
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
             chosen = xpupack.Fastest(candidates, min_speedup=_ratio(min_speedup))
         else:
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
-            chosen = xpupack.FirstWins(candidates, min_speedup=_ratio(min_speedup),
-                                       startup_margin=_ratio(startup_margin, "--startup-margin"))
+            chosen = xpupack.FirstWins(
+                candidates, min_speedup=_ratio(min_speedup), startup_margin=_ratio(startup_margin, "--startup-margin")
+            )
         progress("building the model")
         model = make_model()
         samples = make_samples()
-        xpupack.tune(model, samples, modules=list(modules) or None, device=device, strategy=chosen,
-                     batch_sizes=sizes, batch_axis=batch_axis, progress=progress)
+        xpupack.tune(
+            model,
+            samples,
+            modules=list(modules) or None,
+            device=device,
+            strategy=chosen,
+            batch_sizes=sizes,
+            batch_axis=batch_axis,
+            progress=progress,
+        )
         progress(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights)
 
@@ -225,6 +316,11 @@ def build(model_factory, samples_factory, out, modules, device, backends, strate
     from .inspect import print_report
 
     print_report(package_report(Path(out), device), out_console)
-    out_console.print(f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"
-                      + ("" if read_name(out).folder is not None else
-                         f"; name it './{out}' to load, inspect or push it ('{out}' alone names a Hub repo)"))
+    out_console.print(
+        f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"
+        + (
+            ""
+            if read_name(out).folder is not None
+            else f"; name it './{out}' to load, inspect or push it ('{out}' alone names a Hub repo)"
+        )
+    )

@@ -10,9 +10,14 @@ from ..candidate import Candidate
 from ._common import byte_size, console, echo_json, handle_errors, json_option
 
 _revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
-_on_mismatch = click.option("--on-mismatch", "on_mismatch", type=click.Choice(["rebuild", "fallback", "error"]),
-                            default="rebuild", show_default=True,
-                            help="Report what xpupack.load(..., on_mismatch=...) does with this setting.")
+_on_mismatch = click.option(
+    "--on-mismatch",
+    "on_mismatch",
+    type=click.Choice(["rebuild", "fallback", "error"]),
+    default="rebuild",
+    show_default=True,
+    help="Report what xpupack.load(..., on_mismatch=...) does with this setting.",
+)
 
 
 def _source(package: str, revision: str | None):
@@ -27,19 +32,30 @@ def print_report(report: dict, out) -> None:
     from rich.table import Table
 
     env = report["environment"]
-    out.print(f"[bold]{report['package']}[/bold]  format {report['format_version']}, "
-              f"xpupack {report['xpupack_version']}, built {report['created']} on {report['device']}")
-    out.print(f"environment: torch {env['torch']}, torchao {env.get('torchao')}, triton {env.get('triton')}, "
-              f"python {env['python']}, {env['device_type']} {env['device_name']}"
-              + (f" ({env['architecture']})" if env.get("architecture") else ""))
-    out.print(f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
-              f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
-              f"package {byte_size(report['total_bytes'])}"
-              + (f"; recordings at build {byte_size(report['recording_memory_bytes'])}"
-                 if report["recording_memory_bytes"] else ""))
+    out.print(
+        f"[bold]{report['package']}[/bold]  format {report['format_version']}, "
+        f"xpupack {report['xpupack_version']}, built {report['created']} on {report['device']}"
+    )
+    out.print(
+        f"environment: torch {env['torch']}, torchao {env.get('torchao')}, triton {env.get('triton')}, "
+        f"python {env['python']}, {env['device_type']} {env['device_name']}"
+        + (f" ({env['architecture']})" if env.get("architecture") else "")
+    )
+    out.print(
+        f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
+        f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
+        f"package {byte_size(report['total_bytes'])}"
+        + (
+            f"; recordings at build {byte_size(report['recording_memory_bytes'])}"
+            if report["recording_memory_bytes"]
+            else ""
+        )
+    )
     if len(report["devices"]) > 1:
-        out.print("device slots (xpupack.load(..., device_map={slot: device})): "
-                  + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"])))
+        out.print(
+            "device slots (xpupack.load(..., device_map={slot: device})): "
+            + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"]))
+        )
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
@@ -52,7 +68,8 @@ def print_report(report: dict, out) -> None:
         recorded = module.get("recorded")
         if recorded:
             signatures += f"\nrecordings: {byte_size(recorded['memory_bytes'])}" + (
-                f" (max_memory {byte_size(recorded['max_memory'])})" if "max_memory" in recorded else "")
+                f" (max_memory {byte_size(recorded['max_memory'])})" if "max_memory" in recorded else ""
+            )
             signatures += "".join(f"\nskipped {sig}: {why}" for sig, why in recorded.get("skipped", {}).items())
         if module["unrecordable"]:
             signatures += "\n" + "\n".join(f"{n}× {why}" for why, n in module["unrecordable"].items())
@@ -60,25 +77,31 @@ def print_report(report: dict, out) -> None:
         if len(report["devices"]) > 1:
             name += f"\nslot {module['device_slot']}"
         backend = "\n".join([module["backend"], *map(escape, module.get("settings", []))])
-        table.add_row(name, backend, signatures, candidates,
-                      module["on_load"], byte_size(module["size_bytes"]))
+        table.add_row(name, backend, signatures, candidates, module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
 
 
 def _trust_line(report: dict) -> str:
     """Whether the package's compiled artifacts may run here (README: "Safety and reliability")."""
-    compiled = ", ".join(f"{m['path'] or '<model>'} ({m['runs_here']})" for m in report["modules"]
-                         if m["compiled_here"])
+    compiled = ", ".join(
+        f"{m['path'] or '<model>'} ({m['runs_here']})" for m in report["modules"] if m["compiled_here"]
+    )
     if report["trusted"]:
-        return (f"trust: {report['trust_reason']} — " + (f"compiled artifacts of {compiled} are trusted"
-                                                         if compiled else "no compiled artifacts"))
+        return f"trust: {report['trust_reason']} — " + (
+            f"compiled artifacts of {compiled} are trusted" if compiled else "no compiled artifacts"
+        )
     if not compiled:
-        what = ("the package has no compiled artifacts" if not any(m["compiled_artifacts"] for m in report["modules"])
-                else "no module runs the package's compiled artifacts here")
+        what = (
+            "the package has no compiled artifacts"
+            if not any(m["compiled_artifacts"] for m in report["modules"])
+            else "no module runs the package's compiled artifacts here"
+        )
         return f"trust: {report['trust_reason']}; {what}, so nothing is rebuilt"
-    return (f"[yellow]trust: compiled artifacts of {compiled} will be rebuilt on load: {report['trust_reason']} — "
-            "pin that commit (--revision, or revision= in xpupack.load) or pass trust_compiled=True to "
-            "xpupack.load to run them[/yellow]")
+    return (
+        f"[yellow]trust: compiled artifacts of {compiled} will be rebuilt on load: {report['trust_reason']} — "
+        "pin that commit (--revision, or revision= in xpupack.load) or pass trust_compiled=True to "
+        "xpupack.load to run them[/yellow]"
+    )
 
 
 @click.command()
@@ -154,6 +177,8 @@ def verify(package, revision, device, on_mismatch, as_json):
             settings = f", {escape(', '.join(entry['settings']))}" if entry.get("settings") else ""
             out.print(f"[{colour}]{path}[/{colour}] ({entry['backend']}{settings}): {entry['status']}")
         if result["ok"]:
-            out.print("[green]intact[/green]: schema and every file's sha256 check out"
-                      + ("" if not degraded else "; some modules will not run as built here"))
+            out.print(
+                "[green]intact[/green]: schema and every file's sha256 check out"
+                + ("" if not degraded else "; some modules will not run as built here")
+            )
     sys.exit(1 if not result["ok"] else 2 if degraded else 0)

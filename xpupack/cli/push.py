@@ -11,12 +11,18 @@ from ._common import byte_size, handle_errors
 @click.argument("package", metavar="DIR", type=click.Path(exists=True, file_okay=False))
 @click.argument("repo_id", metavar="ORG/NAME")
 @click.option("--revision", default=None, help="Branch to commit to (created from main if missing). Default: main.")
-@click.option("--private/--public", default=None,
-              help="Visibility of a repo this creates (an existing repo keeps its own). Default: the Hub's.")
+@click.option(
+    "--private/--public",
+    default=None,
+    help="Visibility of a repo this creates (an existing repo keeps its own). Default: the Hub's.",
+)
 @click.option("--token", default=None, help="Token with write access. Default: HF_TOKEN or the stored login.")
-@click.option("--dry-run", is_flag=True,
-              help="Verify the package and print the repo, the files with their sizes and the commit message; "
-                   "contact nothing, upload nothing.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Verify the package and print the repo, the files with their sizes and the commit message; "
+    "contact nothing, upload nothing.",
+)
 @handle_errors
 def push(package, repo_id, revision, private, token, dry_run):
     """Verify the package in DIR and upload it to the Hub repo ORG/NAME in one commit, with a model card.
@@ -40,8 +46,7 @@ def push(package, repo_id, revision, private, token, dry_run):
 def _print_plan(plan) -> None:
     from ..manifest import MODEL_CARD
 
-    click.echo(f"repo: {plan.repo_id}, branch {plan.revision or 'main'}, on {plan.endpoint} "
-               "(created if missing)")
+    click.echo(f"repo: {plan.repo_id}, branch {plan.revision or 'main'}, on {plan.endpoint} (created if missing)")
     click.echo(f"files ({len(plan.files)}, {byte_size(sum(size for _, size in plan.files))} in all):")
     width = max(len(name) for name, _ in plan.files)
     for name, size in plan.files:
