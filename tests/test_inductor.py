@@ -396,3 +396,25 @@ def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():
     assert xpupack.TorchAOBackend("int8-dynamic").inductor_options(torch.device("cuda")) == {}
     composed = xpupack.InductorBackend(base=int8, compile_options={"epilogue_fusion": False})
     assert composed._settings(torch.device("cuda")) == {"options": {"pattern_matcher": False, "epilogue_fusion": False}}
+
+
+def test_a_load_compiles_in_its_own_process_where_tuning_leaves_inductor_its_worker_pool(tmp_path, monkeypatch):
+    # a load compiles from the carried caches: Inductor's pool of compile processes (one per core, each
+    # importing torch) would only slow a fresh server down; compile_threads is outside Inductor's cache keys
+    settings = []
+
+    def spy(function, **options):
+        settings.append(options)
+        return function
+
+    monkeypatch.setattr(torch, "compile", spy)
+    monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
+    model = xpupack.tune(
+        make_stack(), stack_samples(), modules=["layers.0.mlp"], strategy=xpupack.Only(xpupack.InductorBackend())
+    )
+    root = xpupack.save(model, tmp_path / "pkg")
+    tuned = list(settings)
+    settings.clear()
+    xpupack.load(make_stack(), root, defer_compile=False)
+    assert tuned and all("compile_threads" not in options.get("options", {}) for options in tuned)
+    assert settings and all(options["options"]["compile_threads"] == 1 for options in settings)

@@ -607,9 +607,15 @@ class InductorBackend(ComposedBackend):
                 base_runner.undo()
             raise
 
-    def _settings(self, device: torch.device) -> dict[str, Any]:
-        """``torch.compile``'s mode or options: ``mode`` alone unless a base or the caller sets options."""
+    def _settings(self, device: torch.device, *, loading: bool = False) -> dict[str, Any]:
+        """``torch.compile``'s mode or options: ``mode`` alone unless a base or the caller sets options.
+
+        ``loading``: compiles from the package's carried caches run in this process (``compile_threads=1``,
+        which Inductor leaves out of its cache keys): Inductor would otherwise start its pool of compile
+        worker processes, one per core and each importing torch, on a server that has nothing to compile."""
         options = {**(self.base.inductor_options(device) if self.base else {}), **self.compile_options}
+        if loading:
+            options["compile_threads"] = 1
         if not options:
             return {"mode": self.mode}
         # torch.compile takes a mode or options, not both: the mode's own options go first
@@ -618,7 +624,7 @@ class InductorBackend(ComposedBackend):
     def _runner(
         self, target: Target, spec: ModuleSpec, device: torch.device, *, symbolic_state: bool
     ) -> InductorRunner:
-        settings = self._settings(device)
+        settings = self._settings(device, loading=not spec.samples)  # samples: at tune time
 
         def compile_one(dynamic: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
             # a base transforms the module in place, so its own forward is what gets compiled
