@@ -172,12 +172,52 @@ def load(
         >>> model = xpupack.load(MyModel(), "pkg/", device="xpu")
     """
     check_model(model, "load")
-    if on_mismatch not in ON_MISMATCH:
-        raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
-    _check_options(compile_options, record_collectives)
+    _check_options(on_mismatch, compile_options, record_collectives)
     limits = limits if limits is not None else LoadLimits.from_environment()
     clock = _Phases()
-    source = resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token)
+    verified = _verify(
+        model,
+        resolve_source(path, revision=revision, trust_compiled=trust_compiled, token=token),
+        limits,
+        device=device,
+        device_map=device_map,
+        on_mismatch=on_mismatch,
+        overrides={"compile_options": compile_options, "record_collectives": record_collectives},
+    )
+    clock.lap("verify")
+    previous = _install(model, verified, clock, progress=progress, defer=defer_compile and on_mismatch != "error")
+    if previous is not None:
+        previous.deactivate()  # its modules now run the new session: this only frees its recordings
+    _log_loaded(verified.source, clock)
+    return model
+
+
+@dataclass
+class _Verified:
+    """What a load has read and checked before it touches the model (`_verify`)."""
+
+    source: Source
+    manifest: dict
+    placement: device_slots.Placement
+    #: the load's context: its first device, both environments, trust and ``on_mismatch``
+    context: Context
+    jobs: list[_ModuleLoad]
+    #: the package's weights on the device they are read to, None for a package without weights
+    weights: dict[str, torch.Tensor] | None
+
+
+def _verify(
+    model: nn.Module,
+    source: Source,
+    limits: LoadLimits,
+    *,
+    device: str | torch.device | None,
+    device_map: dict[int, str | torch.device] | list[str | torch.device] | None,
+    on_mismatch: str,
+    overrides: dict,
+) -> _Verified:
+    """Everything that can be checked before the model is touched: the package, its limits, the model's
+    architecture, where each module goes, what runs it here, and the weights with their ties."""
     # the checks `xpupack verify` makes, so that the two never disagree on a damaged package
     manifest = check_package(source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted)
     check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
@@ -185,11 +225,11 @@ def load(
     placement = device_slots.resolve_placement(
         model, manifest, device=device, device_map=device_map, default=_device.model_device(model)
     )
-    device = placement.first
-    here = environment(device)
+    here = environment(placement.first)
     build_devices = device_slots.manifest_devices(manifest, source.root)
-    context = Context(device, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch)
-    overrides = {"compile_options": compile_options, "record_collectives": record_collectives}
+    context = Context(
+        placement.first, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch
+    )
     jobs = [
         _module_load(model, module, source, build_devices, placement, context, overrides)
         for module in manifest["modules"]
@@ -197,46 +237,28 @@ def load(
     weights = _read_weights(source.root, manifest, device_slots.read_device(model, placement))
     if weights is not None:
         _check_ties(model, weights, manifest, source.root)
+    return _Verified(source, manifest, placement, context, jobs, weights)
 
-    clock.lap("verify")
+
+def _install(
+    model: nn.Module, verified: _Verified, clock: _Phases, *, progress: Callable[[str], None] | None, defer: bool
+) -> Session | None:
+    """Puts the verified package into the model and activates it; returns the session it replaced, if any.
+
+    Every change goes through a `ModelEdit`: if anything fails, the model, and an earlier tuning of it
+    (active or not), are put back exactly as they were before the error is raised again.
+    """
     edit = ModelEdit(model)
     previous = find_session(model)
     was_active = previous is not None and previous.active
     try:
         if previous is not None:  # loading again replaces the earlier tuning
-            _unhook(previous)
-            detach(model)
-            for tuned in previous.modules.values():
-                edit.undo_runner(tuned.runner)
-        _place_tensors(edit, model, weights, placement)
+            _set_aside(model, previous, edit)
+        _place_tensors(edit, model, verified.weights, verified.placement)
         edit.set_eval(model)
         clock.lap("weights")
-        # backends read no file the manifest does not list; with defer_compile, compiled code is restored
-        # off the caller's path while recordings of the original modules serve
-        with listed_files(source.root, manifest), _background.deferring(defer_compile and on_mismatch != "error"):
-            _restore_shared(manifest, source, jobs, context)
-            clock.lap("shared_artifacts")
-            modules = {}
-            for number, job in enumerate(jobs, 1):
-                if progress:
-                    progress(f"restoring {job.path or '<model>'} ({number}/{len(jobs)}, {job.backend.name})")
-                # the load's own runs of the module (checks, recordings) leave its buffers as the package has them
-                with _device.on_device(job.context.device), BufferWatch(job.module).kept():
-                    modules[job.path] = _restore(job, job.context)
-                modules[job.path].load_s = clock.lap("modules")
-                edit.keep_runner(modules[job.path].runner)
-        session = Session(
-            modules,
-            device,
-            environment=here,
-            strategy=manifest.get("strategy", ""),
-            architecture=manifest["model"]["tensors"],
-            devices=placement.modules,
-        )
-        attach(model, session)
-        session.activate()
-        clock.lap("activate")
-        session.load_seconds = clock.seconds
+        modules = _restore_modules(verified, edit, clock, progress=progress, defer=defer)
+        _activate(model, verified, modules, clock)
     except BaseException:
         edit.rollback()
         detach(model)
@@ -245,15 +267,63 @@ def load(
             if was_active:
                 previous.activate()
         raise
-    if previous is not None:
-        previous.deactivate()  # its modules now run the new session: this only frees its recordings
+    return previous
+
+
+def _set_aside(model: nn.Module, previous: Session, edit: ModelEdit) -> None:
+    """Takes an earlier tuning off the model, its runners' changes undone through ``edit`` (so a failed load
+    puts them back)."""
+    _unhook(previous)
+    detach(model)
+    for tuned in previous.modules.values():
+        edit.undo_runner(tuned.runner)
+
+
+def _restore_modules(
+    verified: _Verified, edit: ModelEdit, clock: _Phases, *, progress: Callable[[str], None] | None, defer: bool
+) -> dict[str, TunedModule]:
+    """Each module's backend restored on its own device, the shared artifacts first."""
+    source, manifest, jobs = verified.source, verified.manifest, verified.jobs
+    # backends read no file the manifest does not list; with defer_compile, compiled code is restored
+    # off the caller's path while recordings of the original modules serve
+    with listed_files(source.root, manifest), _background.deferring(defer):
+        _restore_shared(manifest, source, jobs, verified.context)
+        clock.lap("shared_artifacts")
+        modules = {}
+        for number, job in enumerate(jobs, 1):
+            if progress:
+                progress(f"restoring {job.path or '<model>'} ({number}/{len(jobs)}, {job.backend.name})")
+            # the load's own runs of the module (checks, recordings) leave its buffers as the package has them
+            with _device.on_device(job.context.device), BufferWatch(job.module).kept():
+                modules[job.path] = _restore(job, job.context)
+            modules[job.path].load_s = clock.lap("modules")
+            edit.keep_runner(modules[job.path].runner)
+    return modules
+
+
+def _activate(model: nn.Module, verified: _Verified, modules: dict[str, TunedModule], clock: _Phases) -> None:
+    """Attaches a new session of the restored modules to the model and activates it."""
+    session = Session(
+        modules,
+        verified.context.device,
+        environment=verified.context.here,
+        strategy=verified.manifest.get("strategy", ""),
+        architecture=verified.manifest["model"]["tensors"],
+        devices=verified.placement.modules,
+    )
+    attach(model, session)
+    session.activate()
+    clock.lap("activate")
+    session.load_seconds = clock.seconds
+
+
+def _log_loaded(source: Source, clock: _Phases) -> None:
     log.info(
         "loaded %s in %.2f s (%s)",
         source.description,
         sum(clock.seconds.values()),
         ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in clock.seconds.items()),
     )
-    return model
 
 
 class _Phases:
@@ -311,8 +381,10 @@ def check_architecture(model: nn.Module, manifest: dict, root: Path) -> None:
         )
 
 
-def _check_options(compile_options: dict | None, record_collectives: bool | None) -> None:
+def _check_options(on_mismatch: str, compile_options: dict | None, record_collectives: bool | None) -> None:
     """The loader's own options, checked before anything is read."""
+    if on_mismatch not in ON_MISMATCH:
+        raise ValueError(f"on_mismatch={on_mismatch!r}; choose one of {', '.join(ON_MISMATCH)}")
     if record_collectives is not None and not isinstance(record_collectives, bool):
         raise ValueError(f"record_collectives={record_collectives!r}; give True, False or None")
     if compile_options is not None:

@@ -135,69 +135,94 @@ def choose(
         IncompatiblePackageError: with ``on_mismatch="error"``, the backend cannot run as built;
             or nothing but the backend could run a module whose weights only it holds.
     """
-    where = path or "<model>"
     chain = _chain(backend)
     for depth in range(start, len(chain)):
-        candidate = chain[depth]
-        changed = differences(context.built, context.here, candidate.depends_on)
-        available = candidate.available(context.device)
-        if available and not changed:
-            use_artifacts = True
-        else:
-            what = (
-                ", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items())
-                if available
-                else candidate.why_unavailable(context.device)
-            )
-            if context.on_mismatch == "error":
-                raise IncompatiblePackageError(
-                    f"{where}: the {candidate.name} artifacts cannot run here ({what}); load with "
-                    "on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
-                    differences=changed,
-                )
-            if not available or context.on_mismatch == "fallback":
-                verify_what = (
-                    what if not available else ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
-                )
-                steps += (
-                    _Step(
-                        f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
-                        f"{verify_what}: runs {_next_label(backend, depth)}",
-                    ),
-                )
-                continue
-            changes = ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
-            if candidate.rebuildable:
-                use_artifacts = False
-                steps += (_Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + changes),)
-            else:  # nothing to rebuild from (TorchAO's quantized weights): they are loaded as stored
-                use_artifacts = True
-                steps += (
-                    _Step(
-                        f"{candidate.name} artifacts used as stored ({what}); they cannot be rebuilt here",
-                        f"{changes}: stored {candidate.name} artifacts used as they are",
-                    ),
-                )
-        if use_artifacts and candidate.compiled_artifacts and not context.trusted:
-            use_artifacts = False
-            steps += (
-                _Step(
-                    f"{candidate.name} compiled here: {context.untrusted_why} (pin the commit, or pass "
-                    "trust_compiled=True to use its compiled artifacts)",
-                    f"compiled artifacts not trusted ({context.untrusted_why}): compiled on load",
-                ),
-            )
-        return Choice(path, backend, candidate, depth, use_artifacts, owned, steps)
+        fit = _fit(path, backend, depth, context)
+        steps += fit.steps
+        if fit.runs:
+            return Choice(path, backend, chain[depth], depth, fit.use_artifacts, owned, steps)
     if owned:
-        why = "; ".join(step.note for step in steps[-1:]) or "it cannot run here"
-        raise IncompatiblePackageError(
-            f"{where}: the {backend.label} backend cannot run here ({why}), and the package holds "
-            f"{', '.join(owned[:3])} only in that backend's form, so the original module cannot take "
-            "over — load on a device where it runs, or rebuild the package here from the original weights",
-            differences=differences(context.built, context.here, backend.depends_on),
-        )
+        raise _held_only_by(path, backend, context, owned, steps)
     # a report plans with BackendFacts where a load has Backends: both answer what Choice reads
     return Choice(path, backend, _original_module(backend), None, False, owned, steps)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """Whether one backend of the chain runs here (`_fit`), and why it differs from the package as built."""
+
+    #: False: the next of the chain is tried
+    runs: bool
+    use_artifacts: bool
+    steps: tuple[_Step, ...] = ()
+
+
+def _fit(path: str, backend: Backend, depth: int, context: Context) -> _Fit:
+    """Whether the backend ``depth`` levels below ``backend`` runs here, and with its stored artifacts:
+    as built if nothing it depends on changed, otherwise as ``on_mismatch`` says; compiled artifacts only
+    from a trusted source."""
+    candidate = _chain(backend)[depth]
+    changed = differences(context.built, context.here, candidate.depends_on)
+    available = candidate.available(context.device)
+    if available and not changed:
+        fit = _Fit(runs=True, use_artifacts=True)
+    else:
+        fit = _on_mismatch(path, backend, depth, context, changed, available)
+    if fit.runs and fit.use_artifacts and candidate.compiled_artifacts and not context.trusted:
+        step = _Step(
+            f"{candidate.name} compiled here: {context.untrusted_why} (pin the commit, or pass "
+            "trust_compiled=True to use its compiled artifacts)",
+            f"compiled artifacts not trusted ({context.untrusted_why}): compiled on load",
+        )
+        return _Fit(runs=True, use_artifacts=False, steps=(*fit.steps, step))
+    return fit
+
+
+def _on_mismatch(path: str, backend: Backend, depth: int, context: Context, changed: dict, available: bool) -> _Fit:
+    """What ``on_mismatch`` makes of the backend ``depth`` levels below ``backend`` when it is not
+    ``available`` here or its build environment differs (``changed``): an error, the next of the chain,
+    or this one rebuilt here (its artifacts used as stored where nothing can rebuild them)."""
+    candidate = _chain(backend)[depth]
+    what = (
+        ", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items())
+        if available
+        else candidate.why_unavailable(context.device)
+    )
+    if context.on_mismatch == "error":
+        raise IncompatiblePackageError(
+            f"{path or '<model>'}: the {candidate.name} artifacts cannot run here ({what}); load with "
+            "on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
+            differences=changed,
+        )
+    changes = ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
+    if not available or context.on_mismatch == "fallback":
+        step = _Step(
+            f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
+            f"{what if not available else changes}: runs {_next_label(backend, depth)}",
+        )
+        return _Fit(runs=False, use_artifacts=False, steps=(step,))
+    if candidate.rebuildable:
+        step = _Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + changes)
+        return _Fit(runs=True, use_artifacts=False, steps=(step,))
+    # nothing to rebuild from (TorchAO's quantized weights): they are loaded as stored
+    step = _Step(
+        f"{candidate.name} artifacts used as stored ({what}); they cannot be rebuilt here",
+        f"{changes}: stored {candidate.name} artifacts used as they are",
+    )
+    return _Fit(runs=True, use_artifacts=True, steps=(step,))
+
+
+def _held_only_by(
+    path: str, backend: Backend, context: Context, owned: tuple[str, ...], steps: tuple[_Step, ...]
+) -> IncompatiblePackageError:
+    """The error for a module no backend of the chain can run here, whose weights only the backend holds."""
+    why = "; ".join(step.note for step in steps[-1:]) or "it cannot run here"
+    return IncompatiblePackageError(
+        f"{path or '<model>'}: the {backend.label} backend cannot run here ({why}), and the package holds "
+        f"{', '.join(owned[:3])} only in that backend's form, so the original module cannot take "
+        "over — load on a device where it runs, or rebuild the package here from the original weights",
+        differences=differences(context.built, context.here, backend.depends_on),
+    )
 
 
 def options_here(

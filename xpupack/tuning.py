@@ -133,26 +133,10 @@ def _tune(
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
     device = resolve_device(device, default=_device.model_device(model))
-    sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
-    if batch_axis is not None and sizes is None:
-        raise TuningError(
-            f"batch_axis={batch_axis!r} names the axis batch_sizes resizes; pass batch_sizes too, "
-            "e.g. batch_sizes=[1, 2, 4, 8]"
-        )
-    axis = padding.check_batch_axis(batch_axis) if batch_axis is not None else 0
-    previous = find_session(model)
-    if previous is not None:  # re-tuning replaces the earlier tuning, from the original weights
-        previous.deactivate()
-        for tuned_module in previous.modules.values():
-            tuned_module.runner.undo()
-        detach(model)
-    if not in_place:
-        model.to(device)
-    model.eval()
-    if run is None:
-        samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
-    if sizes is not None:
-        samples = padding.batch_ladder(list(samples), sizes, axis)
+    sizes, axis = _check_batching(batch_sizes, batch_axis)
+    _undo_previous(model)
+    _prepare_model(model, device, in_place=in_place)
+    samples = _prepare_samples(samples, device, run, sizes, axis)
     architecture = describe_architecture(model)
     selected = select_modules(model, modules)
     placed = {path: _device.model_device(module, device) for path, module in selected.items()}
@@ -163,7 +147,65 @@ def _tune(
     distributed.check_strategy(selected, strategy)
     with generate_compile_off(model):
         specs = record(model, selected, samples, run, progress, mode=samples_mode)
+    tuned = _tune_modules(selected, specs, placed, strategy, progress)
+    _activate(model, tuned, device, strategy, architecture, placed)
+    return model
 
+
+def _check_batching(batch_sizes: Iterable[int] | None, batch_axis: int | None) -> tuple[list[int] | None, int]:
+    """``batch_sizes`` checked (None when not given) and the batch axis they resize (0 by default)."""
+    sizes = padding.check_batch_sizes(batch_sizes) if batch_sizes is not None else None
+    if batch_axis is not None and sizes is None:
+        raise TuningError(
+            f"batch_axis={batch_axis!r} names the axis batch_sizes resizes; pass batch_sizes too, "
+            "e.g. batch_sizes=[1, 2, 4, 8]"
+        )
+    axis = padding.check_batch_axis(batch_axis) if batch_axis is not None else 0
+    return sizes, axis
+
+
+def _undo_previous(model: nn.Module) -> None:
+    """Re-tuning replaces an earlier tuning, from the original weights: its runners' changes are undone."""
+    previous = find_session(model)
+    if previous is not None:
+        previous.deactivate()
+        for tuned_module in previous.modules.values():
+            tuned_module.runner.undo()
+        detach(model)
+
+
+def _prepare_model(model: nn.Module, device: torch.device, *, in_place: bool) -> None:
+    """The model in eval mode, on ``device`` unless it is tuned where its parameters are."""
+    if not in_place:
+        model.to(device)
+    model.eval()
+
+
+def _prepare_samples(
+    samples: Iterable[Any],
+    device: torch.device,
+    run: Callable[[nn.Module, Any], Any] | None,
+    sizes: list[int] | None,
+    axis: int,
+) -> Iterable[Any]:
+    """The samples as the model is called with them: their tensors on ``device`` (unless a ``run`` function
+    takes them as they are), and each one repeated or cut to every size of ``batch_sizes``."""
+    if run is None:
+        samples = [map_tensors(lambda tensor: tensor.to(device), sample) for sample in samples]
+    if sizes is not None:
+        samples = padding.batch_ladder(list(samples), sizes, axis)
+    return samples
+
+
+def _tune_modules(
+    selected: dict[str, nn.Module],
+    specs: dict[str, ModuleSpec],
+    placed: dict[str, torch.device],
+    strategy: Strategy,
+    progress: Callable[[str], None] | None,
+) -> dict[str, TunedModule]:
+    """Each selected module tuned on its own device, in order; its recorded samples are dropped afterwards,
+    whether tuning it succeeded or not."""
     tuned: dict[str, TunedModule] = {}
     for number, (path, module) in enumerate(selected.items(), 1):
         spec = specs[path]
@@ -177,6 +219,18 @@ def _tune(
             _drop_samples_after(spec, exc)
             raise
         spec.drop_samples()  # recorded data is never kept beyond tuning
+    return tuned
+
+
+def _activate(
+    model: nn.Module,
+    tuned: dict[str, TunedModule],
+    device: torch.device,
+    strategy: Strategy,
+    architecture: dict,
+    placed: dict[str, torch.device],
+) -> None:
+    """Attaches a new session of the tuned modules to the model and activates it."""
     session = Session(
         tuned,
         device,
@@ -187,7 +241,6 @@ def _tune(
     )
     attach(model, session)
     session.activate()
-    return model
 
 
 def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torch.device) -> TunedModule:
