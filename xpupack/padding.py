@@ -64,7 +64,20 @@ def plan(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[An
 def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]]) -> tuple[BatchAxes, list[int]] | str:
     """The batch axes shared by the signatures ``members`` (of one family) and each one's batch size,
     or why there are none."""
-    leaves = [spec.signatures[index].leaves for index in members]
+    found = _input_batch_axes([spec.signatures[index].leaves for index in members])
+    if isinstance(found, str):
+        return found
+    inputs, batches = found
+    outputs = _output_batch_axes([references[index][0] for index in members], batches)
+    if isinstance(outputs, str):
+        return outputs
+    return BatchAxes(inputs, outputs), batches
+
+
+def _input_batch_axes(leaves: list[tuple[Any, ...]]) -> tuple[tuple[int | None, ...], list[int]] | str:
+    """The axis each input leaf changes size in across the signatures' ``leaves`` (None: it does not, or is
+    no tensor) and the signatures' batch sizes, or why the inputs have no batch axes: a batch is one size
+    that every changing input shares."""
     inputs: list[int | None] = []
     batches: list[int] | None = None
     for position, column in enumerate(zip(*leaves)):
@@ -82,19 +95,25 @@ def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]
             batches = sizes
     if batches is None:
         return "no input changes size"
-    outputs_of = [flatten((references[index][0],), {}) for index in members]
-    if any(spec_ != outputs_of[0][1] for _, spec_ in outputs_of):
+    return tuple(inputs), batches
+
+
+def _output_batch_axes(outputs: list[Any], batches: list[int]) -> tuple[int | None, ...] | str:
+    """The batch axis of each output tensor across the signatures' reference ``outputs``, or why there is
+    none: a padded call's outputs are cut back along it, so every output tensor must follow the batch."""
+    flat = [flatten((output,), {}) for output in outputs]
+    if any(structure != flat[0][1] for _, structure in flat):
         return "the outputs' structure changes with the batch"
-    outputs: list[int | None] = []
-    for position, column in enumerate(zip(*(out for out, _ in outputs_of))):
+    axes: list[int | None] = []
+    for position, column in enumerate(zip(*(leaves for leaves, _ in flat))):
         if not isinstance(column[0], _Tensor):
-            outputs.append(None)
+            axes.append(None)
             continue
         axis = _varying_axis([tuple(tensor.shape) for tensor in column])
         if axis is None or axis == -1 or [tensor.shape[axis] for tensor in column] != batches:
             return f"output {position} does not follow the batch"
-        outputs.append(axis)
-    return BatchAxes(tuple(inputs), tuple(outputs)), batches
+        axes.append(axis)
+    return tuple(axes)
 
 
 def _varying_axis(shapes: list[tuple[int, ...]]) -> int | None:

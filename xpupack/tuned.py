@@ -30,7 +30,7 @@ from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .recorder import BufferWatch
-from .signature import Signature, Unrecordable, dtype_name, fit_key
+from .signature import BatchAxes, Signature, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, state_type, unrecordable_hint
 
 log = logging.getLogger("xpupack")
@@ -155,48 +155,85 @@ class TunedModule:
         self.advised: set[type] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # the per-call path: a call that fits a tuned signature runs it with no helper call in between;
+        # the rarer cases (padding, a new size, a fallback) each have a method of their own
         self.calls += 1
         if self.downgrade is not None and _downgrade_listeners:
-            for listener in list(_downgrade_listeners):
-                listener(self.downgrade)
+            self._report_downgrade()
         if self._runs_original:
             return self.target.forward(*args, **kwargs)
-        module = self.target.module
         key, leaves = fit_key(args, kwargs)
         try:
             index = self._table.get(key)
         except TypeError:  # an unhashable constant never fits
             index = None
         padding = None
-        if index is None and (not self._families or (index := self._take_new_size(key, args, kwargs)) is None):
-            if not self._padding or (padding := self._padding.fit(key, leaves)) is None:
+        if index is None:
+            index, padding = self._fit_new_size_or_padded(key, args, kwargs, leaves)
+            if index is None:
                 return self._fallback(args, kwargs, "signature", leaves, key)
-            index = padding[0]
-        if module.training:
+        if self.target.module.training:
             return self._fallback(args, kwargs, "training mode", leaves)
         if self._check_grad and torch.is_grad_enabled() and self._needs_grad(leaves):
             return self._fallback(args, kwargs, "autograd needed", leaves)
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
             return self._fallback(args, kwargs, "autocast enabled", leaves)
         if self._pending and index in self._pending and not self._prepared(index, key):
-            if index in self._pending:  # the original module serves while the compile runs elsewhere
-                self.compiling += 1
-                return self.target.forward(*args, **kwargs)
-            return self._fallback(args, kwargs, "backend error", leaves)
-        # the first padded call into a loaded package's recording is checked against the original module,
-        # which must see the buffers as the caller left them (the padded run may have written them)
-        buffers = BufferWatch(module) if padding is not None and index not in self._padding_checked else None
+            return self._call_while_not_prepared(index, args, kwargs, leaves)
+        if padding is not None:
+            return self._call_padded(index, key, padding, args, kwargs, leaves)
         try:
-            if padding is None:
-                return self.runner.run(index, args, kwargs, leaves)
+            return self.runner.run(index, args, kwargs, leaves)
+        except Exception as exc:  # a broken backend must never break the model: fall back
+            return self._backend_failed(index, key, exc, args, kwargs, leaves)
+
+    def _report_downgrade(self) -> None:
+        """Tells the downgrade listeners (the pytest plugin) on each call that this module runs another
+        backend than its package's, as each fallback is reported."""
+        for listener in list(_downgrade_listeners):
+            listener(self.downgrade)
+
+    def _fit_new_size_or_padded(
+        self, key: tuple, args: tuple, kwargs: dict, leaves: list
+    ) -> tuple[int | None, tuple[int, BatchAxes, int, int] | None]:
+        """For a call no tuned signature fits as it is: the signature it becomes as a new size of a tuned
+        signature with state (`_take_new_size`), else the recorded batch it is padded up to (``padding``
+        names it, `xpupack.padding.PadTable.fit`). ``(None, None)``: neither, the call falls back."""
+        if self._families and (index := self._take_new_size(key, args, kwargs)) is not None:
+            return index, None
+        if self._padding and (padding := self._padding.fit(key, leaves)) is not None:
+            return padding[0], padding
+        return None, None
+
+    def _call_while_not_prepared(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """A call of new size ``index`` whose preparation off the caller's path has not finished well:
+        while it still runs, the original module serves the call (counted as ``compiling``); once it
+        failed, the call falls back as a backend error."""
+        if index in self._pending:
+            self.compiling += 1
+            return self.target.forward(*args, **kwargs)
+        return self._fallback(args, kwargs, "backend error", leaves)
+
+    def _call_padded(self, index: int, key: tuple, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Serves a smaller batch from signature ``index``'s recording, padded up to it (counted as
+        ``padded``). The first padded call into a loaded package's recording is checked against the
+        original module, which must see the buffers as the caller left them (the padded run may have
+        written them)."""
+        buffers = BufferWatch(self.target.module) if index not in self._padding_checked else None
+        try:
             outputs = self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
-            self._retire(index, key, f"{type(exc).__name__}: {exc}")
-            return self._fallback(args, kwargs, "backend error", leaves)
+            return self._backend_failed(index, key, exc, args, kwargs, leaves)
         if buffers is not None:
             return self._check_first_padded_call(index, outputs, args, kwargs, leaves, buffers)
         self.padded += 1
         return outputs
+
+    def _backend_failed(self, index: int, key: tuple, exc: Exception, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """The backend raised on a call of signature ``index``: the signature is retired and this call,
+        like the later ones, runs the original module."""
+        self._retire(index, key, f"{type(exc).__name__}: {exc}")
+        return self._fallback(args, kwargs, "backend error", leaves)
 
     def _retire(self, index: int, key: tuple, error: str) -> None:
         """Signature ``index`` failed in the backend: its calls run the original module from now on."""

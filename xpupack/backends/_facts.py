@@ -84,49 +84,70 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
     if name == "eager":
         return EAGER if not options else None
     if name == "graph":
-        rest = dict(options)
-        base = rest.pop("base", None)
-        recordings = rest.pop("max_recordings", None)
-        copies = rest.pop("copy_outputs", None)
-        budget = rest.pop("max_memory", None)
-        collectives = rest.pop("record_collectives", None)
-        if (
-            rest
-            or (
-                recordings is not None
-                and (type(recordings) is not int or recordings < 1 or recordings == GRAPH_MAX_RECORDINGS)
-            )
-            or (copies is not None and copies is not False)
-            or (collectives is not None and collectives is not True)
-            or (budget is not None and (type(budget) is not int or budget < 1))
-        ):
-            return None
-        inner = None
-        if base is not None:
-            if not isinstance(base, dict) or set(base) - {"name", "options"} or base.get("name") == "graph":
-                return None
-            inner = describe(base.get("name"), base.get("options", {}), device)
-            if inner is None:
-                return None
-        # a CPU has no device graphs (tests emulate them in-process, where torch is loaded and the
-        # real backend answers)
-        return BackendFacts(
-            "graph",
-            inner,
-            inner.depends_on if inner else (),
-            bool(inner and inner.compiled_artifacts),
-            runs_on=("cuda", "xpu"),
-            pads_calls=True,
-        )
+        return _describe_graph(options, device)
     if name == "inductor":
-        if set(options) - {"mode"} or ("mode" in options and options["mode"] not in INDUCTOR_MODES):
-            return None  # a base (torchao), or an option the real backend refuses or would not write
-        return BackendFacts(
-            "inductor",
-            None,
-            INDUCTOR_DEPENDS_ON,
-            compiled_artifacts=True,
-            pads_calls=True,
-            settings=settings_tag(options),
-        )
+        return _describe_inductor(options)
     return None
+
+
+#: the graph backend's own options -> whether a value is one it writes (None: the option left out); a
+#: default is never written, so a package that spells one out came from elsewhere and the real backend judges it
+_GRAPH_OPTIONS = {
+    "max_recordings": lambda value: type(value) is int and value >= 1 and value != GRAPH_MAX_RECORDINGS,
+    "copy_outputs": lambda value: value is False,
+    "record_collectives": lambda value: value is True,
+    "max_memory": lambda value: type(value) is int and value >= 1,
+}
+
+
+def _describe_graph(options: dict, device: Any) -> BackendFacts | None:
+    """The graph backend's facts: its own, and its base's through it (what it records)."""
+    if not _graph_options_known(options):
+        return None
+    inner = None
+    if options.get("base") is not None:
+        inner = _describe_graph_base(options["base"], device)
+        if inner is None:
+            return None
+    # a CPU has no device graphs (tests emulate them in-process, where torch is loaded and the
+    # real backend answers)
+    return BackendFacts(
+        "graph",
+        inner,
+        inner.depends_on if inner else (),
+        bool(inner and inner.compiled_artifacts),
+        runs_on=("cuda", "xpu"),
+        pads_calls=True,
+    )
+
+
+def _graph_options_known(options: dict) -> bool:
+    """Whether each of the graph backend's options besides ``base`` is one it takes, with a value it writes."""
+    return all(
+        key in _GRAPH_OPTIONS and (value is None or _GRAPH_OPTIONS[key](value))
+        for key, value in options.items()
+        if key != "base"
+    )
+
+
+def _describe_graph_base(base: Any, device: Any) -> BackendFacts | None:
+    """The facts of the backend a graph backend's ``base`` option names; None for a malformed entry or a
+    graph inside a graph, which the real backend refuses with its own message."""
+    if not isinstance(base, dict) or set(base) - {"name", "options"} or base.get("name") == "graph":
+        return None
+    return describe(base.get("name"), base.get("options", {}), device)
+
+
+def _describe_inductor(options: dict) -> BackendFacts | None:
+    """The Inductor backend's facts, for options that name a mode at most; any other (a base, compile
+    options) is for the real backend to judge."""
+    if set(options) - {"mode"} or ("mode" in options and options["mode"] not in INDUCTOR_MODES):
+        return None  # a base (torchao), or an option the real backend refuses or would not write
+    return BackendFacts(
+        "inductor",
+        None,
+        INDUCTOR_DEPENDS_ON,
+        compiled_artifacts=True,
+        pads_calls=True,
+        settings=settings_tag(options),
+    )

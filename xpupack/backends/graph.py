@@ -324,56 +324,77 @@ class GraphRunner(Runner):
             strict: raise on the first failure (tune time) instead of noting it and recording the
                 rest (load time).
         """
-        stateless = []
-        for index in range(len(self.state_slots)):  # a signature being added has no slots yet: it comes next time
-            if self.state_slots[index]:
-                self.supported.add(index)
-            else:
-                stateless.append(index)
+        count = len(self.state_slots)  # a signature being added has no slots yet: it comes next time
+        self.supported.update(index for index in range(count) if self.state_slots[index])
+        stateless = [index for index in range(count) if not self.state_slots[index]]
         self.skipped = {}
         spent = 0
         for rank, index in enumerate(self._recording_order(stateless)):
-            if rank >= self.max_recordings:
-                self.failures[index] = f"over the cap of {self.max_recordings} recordings per module"
+            if self._left_out(rank, index):
                 continue
-            if self.skipped:  # the budget is spent: a recording of less benefit comes after
-                self.skipped[index] = (
-                    f"over the memory budget (max_memory={self.max_memory} bytes): recordings of more benefit took it"
-                )
-                continue
-            args, kwargs = self.spec.example(index)
-            try:
-                with _background.device_work:  # waits for a compile on another thread (at load, after .to())
-                    recording = self.record(index, args, kwargs)
-            except Exception as exc:
-                reason = error_line(exc)
-                if strict:
-                    raise RuntimeError(f"recording {self.spec.signatures[index].describe()} failed: {reason}") from exc
-                self.failures[index] = reason
-                log.warning(
-                    "%s: recording %s failed (%s); those calls run the original module",
-                    self.target.path or "<model>",
-                    self.spec.signatures[index].describe(),
-                    reason,
-                )
-                continue
-            if self.max_memory is not None and spent + recording.memory > self.max_memory:
-                self.skipped[index] = (
-                    f"over the memory budget (max_memory={self.max_memory} bytes): it took "
-                    f"{recording.memory} bytes with {spent} spent"
-                )
-                log.info(
-                    "%s: %s not kept: %s",
-                    self.target.path or "<model>",
-                    self.spec.signatures[index].describe(),
-                    self.skipped[index],
-                )
+            recording = self._record_example(index, strict=strict)
+            if recording is None or self._over_budget(index, recording, spent):
                 continue
             spent += recording.memory
-            self.recordings[index] = recording
-            self.supported.add(index)
-            self.failures.pop(index, None)
+            self._keep_recording(index, recording)
         self._watch = _StorageWatch(self.target.module)
+
+    def _left_out(self, rank: int, index: int) -> bool:
+        """Whether signature ``index``, ``rank``-th in the recording order, goes unrecorded before it is
+        tried (noting why): past the cap, or after the memory budget was spent on recordings of more
+        benefit."""
+        if rank >= self.max_recordings:
+            self.failures[index] = f"over the cap of {self.max_recordings} recordings per module"
+            return True
+        if self.skipped:  # the budget is spent: a recording of less benefit comes after
+            self.skipped[index] = (
+                f"over the memory budget (max_memory={self.max_memory} bytes): recordings of more benefit took it"
+            )
+            return True
+        return False
+
+    def _record_example(self, index: int, *, strict: bool) -> _Capture | None:
+        """Records signature ``index`` on its example call; a failure raises when ``strict`` (tune time),
+        else is noted and logged and gives None (load time: the other signatures still record)."""
+        args, kwargs = self.spec.example(index)
+        try:
+            with _background.device_work:  # waits for a compile on another thread (at load, after .to())
+                return self.record(index, args, kwargs)
+        except Exception as exc:
+            reason = error_line(exc)
+            if strict:
+                raise RuntimeError(f"recording {self.spec.signatures[index].describe()} failed: {reason}") from exc
+            self.failures[index] = reason
+            log.warning(
+                "%s: recording %s failed (%s); those calls run the original module",
+                self.target.path or "<model>",
+                self.spec.signatures[index].describe(),
+                reason,
+            )
+            return None
+
+    def _over_budget(self, index: int, recording: _Capture, spent: int) -> bool:
+        """Whether ``recording`` would take the recordings' memory past ``max_memory`` with ``spent``
+        bytes kept already; it is then dropped and noted as skipped (which skips the rest, `_left_out`)."""
+        if self.max_memory is None or spent + recording.memory <= self.max_memory:
+            return False
+        self.skipped[index] = (
+            f"over the memory budget (max_memory={self.max_memory} bytes): it took "
+            f"{recording.memory} bytes with {spent} spent"
+        )
+        log.info(
+            "%s: %s not kept: %s",
+            self.target.path or "<model>",
+            self.spec.signatures[index].describe(),
+            self.skipped[index],
+        )
+        return True
+
+    def _keep_recording(self, index: int, recording: _Capture) -> None:
+        """Signature ``index``'s calls replay ``recording`` from now on (a failure noted earlier is forgotten)."""
+        self.recordings[index] = recording
+        self.supported.add(index)
+        self.failures.pop(index, None)
 
     def _recording_order(self, indices: list[int]) -> list[int]:
         """Largest first (input bytes); with a memory budget, most benefit first: the most calls
