@@ -212,8 +212,12 @@ def test_compile_options_reach_torch_compile_at_tune_and_at_load(tmp_path, monke
     x = torch.randn(4, 8)
     with torch.no_grad():
         assert torch.allclose(loaded(x), make_stack(seed=6)(x), atol=1e-5)
-    # one compilation per signature (two), at tune time and again at load
-    assert seen == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 4
+    # one compilation per signature (two), at tune time and again at load (in the loading process)
+    assert (
+        seen
+        == [{"dynamic": False, "options": {"epilogue_fusion": False}}] * 2
+        + [{"dynamic": False, "options": {"epilogue_fusion": False, "compile_threads": 1}}] * 2
+    )
 
 
 def test_compile_options_with_a_mode_keep_the_mode_settings():
@@ -312,14 +316,14 @@ def test_the_loader_overrides_the_package_compile_options(eager_package, tmp_pat
     monkeypatch.setattr(torch, "compile", spy)
     root = _as_inductor_package(eager_package, tmp_path, {"coordinate_descent_tuning": True})
     model = xpupack.load(make_stack(), root, defer_compile=False)
-    assert seen[-1] == {"dynamic": False, "options": {"coordinate_descent_tuning": True}}
+    assert seen[-1] == {"dynamic": False, "options": {"coordinate_descent_tuning": True, "compile_threads": 1}}
     seen.clear()
     model = xpupack.load(make_stack(), root, compile_options={}, defer_compile=False)
-    assert seen and all(settings == {"dynamic": False, "mode": None} for settings in seen)
+    assert seen and all(settings == {"dynamic": False, "options": {"compile_threads": 1}} for settings in seen)
     assert "the loader's compile_options {}" in xpupack.tuned.session_of(model).modules["layers.0.mlp"].report[0].reason
     seen.clear()
     xpupack.load(make_stack(), root, compile_options={"epilogue_fusion": False}, defer_compile=False)
-    assert all(settings["options"] == {"epilogue_fusion": False} for settings in seen)
+    assert all(settings["options"] == {"epilogue_fusion": False, "compile_threads": 1} for settings in seen)
     with pytest.raises(ValueError, match="trace.enabled .*debugging"):
         xpupack.load(make_stack(), root, compile_options={"trace.enabled": True})
 
