@@ -1,8 +1,10 @@
-"""Empty compiler caches for a benchmark's fresh process: what a new server starts with."""
+"""Empty compiler caches for a benchmark's fresh process (what a new server starts with), and what the compile
+stack did in a process."""
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,4 +18,20 @@ def empty_compiler_caches(folder: Path | None = None) -> dict[str, str]:
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
         "TRITON_CACHE_DIR": str(folder / "triton"),
+    }
+
+
+def compiler_counters() -> dict:
+    """Dynamo compiles and the benchmarks Inductor ran in this process (0 when the compile stack never loaded)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return {"dynamo_unique_graphs": 0, "autotune_benchmarks": 0, "coordinate_descent_benchmarks": 0}
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {
+        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
+        "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
+        "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc")),
     }

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # graph_latency / llm_decode: the models those benchmarks time
 sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use
 
-from _caches import empty_compiler_caches  # noqa: E402
+from _caches import compiler_counters, empty_compiler_caches  # noqa: E402
 
 STACK = {"hidden": 512, "layers": 6, "batch": 1, "seq": 16}
 TINY_MODULES = ["layers.*.mlp"]
@@ -176,7 +176,7 @@ def step_load(model_name: str, device: str, package: str) -> dict:
     }
     report["warnings"] = warnings[:20]  # what xpupack logged at WARNING while serving (first 20)
     report["compile_stack_imported"] = "torch._inductor.compile_fx" in set(sys.modules) - modules_before
-    report.update(_compiler_counters())
+    report.update(compiler_counters())
     return report
 
 
@@ -240,28 +240,12 @@ def _serve_llm(model, device: str, started: float) -> dict:
         if all(report["compiled_serving"].values()) and report["served_while_compiling"] == served_before:
             break
     report["generate_after_compiled_s"] = round(generate(LLM_TOKENS), 3)
-    before = _compiler_counters()
+    before = compiler_counters()
     report["unseen_length_first_generate_s"] = round(generate(LLM_UNSEEN_TOKENS), 3)
     report["unseen_length_second_generate_s"] = round(generate(LLM_UNSEEN_TOKENS), 3)
-    after = _compiler_counters()
+    after = compiler_counters()
     report["unseen_length_compiles"] = after["dynamo_unique_graphs"] - before["dynamo_unique_graphs"]
     return report
-
-
-def _compiler_counters() -> dict:
-    """Dynamo compiles and the benchmarks Inductor ran in this process (0 when the compile stack never loaded)."""
-    if "torch._dynamo.utils" not in sys.modules:
-        return {"dynamo_unique_graphs": 0, "autotune_benchmarks": 0, "coordinate_descent_benchmarks": 0}
-    from torch._dynamo.utils import counters
-
-    inductor = counters["inductor"]
-    return {
-        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
-        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
-        "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
-        "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc")),
-    }
 
 
 def step_scratch(device: str) -> dict:

@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use too
 
-from _caches import empty_compiler_caches  # noqa: E402  (found through the path set above)
+from _caches import compiler_counters, empty_compiler_caches  # noqa: E402  (found through the path set above)
 
 CONFIG = {
     "vocab_size": 32000,
@@ -562,22 +562,6 @@ def step_profile(model, settings: Settings, batch: int, step_us: float | None = 
         }
     )
     return summary
-
-
-def compiler_counters() -> dict:
-    """Dynamo compiles and the benchmarks Inductor ran in this process (0 when the compile stack never loaded)."""
-    if "torch._dynamo.utils" not in sys.modules:
-        return {"dynamo_unique_graphs": 0, "autotune_benchmarks": 0, "coordinate_descent_benchmarks": 0}
-    from torch._dynamo.utils import counters
-
-    inductor = counters["inductor"]
-    return {
-        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
-        "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": inductor["fxgraph_cache_miss"],
-        "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
-        "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc")),
-    }
 
 
 def hand_graph(model, settings: Settings, compiled: bool):

@@ -41,6 +41,13 @@ def serve(model, batch=4):
         return model(x), make_stack()(x)
 
 
+def llm_package(tmp_path, **options):
+    """A tiny Llama's decode steps as graph over a `GatedCompileBackend`, tuned on 6 new tokens."""
+    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(**options)))
+    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
+    return xpupack.save(model, tmp_path / "pkg")
+
+
 def base_runs() -> int:
     return sum(runner.runs for runner in GatedCompileBackend.RUNNERS)
 
@@ -101,9 +108,7 @@ def test_defer_compile_false_returns_with_the_compiled_code_recorded(emulated_gr
 def test_a_language_model_decodes_through_the_original_recordings_then_the_compiled_ones(
     emulated_graphs, gate, tmp_path, fallback_calls
 ):
-    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend()))
-    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
-    root = xpupack.save(model, tmp_path / "pkg")
+    root = llm_package(tmp_path)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
     served = xpupack.load(tiny_llama(), root)
     assert torch.equal(generate(served, prompt(seed=5), 8), expected)
@@ -124,9 +129,7 @@ def test_a_language_models_first_generate_replays_recordings_of_the_original_whi
 ):
     # the compile (held at the gate, as seconds of compiling on a fresh server) must not start before the
     # first decode step is recorded: while the worker compiles, a capture cannot be made
-    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend()))
-    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
-    root = xpupack.save(model, tmp_path / "pkg")
+    root = llm_package(tmp_path)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
     served = xpupack.load(tiny_llama(), root)
     assert not GatedCompileBackend.RESTORING.wait(0.5)  # nothing to compile for until a decode step came
@@ -145,9 +148,7 @@ def test_a_language_models_first_generate_replays_recordings_of_the_original_whi
 def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(
     emulated_graphs, gate, tmp_path, fallback_calls, caplog
 ):
-    strategy = xpupack.Only(xpupack.GraphBackend(base=GatedCompileBackend(prepare_fails=True)))
-    model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
-    root = xpupack.save(model, tmp_path / "pkg")
+    root = llm_package(tmp_path, prepare_fails=True)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
     served = xpupack.load(tiny_llama(), root)
     gate.set()
