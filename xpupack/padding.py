@@ -37,7 +37,7 @@ _Tensor = torch.Tensor
 # -- tune time: finding the batch axes and checking that rows do not mix -----------------------------
 
 
-def plan(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> None:
+def find_batch_axes(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> None:
     """Sets ``spec.batch_axes`` for the signatures that may be padded into, or ``spec.padding_refused``.
 
     ``references[i][k]`` is eager's output for ``spec.samples[i][k]``.

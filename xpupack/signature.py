@@ -39,7 +39,8 @@ class Unsynthesizable(ValueError):
 
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
-    """Flattens a call's ``(args, kwargs)`` into leaves and a tree spec (keyword order ignored)."""
+    """Flattens a call's ``(args, kwargs)`` into leaves and their tree (a pytree ``TreeSpec``; keyword order
+    ignored)."""
     if len(kwargs) > 1:
         kwargs = {name: kwargs[name] for name in sorted(kwargs)}
     return pytree.tree_flatten((args, kwargs))
@@ -50,9 +51,9 @@ def map_tensors(function: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, function, tree)
 
 
-def unflatten(leaves: list, spec: Any) -> tuple[tuple, dict]:
+def unflatten(leaves: list, tree: Any) -> tuple[tuple, dict]:
     """Inverse of `flatten`."""
-    return pytree.tree_unflatten(leaves, spec)
+    return pytree.tree_unflatten(leaves, tree)
 
 
 _FLAT_CONSTANTS = frozenset({type(None), bool, int, float, str, torch.dtype, torch.device})
@@ -85,13 +86,13 @@ def flat_key(args: tuple, kwargs: dict) -> tuple[tuple, list] | None:
     return tuple(key), leaves
 
 
-def call_key(spec: Any, leaves: list) -> tuple:
+def call_key(tree: Any, leaves: list) -> tuple:
     """The hashable fit key of a flattened call.
 
     Tensor leaves contribute ``(shape, dtype, device)``; other leaves
     `_constant_key`. Unhashable leaves raise ``TypeError``.
     """
-    return (spec, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _opaque_key(x) for x in leaves])
+    return (tree, *[(x.shape, x.dtype, x.device) if isinstance(x, _Tensor) else _opaque_key(x) for x in leaves])
 
 
 def _opaque_key(value: Any) -> tuple:
@@ -125,8 +126,8 @@ def fit_key(args: tuple, kwargs: dict) -> tuple[tuple, list]:
     fast = flat_key(args, kwargs)
     if fast is not None:
         return fast
-    leaves, spec = flatten(args, kwargs)
-    return call_key(spec, leaves), leaves
+    leaves, tree = flatten(args, kwargs)
+    return call_key(tree, leaves), leaves
 
 
 @dataclass(frozen=True)
@@ -183,16 +184,19 @@ class ConstantLeaf:
 
 @dataclass(frozen=True)
 class Signature:
-    """The static description of one call; see the module docstring."""
+    """The static description of one call; see the module docstring.
 
-    spec: Any
+    ``tree`` is the pytree structure of ``(args, kwargs)`` (a ``TreeSpec``: "spec" in xpupack names a
+    module's `ModuleSpec` only), ``leaves`` one entry per leaf of it."""
+
+    tree: Any
     leaves: tuple[TensorLeaf | ConstantLeaf | StateLeaf, ...]
 
     @classmethod
     def of_call(cls, args: tuple, kwargs: dict) -> Signature:
         """The signature of a call. Raises `Unrecordable` for opaque leaves (e.g. a KV cache object)."""
-        leaves, spec = flatten(args, kwargs)
-        return cls(spec, tuple(_leaf_of(x) for x in leaves))
+        leaves, tree = flatten(args, kwargs)
+        return cls(tree, tuple(_leaf_of(x) for x in leaves))
 
     @property
     def key(self) -> tuple:
@@ -209,12 +213,12 @@ class Signature:
         layout = self.flat_layout
         if layout is not None:
             return (*layout, *leaf_keys)
-        return (self.spec, *leaf_keys)
+        return (self.tree, *leaf_keys)
 
     @property
     def flat_layout(self) -> tuple[int, tuple[str, ...]] | None:
         """``(number of positional args, sorted keyword names)`` if no argument is a container."""
-        args, kwargs = unflatten([_Placeholder()] * len(self.leaves), self.spec)
+        args, kwargs = unflatten([_Placeholder()] * len(self.leaves), self.tree)
         if not all(isinstance(x, _Placeholder) for x in (*args, *kwargs.values())):
             return None
         if not all(type(leaf.value) in _FLAT_CONSTANTS for leaf in self.leaves if isinstance(leaf, ConstantLeaf)):
@@ -230,7 +234,7 @@ class Signature:
         """The signature with every size left out: a call with state whose signature is new but of a
         tuned one's family (a KV cache of another length, a longer mask) is run by the same backend."""
         return (
-            self.spec,
+            self.tree,
             *[
                 ("tensor", leaf.dtype, leaf.device, len(leaf.shape))
                 if isinstance(leaf, TensorLeaf)
@@ -286,7 +290,7 @@ class Signature:
             else leaf
             for leaf in self.leaves
         )
-        return Signature(self.spec, leaves)
+        return Signature(self.tree, leaves)
 
     def synthesize(self, *, seed: int = 0) -> tuple[tuple, dict]:
         """Inputs matching this signature, made up from nothing but the signature.
@@ -306,10 +310,10 @@ class Signature:
                 values.append(torch.randn(leaf.shape, generator=generator, dtype=leaf.dtype).to(leaf.device))
             else:
                 values.append(torch.zeros(leaf.shape, dtype=leaf.dtype, device=leaf.device))
-        return unflatten(values, self.spec)
+        return unflatten(values, self.tree)
 
     def to_json(self) -> dict:
-        return {"tree": pytree.treespec_dumps(self.spec), "leaves": [x.to_json() for x in self.leaves]}
+        return {"tree": pytree.treespec_dumps(self.tree), "leaves": [x.to_json() for x in self.leaves]}
 
     @classmethod
     def from_json(cls, data: Any) -> Signature:
@@ -326,13 +330,13 @@ class Signature:
             raise ValueError("a signature must be an object with a 'tree' string and a 'leaves' list")
         check_tree(data["tree"])
         try:
-            spec = pytree.treespec_loads(data["tree"])
+            tree = pytree.treespec_loads(data["tree"])
         except Exception as exc:  # treespec_loads raises many kinds on bad input
             raise ValueError(f"unreadable tree structure: {exc}") from None
         leaves = tuple(_leaf_from_json(x) for x in data["leaves"])
-        if spec.num_leaves != len(leaves):
-            raise ValueError(f"tree has {spec.num_leaves} leaves but {len(leaves)} are described")
-        return cls(spec, leaves)
+        if tree.num_leaves != len(leaves):
+            raise ValueError(f"tree has {tree.num_leaves} leaves but {len(leaves)} are described")
+        return cls(tree, leaves)
 
 
 class _Placeholder:

@@ -266,10 +266,11 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
             references.append(outputs)
         spec.writes_buffers = bool(buffers.written())
         buffers.restore()
-        padding.plan(spec, target.forward, references)
+        padding.find_batch_axes(spec, target.forward, references)
         backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
-    return TunedModule(target, spec, backend, runner, report, padding_checked=True)  # `padding.plan` checked it
+    # `padding.find_batch_axes` checked the padding
+    return TunedModule(target, spec, backend, runner, report, padding_checked=True)
 
 
 def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
