@@ -187,20 +187,22 @@ def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple
     return batch * new / seconds, tokens[0, :16].tolist()
 
 
-def generate_once(model, settings: Settings, batch: int) -> float:
+def greedy_generate(model, settings: Settings, batch: int):
+    """``generate()`` of ``settings.new_tokens`` greedy tokens with a static cache, as served and as tuned."""
     import torch
 
-    def run():
-        with torch.no_grad():
-            return model.generate(
-                settings.ids(batch),
-                max_new_tokens=settings.new_tokens,
-                min_new_tokens=settings.new_tokens,
-                do_sample=False,
-                cache_implementation="static",
-            )
+    with torch.no_grad():
+        return model.generate(
+            settings.ids(batch),
+            max_new_tokens=settings.new_tokens,
+            min_new_tokens=settings.new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+        )
 
-    return synced(settings.device, run)[1]
+
+def generate_once(model, settings: Settings, batch: int) -> float:
+    return synced(settings.device, lambda: greedy_generate(model, settings, batch))[1]
 
 
 def generate_tokens_per_s(model, settings: Settings, batch: int) -> tuple[float, float]:
@@ -364,8 +366,6 @@ def tune_arguments(name: str, settings: Settings, tune) -> tuple[dict | None, st
 
 
 def step_tune(name: str, settings: Settings) -> None:
-    import torch
-
     import xpupack
     from support.language_models import decode_loop
 
@@ -385,14 +385,7 @@ def step_tune(name: str, settings: Settings) -> None:
         kind, batch = sample
         if kind == "loop":
             return decode_loop(m, settings.ids(batch), 8, settings.cache(m))
-        with torch.no_grad():  # the cache generate() makes is as long as when serving: one compile, one size
-            return m.generate(
-                settings.ids(batch),
-                max_new_tokens=settings.new_tokens,
-                min_new_tokens=settings.new_tokens,
-                do_sample=False,
-                cache_implementation="static",
-            )
+        return greedy_generate(m, settings, batch)  # its cache is as long as when serving: one compile, one size
 
     samples = [(kind, batch) for batch in settings.batches for kind in ("loop", "generate")]
     started = time.perf_counter()

@@ -130,28 +130,21 @@ def test_no_cycle_even_counting_imports_for_annotations():
     assert find_cycle(both) is None, f"import cycle: {' -> '.join(find_cycle(both))}"
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "xpupack.manifest",
-        "xpupack.source",
-        "xpupack.errors",
-        "xpupack._version",
-        "xpupack._fsutil",
-        "xpupack.backends._facts",
-        "xpupack._listeners",
-    ],
+#: what reads and checks a package's files and names where it came from
+FORMAT_FLOOR = (
+    "xpupack.manifest",
+    "xpupack.source",
+    "xpupack.errors",
+    "xpupack._version",
+    "xpupack._fsutil",
+    "xpupack.backends._facts",
+    "xpupack._listeners",
 )
+
+
+@pytest.mark.parametrize("module", FORMAT_FLOOR)
 def test_the_format_floor_imports_nothing_above_it(module):
     """What reads and checks a package's files and names where it came from stands on its own."""
     top, deferred = import_graphs()
-    floor = {
-        "xpupack.manifest",
-        "xpupack.source",
-        "xpupack.errors",
-        "xpupack._version",
-        "xpupack._fsutil",
-        "xpupack.backends._facts",
-        "xpupack._listeners",
-    }
+    floor = set(FORMAT_FLOOR)
     assert top[module] | deferred[module] <= floor

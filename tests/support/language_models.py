@@ -13,24 +13,26 @@ from support.strategies import GRAPH
 VOCAB = 128
 #: new tokens of the generate() that tunes a tiny model (`tune_llm`)
 NEW_TOKENS = 6
+#: the size every tiny decoder here shares (each adds what its family needs)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**TINY)
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
@@ -40,19 +42,7 @@ def tiny_mistral(seed: int = 0, sliding_window: int | None = None):
 
     torch.manual_seed(seed)
     window = {} if sliding_window is None else {"sliding_window": sliding_window}
-    config = MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        **window,
-    )
+    config = MistralConfig(**TINY, **window)
     return MistralForCausalLM(config).eval()
 
 
@@ -62,17 +52,8 @@ def tiny_gemma2(seed: int = 0, sliding_window: int = 8):
 
     torch.manual_seed(seed)
     config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         head_dim=16,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
         sliding_window=sliding_window,
     )
     return Gemma2ForCausalLM(config).eval()
@@ -84,17 +65,8 @@ def tiny_gemma3(seed: int = 0, sliding_window: int = 8):
 
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         head_dim=16,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
         sliding_window=sliding_window,
         layer_types=["sliding_attention", "full_attention"],
     )
