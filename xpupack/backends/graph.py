@@ -291,7 +291,8 @@ class GraphRunner(Runner):
         self.upgrade_error: str | None = None
         #: that restore, kept back until the first recording with state (`start_upgrade_after_recording`)
         self._held: _background.Held | None = None
-        self._last_call = 0.0  # time.monotonic() of the latest call: the held restore waits for a pause
+        #: time.monotonic() of the latest call while an upgrade is pending: the held restore waits for a pause
+        self._last_call = 0.0
 
     def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """Records the new signature as any call with state (`_run_with_state`), once the base is ready.
@@ -606,8 +607,8 @@ class GraphRunner(Runner):
             RuntimeError: the signature has no recording (it failed, or the memory budget skipped it).
         """
         with self._lock:
-            self._last_call = time.monotonic()
-            if self._original is not None:
+            if self._original is not None:  # an upgrade pending: the held restore waits for the caller's pause
+                self._last_call = time.monotonic()
                 self._take_upgrade(index, args, kwargs)
             recording = self._recording_now(index)
             if recording is None:
