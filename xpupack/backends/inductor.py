@@ -864,6 +864,7 @@ SPEED_SETTINGS: dict[str, type | range] = {
             "triton.tile_reductions",
             "triton.cooperative_reductions",
             "triton.use_block_ptr",
+            "triton.enable_pdl",  # programmatic dependent launch (Hopper and later): a kernel's start overlaps the last one's end
             "cpp.enable_tiling_heuristics",
             "cpp.enable_loop_tail_vec",
         ),
