@@ -517,8 +517,9 @@ class Fastest(Strategy):
     Each candidate is timed in rounds alongside eager (device-synchronized), and
     the one with the highest speedup over eager wins (eager itself counts 1.0):
     ratios to eager timed at the same moments stay true under machine load,
-    where candidates' own times, taken minutes apart, would not; the two fastest
-    are then timed head to head, as eager's own time drifts with the machine's load.
+    where candidates' own times, taken minutes apart, would not; the fastest is
+    then timed head to head against the runner-up and against the quickest by its
+    own time, as eager's own time drifts with the machine's load.
     Every candidate that passed and lost says so, with its speedup and the fastest one's.
 
     Args:
@@ -573,6 +574,7 @@ class Fastest(Strategy):
             keep = {
                 best,
                 _fastest(report, {i: c for i, c in alive.items() if i != best}),
+                _quickest(report, alive),  # a challenger in the runoff too (`_runoff`)
                 _fastest(report, alive, lighter=True),
             }
             for index in set(alive) - keep:
@@ -604,38 +606,37 @@ class Fastest(Strategy):
 
 
 def _runoff(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], gate: _SpeedGate) -> int:
-    """The report index of the fastest of ``alive``: the best by speedup over eager, unless the runner-up
-    beats it timed head to head (alternating calls of the two).
+    """The report index of the fastest of ``alive``: the best by speedup over eager, unless a challenger
+    beats it timed head to head (alternating calls of the two). The challengers are the runner-up by
+    speedup and the quickest by its own median time, where that is another candidate.
 
     Speedups over eager are timed minutes apart, each beside its own eager turns, and eager — launching
     every kernel from Python — slows with the machine's CPU load far more than a device graph does (on the
-    H200 eager's step took from 15 to 29 ms across one thorough search, which ranked a graph at 3.6 ms per
-    call above one at 2.4 ms). The head-to-head needs no yardstick. Skipped where the runner-up changes the
-    module (TorchAO): only the first of the two may (`_SpeedGate.between`)."""
-    best = _fastest(report, alive)
-    second = _fastest(report, {index: candidate for index, candidate in alive.items() if index != best})
-    if (
-        second is None
-        or changes_module(alive[second][0])
-        or is_reference(alive[best][0])
-        or is_reference(alive[second][0])
-    ):
-        return best
-    (best_backend, best_runner), (_, second_runner) = alive[best], alive[second]
-    best_runner.redo()
-    try:
-        result = gate.between(best_runner, second_runner, 1.0, heavy_changes_module=changes_module(best_backend))
-    finally:
-        best_runner.undo()
-    head_to_head = {
-        "head_to_head": f"{report[best].backend} vs {report[second].backend}: {result.speedup:.3f}x "
-        f"({result.interval()})"
-    }  # below 1: the second was faster
-    if result.verdict(1.0) == "slower":
-        report[best] = report[best].but(**head_to_head)
-        report[second] = report[second].but(**head_to_head)
-        return second
-    return best
+    H200 eager's step took from 13 to 29 ms across one thorough search, which ranked a graph at 3.0 ms per
+    call above one at 2.2 ms, and the runner-up by speedup was neither). The head-to-head needs no
+    yardstick. A challenger that changes the module (TorchAO) is skipped: only the first of two may
+    (`_SpeedGate.between`)."""
+    champion = _fastest(report, alive)
+    assert champion is not None  # the caller has at least one candidate alive
+    quickest = _quickest(report, alive)
+    runner_up = _fastest(report, {index: candidate for index, candidate in alive.items() if index != champion})
+    for challenger in dict.fromkeys(index for index in (runner_up, quickest) if index not in (None, champion)):
+        if changes_module(alive[challenger][0]) or any(is_reference(alive[i][0]) for i in (champion, challenger)):
+            continue
+        (champion_backend, champion_runner), (_, challenger_runner) = alive[champion], alive[challenger]
+        champion_runner.redo()
+        try:
+            result = gate.between(
+                champion_runner, challenger_runner, 1.0, heavy_changes_module=changes_module(champion_backend)
+            )
+        finally:
+            champion_runner.undo()
+        figure = f"{report[champion].backend} vs {report[challenger].backend}: {result.speedup:.3f}x ({result.interval()})"  # below 1: the challenger was faster
+        report[champion] = report[champion].but(head_to_head=figure)
+        report[challenger] = report[challenger].but(head_to_head=figure)
+        if result.verdict(1.0) == "slower":
+            champion = challenger
+    return champion
 
 
 def _fastest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], *, lighter: bool = False) -> int | None:
@@ -643,6 +644,12 @@ def _fastest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], 
     with ``lighter``; None when there is none."""
     indices = [index for index, (backend, _) in alive.items() if not lighter or _is_lighter(backend)]
     return max(indices, key=lambda index: _speedup(report[index]), default=None)
+
+
+def _quickest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]]) -> int | None:
+    """The report index of the candidate of ``alive`` with the lowest median time per call (None: none timed)."""
+    timed = [index for index in alive if report[index].median_us is not None]
+    return min(timed, key=lambda index: report[index].median_us, default=None)  # type: ignore[arg-type, return-value]
 
 
 def _speedup(entry: Candidate) -> float:
@@ -806,18 +813,37 @@ _GRAPH_DEVICES = ("cuda", "xpu")
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 
 
+#: programmatic dependent launch: each Triton kernel may start while the one before it ends (CUDA 9.0+)
+DEPENDENT_LAUNCH = {**COORDINATE_DESCENT, "triton.enable_pdl": True}
+
+
 def inductor_settings(device: torch.device | None) -> list[dict[str, Any]]:
     """The `InductorBackend` arguments the thorough search tries on ``device``, each a candidate.
 
-    The defaults; coordinate descent (GPUs only: a CPU's kernels are C++, which it does not tune);
-    max-autotune without Inductor's own CUDA graphs (the graph backend records those), which also times
-    Triton templates against the libraries for each matrix multiply and turns coordinate descent on.
+    The defaults, then on a GPU coordinate descent and, where the device launches kernels dependently
+    (CUDA compute capability 9.0 and the installed Inductor), coordinate descent with programmatic
+    dependent launch; on a CPU (whose C++ kernels coordinate descent does not tune) max-autotune
+    without Inductor's own CUDA graphs. A GPU does not try max-autotune: on the H200 it was slower than
+    coordinate descent on a decode step (2.98 against 2.16 ms per call), took the longest to tune, and
+    its package retuned kernels when it loaded (docs/tuning.md).
     """
     settings: list[dict[str, Any]] = [{}]
     if device is not None and device.type in _GRAPH_DEVICES:
         settings.append({"compile_options": dict(COORDINATE_DESCENT)})
-    settings.append({"mode": "max-autotune-no-cudagraphs"})
+        if _launches_dependently(device):
+            settings.append({"compile_options": dict(DEPENDENT_LAUNCH)})
+    else:
+        settings.append({"mode": "max-autotune-no-cudagraphs"})
     return settings
+
+
+def _launches_dependently(device: torch.device) -> bool:
+    """Whether Inductor can launch kernels on ``device`` with programmatic dependent launch."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl") and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def thorough_backends(

@@ -864,7 +864,8 @@ SPEED_SETTINGS: dict[str, type | range] = {
             "triton.tile_reductions",
             "triton.cooperative_reductions",
             "triton.use_block_ptr",
-            "triton.enable_pdl",  # programmatic dependent launch (Hopper and later): a kernel's start overlaps the last one's end
+            # programmatic dependent launch (Hopper and later): a kernel's start overlaps the last one's end
+            "triton.enable_pdl",
             "cpp.enable_tiling_heuristics",
             "cpp.enable_loop_tail_vec",
         ),
