@@ -22,6 +22,7 @@ from .._compare import DEFAULT_TOLERANCES, mismatch
 from .._inference import own_copy, write, writing
 from ..errors import OutputMismatchError, UnknownConfigError
 from ..signature import BatchAxes, Signature, flatten
+from ._facts import Composition
 
 
 @dataclass
@@ -293,10 +294,11 @@ class Runner:
             kwargs: its first call's keyword arguments.
 
         Returns:
-            None, or a future of the work off the caller's path.
+            None, or a future of the work off the caller's path: by default the base runner's, which
+            takes the signature too.
         """
         self.supported.add(index)
-        return None
+        return self.base_runner.add_signature(index, args, kwargs) if self.base_runner is not None else None
 
     def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """Gets signature ``index`` ready off the caller's path for calls like this one (a compile of a call
@@ -586,12 +588,20 @@ class Backend:
         return f"{type(self).__name__}({options})"
 
 
-class ComposedBackend(Backend):
+class ComposedBackend(Composition, Backend):  # type: ignore[override]  # depends_on etc. become properties
     """A backend that can run on top of another one (``base``) that transforms the module first.
 
     ``GraphBackend(base=TorchAOBackend(...))`` records the quantized module;
-    ``InductorBackend(base=...)`` compiles it. The base's artifacts are saved
-    in a sub-folder named after it, and its accuracy measure is the one used.
+    ``InductorBackend(base=...)`` compiles it. The rule of a composition lives
+    here and in `Composition` (its torch-free half, which ``xpupack inspect``
+    shares), once: ``label``, ``available``, ``why_unavailable``,
+    ``depends_on`` and ``compiled_artifacts`` are the backend's own part and
+    the base's together; the base's accuracy measure (``compare``,
+    ``tolerances``) is the one used where there is a base (quantization changes
+    numerics); the base is built, saved (in a sub-folder named after it) and
+    restored first. A subclass states only its own part: `own_depends_on`,
+    `own_compiled_artifacts`, `_own_label`, `_own_available`,
+    `_own_why_unavailable`, `_own_compare`.
     """
 
     base: Backend | None = None
@@ -603,15 +613,20 @@ class ComposedBackend(Backend):
             )
         self.base = backend_from_json(base["name"], base.get("options", {})) if isinstance(base, dict) else base
 
-    @property
-    def label(self) -> str:
-        return f"{self.name}+{self.base.label}" if self.base else self.name
-
     def _base_options(self) -> dict:
         return {"base": {"name": self.base.name, "options": self.base.options()}} if self.base else {}
 
+    def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
+        """The base's tolerances where there is a base, else the defaults.
+
+        Returns:
+            dtype -> ``(rtol, atol)``.
+        """
+        return self.base.tolerances() if self.base else super().tolerances()
+
     def compare(self, actual: Any, expected: Any) -> str | None:
-        """The base's measure where there is a base (quantization changes numerics), else `Backend.compare`.
+        """The base's measure where there is a base (quantization changes numerics), else its own
+        (`_own_compare`).
 
         Args:
             actual: the candidate's output.
@@ -620,7 +635,11 @@ class ComposedBackend(Backend):
         Returns:
             A short reason, or None when ``actual`` is acceptable.
         """
-        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
+        return self.base.compare(actual, expected) if self.base else self._own_compare(actual, expected)
+
+    def _own_compare(self, actual: Any, expected: Any) -> str | None:
+        """This backend's own measure, without a base: `Backend.compare` unless a subclass says otherwise."""
+        return Backend.compare(self, actual, expected)
 
     def save(self, runner: Runner, folder: Path) -> dict:
         """Saves the base's artifacts into ``folder/<base name>/``.

@@ -58,7 +58,7 @@ from ..errors import TuningError, error_line
 from ..padding import check_output_axes, signature_batch
 from ..signature import BatchAxes, flatten, unflatten
 from ..state import state_type
-from ._facts import GRAPH_MAX_RECORDINGS
+from ._facts import GRAPH_MAX_RECORDINGS, no_graphs_on
 from .base import (
     Backend,
     ComposedBackend,
@@ -305,10 +305,10 @@ class GraphRunner(Runner):
         Returns:
             The base runner's future where it compiles for the new size, else None.
         """
-        with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
+        with self._lock:  # a call of another thread may be recording again (`record_all` reads the slots)
             self.state_slots.append(self.spec.signatures[index].state_slots)
-            super().add_signature(index, args, kwargs)
-        return self.base_runner.add_signature(index, args, kwargs) if self.base_runner is not None else None
+        # supported, and the base's (outside the lock: the base may start a compile)
+        return super().add_signature(index, args, kwargs)
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -897,14 +897,6 @@ class GraphBackend(ComposedBackend):
         self.max_memory = max_memory
         self.record_collectives = record_collectives
 
-    @property
-    def depends_on(self) -> tuple[str, ...]:
-        return self.base.depends_on if self.base else ()
-
-    @property
-    def compiled_artifacts(self) -> bool:  # type: ignore[override]
-        return bool(self.base and self.base.compiled_artifacts)
-
     def options(self) -> dict:
         """The constructor options that differ from their defaults, the base's included."""
         options = self._base_options()
@@ -918,37 +910,13 @@ class GraphBackend(ComposedBackend):
             options["record_collectives"] = True
         return options
 
-    def available(self, device: torch.device) -> bool:
-        """Whether ``device`` records device graphs (CUDA, XPU) and the base, if any, runs there.
+    def _own_available(self, device: torch.device) -> bool:
+        """Whether ``device`` records device graphs (CUDA, XPU; not a CPU); the base must run there too
+        (`ComposedBackend`)."""
+        return _device.graphs_for(device) is not None
 
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            False on a CPU.
-        """
-        return _device.graphs_for(device) is not None and (self.base is None or self.base.available(device))
-
-    def why_unavailable(self, device: torch.device) -> str:
-        """``"no device graphs on cpu"``, or the base's reason.
-
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            One sentence.
-        """
-        if _device.graphs_for(device) is None:
-            return f"no device graphs on {device.type}"
-        return self.base.why_unavailable(device)
-
-    def tolerances(self):
-        """The base's tolerances where there is a base, else the defaults.
-
-        Returns:
-            (dict[torch.dtype, tuple[float, float]]): dtype -> ``(rtol, atol)``.
-        """
-        return self.base.tolerances() if self.base else super().tolerances()
+    def _own_why_unavailable(self, device: torch.device) -> str:
+        return no_graphs_on(device)
 
     def _runner(
         self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None

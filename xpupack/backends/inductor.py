@@ -261,7 +261,7 @@ class InductorRunner(Runner):
         Returns:
             The compile's future, or None when it is compiled already.
         """
-        super().add_signature(index, args, kwargs)
+        super().add_signature(index, args, kwargs)  # its base (TorchAO) takes any size as it is: nothing to wait for
         return self.prepare(index, args, kwargs)
 
     def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
@@ -494,7 +494,8 @@ class InductorBackend(ComposedBackend):
     #: round differently from eager's op-by-op kernels, and through a deep model (an LLM's logits)
     #: that adds up past any elementwise bound fit for one op, while a wrong kernel falls far below
     LOW_PRECISION_SQNR_DB = 25.0
-    compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
+    own_compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
+    own_depends_on = INDUCTOR_DEPENDS_ON
     supports_autocast = True  # Dynamo guards on the autocast state and compiles again
 
     def __init__(
@@ -518,11 +519,6 @@ class InductorBackend(ComposedBackend):
         self.mode = mode
         self.compile_options = _checked_compile_options(compile_options)
 
-    @property
-    def depends_on(self) -> tuple[str, ...]:
-        own = INDUCTOR_DEPENDS_ON
-        return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
-
     def options(self) -> dict:
         """``mode``, ``compile_options`` and ``base``, where set."""
         return {
@@ -531,48 +527,23 @@ class InductorBackend(ComposedBackend):
             **self._base_options(),
         }
 
-    @property
-    def label(self) -> str:
+    def _own_label(self) -> str:
         """``inductor``, with its settings where they are not the defaults (``inductor[coordinate_descent_tuning]``)."""
-        own = self.name + settings_tag(self.options())
-        return f"{own}+{self.base.label}" if self.base else own
+        return self.name + settings_tag(self.options())
 
-    def compare(self, actual, expected) -> str | None:
+    def _own_compare(self, actual: Any, expected: Any) -> str | None:
         """Elementwise, with an SQNR floor for bfloat16/float16 outputs (`LOW_PRECISION_SQNR_DB`): fused
-        kernels round differently from eager's. With a base, the base's measure.
+        kernels round differently from eager's. With a base, the base's measure is used instead
+        (`ComposedBackend.compare`).
 
         Args:
-            actual (Any): the candidate's output.
-            expected (Any): eager's output.
+            actual: the candidate's output.
+            expected: eager's output.
 
         Returns:
             A short reason, or None when ``actual`` is acceptable.
         """
-        if self.base is not None:
-            return self.base.compare(actual, expected)
         return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=self.LOW_PRECISION_SQNR_DB)
-
-    def available(self, device: torch.device) -> bool:
-        """Everywhere torch compiles, where the base (if any) runs.
-
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            True without a base.
-        """
-        return self.base is None or self.base.available(device)
-
-    def why_unavailable(self, device: torch.device) -> str:
-        """The base's reason.
-
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            One sentence.
-        """
-        return self.base.why_unavailable(device) if self.base else super().why_unavailable(device)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         """Builds the base (if any), then compiles every recorded signature now. See `Backend.build`.
