@@ -311,10 +311,12 @@ class GraphRunner(Runner):
         """
         with self._lock:  # a call of another thread may be recording again (`record_all` reads them)
             self.signatures[index] = signature
-            if self.base_runner is None and self._original is not None:
+            self.supported.add(index)
+            base = self.base_runner
+            if base is None and self._original is not None:
                 self._unknown_to_base.add(index)  # the base being restored learns of it once it serves
-        # supported, and the base's (outside the lock: the base may start a compile)
-        return super().add_signature(index, signature, args, kwargs)
+        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile
+        return base.add_signature(index, signature, args, kwargs) if base is not None else None
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
