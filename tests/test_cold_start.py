@@ -145,6 +145,24 @@ def test_a_language_models_first_generate_replays_recordings_of_the_original_whi
     assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills only
 
 
+def test_a_decode_length_met_while_the_compile_waits_is_handed_to_the_compiled_module_once_it_serves(
+    emulated_graphs, gate, tmp_path, fallback_calls
+):
+    """A new cache length served while the base is restored off the caller's path reaches the base runner
+    (`Runner.add_signature`) when it takes over: the spec it was restored from does not list it."""
+    root = llm_package(tmp_path)  # tuned on 6 new tokens: 8 makes a longer cache
+    expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
+    served = xpupack.load(tiny_llama(), root)
+    tuned = xpupack.tuned.session_of(served).modules[""]
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    new = set(range(len(tuned.spec.signatures), len(tuned.signatures)))
+    assert new and not GatedCompileBackend.RUNNERS
+    gate.set()
+    _background.wait(30)
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert new <= tuned.runner.base_runner.supported and base_runs() > 0
+
+
 def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(
     emulated_graphs, gate, tmp_path, fallback_calls, caplog
 ):

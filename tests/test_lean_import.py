@@ -16,7 +16,7 @@ import torch
 
 import xpupack
 from xpupack.backends._facts import describe
-from xpupack.backends.base import BACKENDS, backend_from_json
+from xpupack.backends.base import BACKENDS, Backend, ComposedBackend, backend_from_json
 from xpupack.environment import CPU, _cpu_capability_without_torch
 
 NO_TORCH = "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]"
@@ -277,6 +277,51 @@ def test_backend_facts_agree_with_the_backends(name, options):
     if not real.available(cpu):
         assert facts.why_unavailable(CPU()) == real.why_unavailable(cpu)
     assert set(BACKENDS) >= {"eager", "graph", "inductor"}
+
+
+def test_a_composed_backend_states_its_own_part_and_is_combined_with_its_base_by_one_rule():
+    """`ComposedBackend` (with `backends._facts.Composition`, which `BackendFacts` shares) combines a
+    backend's own part with its base's: a new composition states only its own."""
+
+    class Base(Backend):
+        name = "base"
+        depends_on = ("torch", "extra")
+
+        def available(self, device):
+            return device.type == "cpu"
+
+        def tolerances(self):
+            return {torch.float32: (0.5, 0.5)}
+
+    class Own(ComposedBackend):
+        name = "own"
+        own_depends_on = ("torch", "triton")
+        own_compiled_artifacts = True
+
+        def __init__(self, base=None):
+            self._set_base(base)
+
+        def _own_available(self, device):
+            return device.type != "meta"
+
+        def _own_compare(self, actual, expected):
+            return "its own measure"
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    composed = Own(base=Base())
+    assert (composed.label, composed.depends_on, composed.compiled_artifacts) == (
+        "own+base",
+        ("torch", "triton", "extra"),
+        True,
+    )
+    assert composed.available(cpu) and not composed.available(meta)
+    assert composed.why_unavailable(meta) == "own cannot run on meta"  # its own part's reason comes first
+    assert not Own(base=Base()).available(torch.device("cuda")) and Own().available(torch.device("cuda"))
+    # the base's accuracy measure where there is a base, its own without
+    assert (
+        composed.compare(torch.ones(2), torch.full((2,), 1.2)) is None and composed.tolerances() == Base().tolerances()
+    )
+    assert Own().compare(torch.ones(2), torch.ones(2)) == "its own measure"
 
 
 def test_describe_leaves_other_devices_to_torch():

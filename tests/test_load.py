@@ -216,3 +216,19 @@ def test_demo_transformer_round_trip(tmp_path):
         for ids in tiny_transformer_samples():
             assert torch.equal(loaded(ids), tiny_transformer()(ids))
     assert loaded.head.weight is loaded.embed.weight  # tying survives the load
+
+
+def test_the_check_against_the_original_module_checks_the_spec_and_skips_sizes_met_while_serving():
+    """A load that compiles off the caller's path checks its runner once the compile is done, by when the
+    runner may have been handed a new size (`Runner.add_signature`) that the spec does not list."""
+    from xpupack.backends.base import CallableRunner, ModuleSpec, Target, check_against_original
+    from xpupack.backends.eager import EagerBackend
+    from xpupack.errors import OutputMismatchError
+    from xpupack.signature import Signature
+
+    mlp = make_stack().layers[0]["mlp"]
+    spec = ModuleSpec((Signature.of_call((torch.randn(2, 8),), {}),))
+    target = Target("layers.0.mlp", mlp, mlp.forward)
+    check_against_original(target, spec, EagerBackend(), CallableRunner(mlp.forward, {0, 1}))
+    with pytest.raises(OutputMismatchError, match="layers.0.mlp"):
+        check_against_original(target, spec, EagerBackend(), CallableRunner(lambda x: x + 1, {0, 1}))

@@ -223,7 +223,7 @@ def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls
     xpupack.tune(model, [sample], modules=["layers.*.mlp"], strategy=GRAPH, batch_sizes=[8, 1, 2, 4, 2])
     spec = spec_of(model)
     assert [s.describe() for s in spec.signatures] == [f"(f32[{b},8], 1.0)" for b in (3, 1, 2, 4, 8)]
-    assert spec.signature_calls == [1] * 5 and emulated_graphs.captures == 10  # 5 batches x 2 modules
+    assert spec.signature_calls == (1,) * 5 and emulated_graphs.captures == 10  # 5 batches x 2 modules
     report = xpupack.tuned.session_of(model).modules["layers.0.mlp"].report
     assert report[-1].backend == "graph" and report[-1].status == "chosen"  # every batch matched eager
     serve(model, reference, (1, 2, 3, 4, 8))
@@ -513,7 +513,7 @@ def test_output_batch_axes_that_name_the_wrong_rows_never_cut_an_answer(
     root = xpupack.save(model, tmp_path / "pkg")
     rewrite_json(root, "modules/layers.0.mlp/spec.json", _wrong_output_axes)
     if not checked_at_load:
-        monkeypatch.setattr(xpupack.padding, "check_loaded", lambda *args, **kwargs: None)
+        monkeypatch.setattr(xpupack.padding, "check_loaded", lambda spec, *args, **kwargs: spec)
     loaded = xpupack.load(make_stack(), root)
     assert ("checked at load" in (spec_of(loaded).padding_refused or "")) == checked_at_load
     serve(loaded, reference, (3, 5, 7, 5))
@@ -669,7 +669,6 @@ def test_batch_axes_over_integer_inputs_alone_are_kept_only_from_a_trusted_sourc
     assert tuned.batch_axes
     xpupack.deactivate(model)  # the checks run the original forward
     for trusted in (True, False):
-        spec = copy.deepcopy(tuned)
-        xpupack.padding.check_loaded(spec, model[0].forward, trusted=trusted)
+        spec = xpupack.padding.check_loaded(copy.deepcopy(tuned), model[0].forward, trusted=trusted)
         assert bool(spec.batch_axes) == trusted
         assert trusted or "not trusted" in spec.padding_refused

@@ -104,7 +104,7 @@ def test_recording_keeps_each_signature_and_a_few_samples():
     spec = specs["layers.1.mlp"]
     assert spec.calls == 4
     assert [s.describe() for s in spec.signatures] == ["(f32[2,8], 1.0)", "(f32[3,8], 1.0)"]
-    assert len(spec.samples[0]) == SAMPLES_PER_SIGNATURE
+    assert spec.samples.count(0) == SAMPLES_PER_SIGNATURE
     # hooks are removed afterwards
     assert not model.layers[0]["mlp"]._forward_pre_hooks
 
@@ -114,7 +114,7 @@ def test_recorded_samples_are_snapshots():
     x = torch.randn(2, 8)
     specs = record(model, select_modules(model, ["layers.0.mlp"]), [x], run=None)
     x.add_(100)
-    (recorded,), _ = specs["layers.0.mlp"].samples[0][0]
+    (recorded,), _ = specs["layers.0.mlp"].samples.inputs[0][0]
     assert recorded.max() < 50
 
 

@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -165,3 +166,13 @@ def test_larger_batch_then_tuned_batch(tuned, fallback_calls):
             assert torch.allclose(model(x), reference(x))
     assert runs(model, "layers.0.mlp") == 1
     assert [e.path for e in fallback_calls] == ["layers.0.mlp", "layers.1.mlp"]
+
+
+def test_a_tuned_modules_spec_is_frozen_and_keeps_no_samples(tuned):
+    """What a backend reads is built complete before it sees it; the recorded samples were dropped with
+    tuning and are not in the spec a tuned module keeps (docs/architecture.md)."""
+    model, _ = tuned
+    spec = xpupack.tuned.session_of(model).modules["layers.0.mlp"].spec
+    assert spec.samples is None and isinstance(spec.signatures, tuple) and spec.signatures
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.batch_axes = {}

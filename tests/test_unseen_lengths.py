@@ -3,6 +3,7 @@
 Inductor one compiled step serves every cache length (README: "Language models", "Cache length").
 """
 
+import json
 import threading
 
 import pytest
@@ -59,6 +60,24 @@ def test_a_failed_compile_leaves_the_new_length_on_the_original_for_good(fallbac
     assert runner.runs == runs and stats["compiling"] == UNSEEN - 1
     assert "the compiler crashed" in " ".join(stats["backend_errors"].values())
     assert stats["fallback_reasons"]["backend error"] == 1
+
+
+def test_a_new_cache_length_is_handed_to_the_runner_and_the_tuned_spec_stays_as_it_was(tmp_path, fallback_calls):
+    """The dispatcher numbers the signatures it serves after the spec's and hands each new one to the runner;
+    the spec the backend was built from never changes, and a package saved after serving lists the new length."""
+    model, _ = tune_llm(xpupack.Only(PreparingBackend()))
+    tuned = xpupack.tuned.session_of(model).modules[""]
+    spec = tuned.spec
+    tuned_signatures = spec.signatures
+    generate(model, prompt(seed=2), UNSEEN)
+    assert tuned.spec is spec and spec.signatures == tuned_signatures
+    [(index, signature)] = tuned.runner.added
+    assert index == len(spec.signatures) and tuned.signatures == [*spec.signatures, signature]
+    assert signature.state_slots and whole(model)["signatures"] == len(spec.signatures) + 1
+    root = xpupack.save(model, tmp_path / "pkg")
+    [entry] = read_manifest(root)["modules"]
+    saved = json.loads((root / entry["spec"]).read_text())
+    assert len(saved["signatures"]) == len(spec.signatures) + 1 and saved["signature_calls"][-1] == 0
 
 
 def test_a_graph_records_a_new_cache_length_once_its_base_is_ready(emulated_graphs, fallback_calls):
@@ -147,6 +166,7 @@ def test_a_step_that_takes_no_symbolic_sizes_is_compiled_per_shape(monkeypatch, 
 # -- Inductor: a fresh process, empty caches --------------------------------------------------------
 
 FRESH_PROCESS = """
+import json
 import threading
 import torch, xpupack
 from torch._dynamo.callback import on_compile_start

@@ -38,10 +38,10 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     cases = [
         (path, tuned, signature, *signature.synthesize())
         for path, tuned in session.modules.items()
-        for signature in tuned.spec.signatures
+        for signature in tuned.signatures
         if not signature.state_slots
     ]
-    skipped = sum(bool(s.state_slots) for tuned in session.modules.values() for s in tuned.spec.signatures)
+    skipped = sum(bool(s.state_slots) for tuned in session.modules.values() for s in tuned.signatures)
     if skipped:
         log.warning(
             "%d signature(s) with a KV cache are not timed: only a real call brings a cache "

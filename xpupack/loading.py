@@ -404,7 +404,7 @@ def _module_load(
 ) -> _ModuleLoad:
     spec = read_module_spec(source.root, entry)
     mapping = placement.spec_map(build_devices, entry["path"], module_slot(entry))
-    spec.signatures = [signature.on_device(mapping) for signature in spec.signatures]
+    spec = replace(spec, signatures=tuple(signature.on_device(mapping) for signature in spec.signatures))
     context = replace(context, device=placement.modules[entry["path"]])
     name = entry["backend"]["name"]
     backend = backend_from_json(name, entry["backend"]["options"])  # the package's own, checked even if overridden
@@ -505,7 +505,7 @@ def _restore(job: _ModuleLoad, context: Context) -> TunedModule:
     report = [Candidate(job.backend.name, "chosen", job.choice.note or "from package")]
     try:
         if job.backend.pads_calls:
-            _check_claims(target, job.spec, context)
+            job = replace(job, spec=_check_claims(target, job.spec, context))
         runner = job.backend.restore(
             target, job.spec, job.config, job.folder, context.device, use_artifacts=job.choice.use_artifacts
         )
@@ -525,20 +525,22 @@ def _restore(job: _ModuleLoad, context: Context) -> TunedModule:
     return TunedModule(target, job.spec, job.backend, runner, report, downgrade=downgrade)
 
 
-def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> None:
+def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> ModuleSpec:
     """What a package says about its module's calls is its author's word; for a backend that records or
     pads calls, the loader sees for itself whether the module writes its inputs in place or its own
     buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
-    (`xpupack.padding.check_loaded`). README: "Calls, fit and fallback"."""
+    (`xpupack.padding.check_loaded`). Returns the spec with what it found. README: "Calls, fit and
+    fallback"."""
     claimed = bool(spec.batch_axes)
-    observe_calls(target.forward, target.module, spec)
-    padding.check_loaded(spec, target.forward, trusted=context.trusted)
+    spec = observe_calls(target.forward, target.module, spec)
+    spec = padding.check_loaded(spec, target.forward, trusted=context.trusted)
     if claimed and not spec.batch_axes:
         log.warning(
             "%s: the package's batch axes are not used, calls of other batch sizes run the original module: %s",
             target.path or "<model>",
             spec.padding_refused,
         )
+    return spec
 
 
 def _restore_failed(job: _ModuleLoad, context: Context, exc: Exception) -> TunedModule:

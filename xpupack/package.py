@@ -75,7 +75,7 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
     try:
         staging = _fsutil.temporary_sibling(root)
         manifest = _write_package(model, session, state, staging, weights)
-        described = {path: [sig.describe() for sig in tuned.spec.signatures] for path, tuned in session.modules.items()}
+        described = {path: [sig.describe() for sig in tuned.signatures] for path, tuned in session.modules.items()}
         (staging / MODEL_CARD).write_text(model_card(manifest, described), encoding="utf-8")
         write_json(staging / MANIFEST, manifest)  # written last: a staging dir without it is litter
         _fsutil.replace_dir(staging, root)
@@ -112,7 +112,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         folder = module_folder(path)
         (staging / folder).mkdir(parents=True)
         spec_file = f"{folder}/spec.json"
-        spec_data = spec_to_json(path, tuned.spec)
+        spec_data = spec_to_json(path, tuned.served_spec)
         validate(spec_data, "spec", spec_file)
         write_json(staging / spec_file, spec_data)
         backend = tuned.backend

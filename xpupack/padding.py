@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,12 +38,12 @@ _Tensor = torch.Tensor
 # -- tune time: finding the batch axes and checking that rows do not mix -----------------------------
 
 
-def find_batch_axes(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> None:
-    """Sets ``spec.batch_axes`` for the signatures that may be padded into, or ``spec.padding_refused``.
+def find_batch_axes(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> ModuleSpec:
+    """``spec`` with ``batch_axes`` for the signatures that may be padded into, or with ``padding_refused``.
 
-    ``references[i][k]`` is eager's output for ``spec.samples[i][k]``.
+    ``references[i][k]`` is eager's output for recorded sample ``k`` of signature ``i`` (``spec.samples``).
     """
-    spec.batch_axes, spec.padding_refused = {}, None
+    batch_axes: dict[int, BatchAxes] = {}
     groups: dict[tuple, list[int]] = {}
     for index, signature in enumerate(spec.signatures):
         if not signature.state_slots and signature.tensor_leaves:  # calls with state are never padded
@@ -56,9 +57,9 @@ def find_batch_axes(spec: ModuleSpec, forward: Callable[..., Any], references: l
         axes, batches = found
         problem = _why_not_paddable(spec, forward, members, axes, batches)
         if problem:
-            spec.batch_axes, spec.padding_refused = {}, problem
-            return
-        spec.batch_axes.update({index: axes for index in members})
+            return replace(spec, batch_axes={}, padding_refused=problem)
+        batch_axes.update({index: axes for index in members})
+    return replace(spec, batch_axes=batch_axes, padding_refused=None)
 
 
 def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]]) -> tuple[BatchAxes, list[int]] | str:
@@ -142,7 +143,7 @@ def _why_not_paddable(
     for index, batch in zip(members, batches):
         if batch < 2:
             continue
-        for args, kwargs in spec.samples[index]:
+        for args, kwargs in spec.samples.inputs[index]:
             problem = _rows_mix(
                 forward, args, kwargs, axes, batch, batch // 2, generator, spec.signatures[index].describe()
             )
@@ -205,10 +206,10 @@ def _rows_mix(
 LOAD_CHECK_BATCHES = 3
 
 
-def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool) -> None:
+def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool) -> ModuleSpec:
     """Checks the batch axes a loaded package names the way tuning checked them (`_rows_mix`), on inputs
-    synthesised from each signature it pads into; on a failure clears ``spec.batch_axes`` and says why in
-    ``spec.padding_refused``, as tuning would have.
+    synthesised from each signature it pads into. Returns ``spec``, or on a failure ``spec`` without its
+    ``batch_axes`` and with why in ``padding_refused``, as tuning would have.
 
     Tuning checked its own samples; a package's axes are its author's word, and a module whose rows mix
     can agree with a padded call on one input and not on the next. The loader therefore checks several
@@ -219,7 +220,8 @@ def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool
     """
     problem = _loaded_axes_problem(spec, forward, trusted) if spec.batch_axes else None
     if problem:
-        spec.batch_axes, spec.padding_refused = {}, f"{problem} (checked at load)"
+        return replace(spec, batch_axes={}, padding_refused=f"{problem} (checked at load)")
+    return spec
 
 
 def _loaded_axes_problem(spec: ModuleSpec, forward: Callable[..., Any], trusted: bool) -> str | None:

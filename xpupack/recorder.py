@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import fnmatch
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from . import _hooks
 from ._inference import own_copy
-from .backends.base import ModuleSpec
+from .backends.base import ModuleSpec, Samples
 from .errors import SampleError, TuningError
 from .signature import Signature, Unrecordable, dtype_name, flatten, map_tensors
 
@@ -185,57 +186,75 @@ class BufferWatch:
             self.restore()
 
 
-def observe_calls(forward: Callable[..., Any], module: nn.Module, spec: ModuleSpec) -> None:
-    """Sets ``spec.mutates_inputs`` and ``spec.writes_buffers`` where ``forward`` (``module``'s) is seen to
+def observe_calls(forward: Callable[..., Any], module: nn.Module, spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with ``mutates_inputs`` and ``writes_buffers`` set where ``forward`` (``module``'s) is seen to
     write an input in place or a buffer of its own, on inputs synthesised from each signature without state.
 
     A loaded package's ``mutates_inputs`` is its author's word, and the buffers are never in it: the loader
     sees for itself, before recording or padding anything, and puts the buffers back. What the module does
     only on other inputs than these (a write behind a data-dependent branch) stays unseen.
     """
+    mutates_inputs, writes_buffers = spec.mutates_inputs, spec.writes_buffers
     buffers = BufferWatch(module)
     with torch.no_grad(), buffers.kept():
         for index, signature in enumerate(spec.signatures):
             if signature.state_slots:
                 continue  # only a real call brings a KV cache
             _, changed = run_on_copy(forward, *signature.synthesize(seed=index + 1))
-            spec.mutates_inputs |= changed
-            spec.writes_buffers |= bool(buffers.written())
+            mutates_inputs |= changed
+            writes_buffers |= bool(buffers.written())
             buffers.restore()
+    return replace(spec, mutates_inputs=mutates_inputs, writes_buffers=writes_buffers)
 
 
 class _SampledCalls:
-    """One module's calls as tuning samples them: their signatures, counts and a few copies of each (its spec)."""
+    """One module's calls as tuning samples them: their signatures, counts and a few copies of each."""
 
     def __init__(self):
         self.index: dict[Signature, int] = {}
-        self.spec = ModuleSpec(signatures=[], samples=[])
+        self.signatures: list[Signature] = []
+        self.calls = 0
+        self.signature_calls: list[int] = []
+        self.unrecordable: dict[str, int] = {}
+        self.inputs: list[list[tuple[tuple, dict]]] = []
+        self.states: list[list[list[torch.Tensor]]] = []
+        self.counts: list[list[list[tuple]]] = []
 
     def add(self, args: tuple, kwargs: dict) -> None:
-        spec = self.spec
-        spec.calls += 1
+        self.calls += 1
         try:
             signature = Signature.of_call(args, kwargs)
         except Unrecordable as exc:
             reason = f"calls with {exc} cannot be recorded; they run the original module"
-            spec.unrecordable[reason] = spec.unrecordable.get(reason, 0) + 1
+            self.unrecordable[reason] = self.unrecordable.get(reason, 0) + 1
             return
         index = self.index.get(signature)
         if index is None:
-            index = self.index[signature] = len(spec.signatures)
-            spec.signatures.append(signature)
-            spec.samples.append([])
-            spec.states.append([])
-            spec.counts.append([])
-            spec.signature_calls.append(0)
-        spec.signature_calls[index] += 1
-        if len(spec.samples[index]) < SAMPLES_PER_SIGNATURE:
-            spec.samples[index].append((snapshot(args), snapshot(kwargs)))
+            index = self.index[signature] = len(self.signatures)
+            self.signatures.append(signature)
+            self.inputs.append([])
+            self.states.append([])
+            self.counts.append([])
+            self.signature_calls.append(0)
+        self.signature_calls[index] += 1
+        if len(self.inputs[index]) < SAMPLES_PER_SIGNATURE:
+            self.inputs[index].append((snapshot(args), snapshot(kwargs)))
             # a state object is kept by reference; its tensors as they are before this call are copied,
             # so that every candidate later runs this call on the state eager ran it on
             leaves = flatten(args, kwargs)[0]
-            spec.states[index].append([own_copy(tensor) for tensor in signature.state_tensors(leaves)])
-            spec.counts[index].append([counters.read(obj) for counters, obj in signature.state_counters(leaves)])
+            self.states[index].append([own_copy(tensor) for tensor in signature.state_tensors(leaves)])
+            self.counts[index].append([counters.read(obj) for counters, obj in signature.state_counters(leaves)])
+
+    def spec(self) -> ModuleSpec:
+        """What was seen, with the samples attached (`ModuleSpec.samples`)."""
+        signatures = tuple(self.signatures)
+        return ModuleSpec(
+            signatures,
+            calls=self.calls,
+            signature_calls=tuple(self.signature_calls),
+            unrecordable=dict(self.unrecordable),
+            samples=Samples(signatures, self.inputs, self.states, self.counts),
+        )
 
 
 def record(
@@ -248,7 +267,7 @@ def record(
     mode: Callable[[], Any] = torch.no_grad,
 ) -> dict[str, ModuleSpec]:
     """Runs ``samples`` through ``model`` under ``mode`` (`torch.no_grad`, or `torch.inference_mode` where the
-    caller runs in it) and returns each selected module's recorded spec."""
+    caller runs in it) and returns each selected module's recorded spec, its samples attached."""
     sampled = {path: _SampledCalls() for path in modules}
     handles = [_hooks.observe(module, sampled[path].add) for path, module in modules.items()]
     count = 0
@@ -273,7 +292,7 @@ def record(
             handle.remove()
     if count == 0:
         raise TuningError("samples is empty; pass at least one input the model is called with")
-    return {path: calls.spec for path, calls in sampled.items()}
+    return {path: calls.spec() for path, calls in sampled.items()}
 
 
 def describe_sample(sample: Any) -> str:

@@ -16,7 +16,7 @@ from .signature import BatchAxes, Signature
 
 
 def spec_to_json(path: str, spec: ModuleSpec) -> dict:
-    """The ``spec.json`` of the module at object path ``path``: its signatures, never its samples."""
+    """The ``spec.json`` of the module at object path ``path``: its facts, never its samples."""
     return {
         "format_version": FORMAT_VERSION,
         "path": path,
@@ -58,9 +58,9 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
     except ValueError as exc:
         raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
     return ModuleSpec(
-        signatures,
+        tuple(signatures),
         calls=data["calls"],
-        signature_calls=list(counts),
+        signature_calls=tuple(counts),
         unrecordable=data["unrecordable"],
         mutates_inputs=data.get("mutates_inputs", False),
         batch_axes=batch_axes,

@@ -69,19 +69,20 @@ def check_candidate(
 def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, references: list[list[Any]]) -> None:
     if not runner.supported:
         raise Rejected("no recorded signature could be built")
+    samples = spec.samples
     for index in sorted(runner.supported):
-        numbers = list(range(len(spec.samples[index])))
+        numbers = list(range(samples.count(index)))
         if spec.signatures[index].state_slots:
             # a call with state may run for real first and be recorded on the next one: run the
             # first sample again, so that a recording is always among what gets checked
             numbers.append(0)
         for number in numbers:
-            with spec.mode(index):
+            with samples.mode(index):
                 # a candidate that changes its inputs must not change the samples
-                args, kwargs = snapshot(spec.sample(index, number))
+                args, kwargs = snapshot(samples.sample(index, number))
                 leaves, _ = flatten(args, kwargs)
                 try:
-                    actual = spec.observe(index, args, kwargs, runner.run(index, args, kwargs, leaves))
+                    actual = samples.observe(index, args, kwargs, runner.run(index, args, kwargs, leaves))
                 except Exception as exc:
                     raise Rejected(f"running {spec.signatures[index].describe()} failed: {error_line(exc)}") from exc
             problem = backend.compare(actual, references[index][number])
@@ -335,7 +336,7 @@ class Strategy:
 
         Args:
             target: the module (its object path, the module, its original forward).
-            spec: the recorded signatures and, while tuning, their samples (``spec.samples[i]``).
+            spec: the recorded signatures and, while tuning, their samples (``spec.samples``, a `Samples`).
             references: eager's outputs, ``references[i][k]`` for sample ``k`` of signature ``i``
                 (for a call with state, the output and the state after it).
             device: the device the module is tuned on.
@@ -676,11 +677,11 @@ def _timed_call(runner: Runner, spec: ModuleSpec, index: int) -> Callable[[], An
     time (a decode step must not run past the end of its KV cache). Other calls run on a copy of the
     sample, which a module that changes its inputs may change at will."""
     if spec.signatures[index].state_slots:
-        mode = spec.mode  # inference mode where the state was made there: a call writes it
+        samples = spec.samples  # inference mode where the state was made there: a call writes it
 
         def call() -> Any:
-            with mode(index):
-                args, kwargs = spec.sample(index, 0)
+            with samples.mode(index):
+                args, kwargs = samples.sample(index, 0)
                 return runner.run(index, args, kwargs, flatten(args, kwargs)[0])
 
         return call

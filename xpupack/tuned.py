@@ -14,7 +14,7 @@ import inspect
 import logging
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -105,6 +105,9 @@ class TunedModule:
     ):
         self.target = target
         self.spec = spec
+        #: the signatures it serves, by index: the spec's, then the new sizes taken while serving
+        #: (`_take_new_size`, handed to the runner with `Runner.add_signature`)
+        self.signatures: list[Signature] = list(spec.signatures)
         self.backend = backend
         self.backend_name = backend.name
         self.runner = runner
@@ -294,7 +297,7 @@ class TunedModule:
         log.warning(
             "%s: a padded call into %s disagreed with the original module (%s); calls are no longer padded into %s",
             self.target.path or "<model>",
-            self.spec.signatures[index].describe(),
+            self.signatures[index].describe(),
             problem,
             "any recording" if written else "it",
         )
@@ -334,9 +337,9 @@ class TunedModule:
                 self._refused.clear()
             self._refused.add(key)
             return None
-        index = len(self.spec.signatures)
-        self.spec.signatures.append(signature)
-        pending = self.runner.add_signature(index, args, kwargs)
+        index = len(self.signatures)
+        self.signatures.append(signature)
+        pending = self.runner.add_signature(index, signature, args, kwargs)
         if pending is not None:
             self._pending[index] = pending
         self._table[key] = index
@@ -349,6 +352,14 @@ class TunedModule:
             "; the original module runs them while it compiles" if pending is not None else "",
         )
         return index
+
+    @property
+    def served_spec(self) -> ModuleSpec:
+        """The spec with the signatures taken while serving after its own (new sizes of a signature with
+        state, `_take_new_size`): what `xpupack.save` writes."""
+        if len(self.signatures) == len(self.spec.signatures):
+            return self.spec
+        return replace(self.spec, signatures=tuple(self.signatures))
 
     @property
     def __signature__(self) -> inspect.Signature | None:
@@ -428,7 +439,7 @@ class TunedModule:
             "fallbacks": self.fallbacks,
             "padded": self.padded,
             "compiling": compiling,
-            "signatures": len(self.spec.signatures),
+            "signatures": len(self.signatures),
             "active_signatures": len(self._table),
             "memory_bytes": self.runner.memory_bytes(),
             **described,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -218,7 +219,8 @@ def _tune_modules(
         except BaseException as exc:
             _drop_samples_after(spec, exc)
             raise
-        spec.drop_samples()  # recorded data is never kept beyond tuning
+        if spec.samples is not None:
+            spec.samples.drop()  # recorded data is never kept beyond tuning
     return tuned
 
 
@@ -248,36 +250,48 @@ def _tune_one(target: Target, spec: ModuleSpec, strategy: Strategy, device: torc
         strategy.check_unrecorded(target, spec)
         why = "never called by the samples" if not spec.calls else "; ".join(spec.unrecordable)
         log.warning("%s: %s; it stays eager", target.path or "<model>", why)
-        backend = EagerBackend()
+        backend, facts = EagerBackend(), replace(spec, samples=None)
         return TunedModule(
-            target, spec, backend, backend.build(target, spec, device), [Candidate("eager", "chosen", why)]
+            target, facts, backend, backend.build(target, facts, device), [Candidate("eager", "chosen", why)]
         )
     # tuning's own runs (references, checks, timing) leave the module's buffers as the samples' run left them
     with BufferWatch(target.module).kept() as buffers:
-        references = []
-        for index, samples in enumerate(spec.samples):
-            outputs = []
-            for number in range(len(samples)):
-                with spec.mode(index):
-                    args, kwargs = spec.sample(index, number)
-                    output, changed = run_on_copy(target.forward, args, kwargs)  # the sample stays as recorded
-                    outputs.append(spec.observe(index, args, kwargs, output))
-                spec.mutates_inputs |= changed
-            references.append(outputs)
-        spec.writes_buffers = bool(buffers.written())
+        references, mutates_inputs = _references(target, spec)
+        spec = replace(spec, mutates_inputs=mutates_inputs, writes_buffers=bool(buffers.written()))
         buffers.restore()
-        padding.find_batch_axes(spec, target.forward, references)
+        spec = padding.find_batch_axes(spec, target.forward, references)
         backend, runner, report = strategy.choose(target, spec, references, device)
     log.info("%s: %s", target.path or "<model>", backend.name)
     # `padding.find_batch_axes` checked the padding
-    return TunedModule(target, spec, backend, runner, report, padding_checked=True)
+    return TunedModule(target, replace(spec, samples=None), backend, runner, report, padding_checked=True)
+
+
+def _references(target: Target, spec: ModuleSpec) -> tuple[list[list[Any]], bool]:
+    """Eager's output on each recorded sample (``references[i][k]`` for sample ``k`` of signature ``i``, with
+    the state after it for a call with state: `Samples.observe`), and whether eager changed a sample's
+    inputs in place (run on copies: the samples stay as recorded)."""
+    samples, mutates_inputs = spec.samples, False
+    references: list[list[Any]] = []
+    if samples is None:  # a spec without samples (a package's) has nothing to run
+        return references, mutates_inputs
+    for index in range(len(spec.signatures)):
+        outputs = []
+        for number in range(samples.count(index)):
+            with samples.mode(index):
+                args, kwargs = samples.sample(index, number)
+                output, changed = run_on_copy(target.forward, args, kwargs)
+                outputs.append(samples.observe(index, args, kwargs, output))
+            mutates_inputs |= changed
+        references.append(outputs)
+    return references, mutates_inputs
 
 
 def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
-    """`ModuleSpec.drop_samples` while ``error`` stops tuning: a failure of its own is logged, never raised in
+    """`Samples.drop` while ``error`` stops tuning: a failure of its own is logged, never raised in
     place of ``error`` (which says what went wrong first)."""
     try:
-        spec.drop_samples()
+        if spec.samples is not None:
+            spec.samples.drop()
     except Exception as cleanup:
         log.warning(
             "while tuning stopped on %s: %s, forgetting the recorded samples failed too (%s: %s)",

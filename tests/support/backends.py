@@ -236,9 +236,12 @@ class PreparingRunner(CountingRunner):
         super().__init__(forward, supported)
         #: one future per new size taken while serving; the test finishes it (or fails it)
         self.preparations = []
+        #: (index, signature) of each new size the dispatcher handed it
+        self.added = []
 
-    def add_signature(self, index, args, kwargs):
-        super().add_signature(index, args, kwargs)
+    def add_signature(self, index, signature, args, kwargs):
+        super().add_signature(index, signature, args, kwargs)
+        self.added.append((index, signature))
         self.preparations.append(Future())
         return self.preparations[-1]
 

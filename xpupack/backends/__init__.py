@@ -1,7 +1,7 @@
 """Backends: how one module is built at tune time, saved into a package, and restored at load time.
 
 This package imports nothing: ``import xpupack.backends`` costs no torch. The
-modules are `base` (the contract below, `ModuleSpec`, the registry), `eager`,
+modules are `base` (the contract below, `ModuleSpec` and `Samples`, the registry), `eager`,
 `graph`, `inductor`, `torchao` with `torchao_configs`, and `_facts` (what
 `xpupack.plan` asks of a backend, answered without torch for inspect/verify).
 
@@ -14,14 +14,16 @@ resolvable from a manifest with `base.register_backend`):
 ``available(device)`` / ``why_unavailable(device)``
     Whether it can run on ``device`` at all, and why not (no device graphs on a CPU).
 ``build(target, spec, device) -> Runner``
-    At tune time, with recorded samples in ``spec``: builds what runs the
-    module's calls (records graphs, compiles, quantizes). A strategy compares the
-    runner's outputs with eager's (``compare``) before it keeps it.
+    At tune time, with recorded samples in ``spec.samples`` (a `base.Samples`):
+    builds what runs the module's calls (records graphs, compiles, quantizes). A
+    strategy compares the runner's outputs with eager's (``compare``) before it
+    keeps it. A `base.ModuleSpec` is frozen: what its ``spec.json`` holds, built
+    complete before any backend sees it; a backend only reads it.
 ``save(runner, folder) -> dict``
     Writes the runner's artifacts into ``folder`` (``modules/<path>/<name>/``) and
     returns its JSON config, which the manifest stores.
 ``restore(target, spec, config, folder, device, *, use_artifacts) -> Runner``
-    At load time, from ``spec``'s signatures only (no samples exist) and what
+    At load time, from ``spec``'s signatures only (``spec.samples`` is None) and what
     `save` wrote. ``use_artifacts=False``: compiled artifacts must not run
     (untrusted source, environment mismatch), so rebuild from portable parts.
     Every file a config names is opened through `xpupack.manifest.artifact_file`.
@@ -47,10 +49,12 @@ into its own buffers sets ``run_padded`` (the graph runner does); otherwise the
 dispatcher pads a copy of the call and uses ``run``. ``undo``/``redo`` take back and reapply
 what building or restoring changed in the module (TorchAO's quantized
 weights), so a rejected candidate or a failed load leaves the module as it was.
-``add_signature(index, args, kwargs)`` takes a new size of a signature with state
-while serving (a KV cache of another length); a runner that must compile for it
-returns a future of that work, done off the caller's path (`xpupack._background`),
-and the dispatcher runs the original module until it finishes.
+``add_signature(index, signature, args, kwargs)`` hands the runner a new size of a
+signature with state that the dispatcher met while serving (a KV cache of another
+length), numbered after the spec's signatures; the spec does not change. A runner
+that must compile for it returns a future of that work, done off the caller's path
+(`xpupack._background`), and the dispatcher runs the original module until it
+finishes; by default a runner hands it on to its ``base_runner``.
 
 A load may restore compiled code off the caller's path (``xpupack.load(...,
 defer_compile=True)``, README "Cold start"): inside such a load

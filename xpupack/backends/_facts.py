@@ -14,7 +14,7 @@ checks these facts against them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 # The backends' defaults that a package's options are read against, here so that the backends and the
 # torch-free answers below read the same values.
@@ -26,39 +26,106 @@ INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")
 GRAPH_MAX_RECORDINGS = 16
 
 
-@dataclass(frozen=True)
-class BackendFacts:
-    """A backend as `xpupack.plan` sees it: the attributes and questions of `backends.base.Backend` it uses."""
+class Composition:
+    """The rule of a backend that runs on top of another one (``base``), stated once for the real backends
+    (`backends.base.ComposedBackend`) and for their torch-free facts (`BackendFacts`).
 
-    name: str
+    A composition is its own part and its base together: it runs where both run (and says first why its
+    own part does not), its artifacts depend on what either's do and are compiled code where either's
+    are, and its label names both (``graph+torchao:int8-weight-only``). A subclass states only its own
+    part: `own_depends_on`, `own_compiled_artifacts`, `_own_label`, `_own_available` and
+    `_own_why_unavailable`.
+    """
+
+    name: ClassVar[str]
+    #: the backend this one runs on top of, or None
+    base: Any = None
+    #: environment keys whose change invalidates this backend's own artifacts (its base adds its own)
+    own_depends_on: tuple[str, ...] = ()
+    #: True when this backend's own artifacts may unpickle or run native code
+    own_compiled_artifacts: bool = False
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        """Environment keys whose change invalidates the artifacts: its own, then the base's."""
+        own = self.own_depends_on
+        return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
+
+    @property
+    def compiled_artifacts(self) -> bool:
+        """Whether its own artifacts or the base's may unpickle or run native code."""
+        return self.own_compiled_artifacts or bool(self.base and self.base.compiled_artifacts)
+
+    @property
+    def label(self) -> str:
+        """How reports name the composition: its own label, then the base's (``graph+torchao``)."""
+        own = self._own_label()
+        return f"{own}+{self.base.label}" if self.base else own
+
+    def available(self, device: Any) -> bool:
+        """Whether its own part and the base (if any) both run on ``device``.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            True where both run.
+        """
+        return self._own_available(device) and (self.base is None or self.base.available(device))
+
+    def why_unavailable(self, device: Any) -> str:
+        """Why `available` is False on ``device``: its own part's reason first, else the base's.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            One sentence.
+        """
+        if not self._own_available(device):
+            return self._own_why_unavailable(device)
+        return self.base.why_unavailable(device) if self.base else f"{self.name} cannot run on {device.type}"
+
+    def _own_label(self) -> str:
+        return self.name
+
+    def _own_available(self, device: Any) -> bool:
+        return True
+
+    def _own_why_unavailable(self, device: Any) -> str:
+        return f"{self.name} cannot run on {device.type}"
+
+
+@dataclass(frozen=True)
+class BackendFacts(Composition):
+    """A backend as `xpupack.plan` sees it: the attributes and questions of `backends.base.Backend` it uses,
+    its own part's facts combined with its base's by `Composition`."""
+
+    name: str  # type: ignore[misc]  # a field here, a class attribute of a real backend
     base: BackendFacts | None = None
-    depends_on: tuple[str, ...] = ()
-    compiled_artifacts: bool = False
+    own_depends_on: tuple[str, ...] = ()
+    own_compiled_artifacts: bool = False
     rebuildable: bool = True
-    #: device types it runs on (None: all)
+    #: device types its own part runs on (None: all)
     runs_on: tuple[str, ...] | None = None
     #: it runs only the recorded shapes and pads a smaller batch up to one (graph, Inductor)
     pads_calls: bool = False
     #: the settings its label shows (`settings_tag`)
     settings: str = ""
 
-    @property
-    def label(self) -> str:
-        own = self.name + self.settings
-        return f"{own}+{self.base.label}" if self.base else own
+    def _own_label(self) -> str:
+        return self.name + self.settings
 
-    def available(self, device: Any) -> bool:
-        own = self.runs_on is None or device.type in self.runs_on
-        return own and (self.base is None or self.base.available(device))
+    def _own_available(self, device: Any) -> bool:
+        return self.runs_on is None or device.type in self.runs_on
 
-    def why_unavailable(self, device: Any) -> str:
-        if self.runs_on is not None and device.type not in self.runs_on:
-            return (
-                f"no device graphs on {device.type}"
-                if self.name == "graph"
-                else f"{self.name} cannot run on {device.type}"
-            )
-        return self.base.why_unavailable(device) if self.base else f"{self.name} cannot run on {device.type}"
+    def _own_why_unavailable(self, device: Any) -> str:
+        return no_graphs_on(device) if self.name == "graph" else super()._own_why_unavailable(device)
+
+
+def no_graphs_on(device: Any) -> str:
+    """Why the graph backend does not run on ``device`` (`GraphBackend.why_unavailable`)."""
+    return f"no device graphs on {device.type}"
 
 
 EAGER = BackendFacts("eager")
@@ -111,14 +178,7 @@ def _describe_graph(options: dict, device: Any) -> BackendFacts | None:
             return None
     # a CPU has no device graphs (tests emulate them in-process, where torch is loaded and the
     # real backend answers)
-    return BackendFacts(
-        "graph",
-        inner,
-        inner.depends_on if inner else (),
-        bool(inner and inner.compiled_artifacts),
-        runs_on=("cuda", "xpu"),
-        pads_calls=True,
-    )
+    return BackendFacts("graph", inner, runs_on=("cuda", "xpu"), pads_calls=True)
 
 
 def _graph_options_known(options: dict) -> bool:
@@ -145,9 +205,8 @@ def _describe_inductor(options: dict) -> BackendFacts | None:
         return None  # a base (torchao), or an option the real backend refuses or would not write
     return BackendFacts(
         "inductor",
-        None,
-        INDUCTOR_DEPENDS_ON,
-        compiled_artifacts=True,
+        own_depends_on=INDUCTOR_DEPENDS_ON,
+        own_compiled_artifacts=True,
         pads_calls=True,
         settings=settings_tag(options),
     )

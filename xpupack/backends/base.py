@@ -22,6 +22,7 @@ from .._compare import DEFAULT_TOLERANCES, mismatch
 from .._inference import own_copy, write, writing
 from ..errors import OutputMismatchError, UnknownConfigError
 from ..signature import BatchAxes, Signature, flatten
+from ._facts import Composition
 
 
 @dataclass
@@ -41,29 +42,29 @@ class Target:
     forward: Callable[..., Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModuleSpec:
-    """What the recording saw for one module: the call signatures (and, at tune time, samples).
+    """What is known of one module's calls: its ``spec.json`` (docs/format.md), and at tune time its samples.
 
-    ``samples[i]`` holds recorded ``(args, kwargs)`` of ``signatures[i]``; it is
-    empty after loading, where only the signatures exist. A backend reads the
-    signatures (and, at tune time, the samples) and never needs to write it.
+    Frozen: tuning and loading build it complete (`dataclasses.replace` where a step finds a fact) before a
+    backend sees it, and a backend only reads it. The signatures a module meets while serving (a KV cache of
+    a new length) are handed to its runner (`Runner.add_signature`), never added here.
 
     Args:
         signatures: the distinct call signatures, in the order they were first seen; a runner's
-            ``supported`` and `Runner.run`'s ``index`` refer to positions in this list.
-        samples: ``samples[i]``: recorded ``(args, kwargs)`` of ``signatures[i]`` (tune time only).
+            ``supported`` and `Runner.run`'s ``index`` refer to positions in this tuple.
         calls: how many calls of the module the recording saw.
+        signature_calls: ``signature_calls[i]``: how many recorded calls had ``signatures[i]`` (weights
+            for timing).
         unrecordable: why calls could not be recorded -> how many such calls.
+        samples: the recorded calls (`Samples`) at tune time; None at load, where only the signatures exist.
 
     The other fields are documented where they are declared.
     """
 
-    signatures: list[Signature]
-    samples: list[list[tuple[tuple, dict]]] = field(default_factory=list)
+    signatures: tuple[Signature, ...]
     calls: int = 0
-    #: ``signature_calls[i]``: how many recorded calls had ``signatures[i]`` (weights for timing)
-    signature_calls: list[int] = field(default_factory=list)
+    signature_calls: tuple[int, ...] = ()
     unrecordable: dict[str, int] = field(default_factory=dict)
     #: signature index -> its batch axes, for the signatures a smaller batch may be padded up to
     #: (`xpupack.padding`); empty when nothing is padded
@@ -76,19 +77,11 @@ class ModuleSpec:
     #: the module wrote its own buffers while tuning's (or a load's) runs called it: never padded, whose
     #: filler rows would reach them. Established from the module each time, never read from a package
     writes_buffers: bool = False
-    #: ``states[i][k]``: copies of the state tensors of ``samples[i][k]`` from before that call
-    #: (empty lists for signatures without state)
-    states: list[list[list[torch.Tensor]]] = field(default_factory=list)
-    #: ``counts[i][k]``: the Python-side counters of the state objects of ``samples[i][k]`` from before that
-    #: call (`xpupack.state.SlidingWindowCounters`), or an empty list
-    counts: list[list[list[tuple]]] = field(default_factory=list)
-    #: state tensor -> its contents when tuning first put a recorded state back (restored at the end)
-    _after_run: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-    #: state object -> its counters when tuning first put a recorded state back (restored at the end)
-    _counts_after_run: dict[int, tuple[Any, Any, tuple]] = field(default_factory=dict, repr=False)
+    #: the recorded calls, at tune time only (never written to a package)
+    samples: Samples | None = field(default=None, compare=False, repr=False)
 
     def example(self, index: int) -> tuple[tuple, dict]:
-        """A recorded sample of signature ``index`` where one exists, else synthesised inputs.
+        """A recorded sample of signature ``index`` where one exists (tune time), else synthesised inputs.
 
         Args:
             index: a signature's position in ``signatures``.
@@ -99,14 +92,59 @@ class ModuleSpec:
         Raises:
             Unsynthesizable: a signature with a state object and no sample (at load).
         """
-        if index < len(self.samples) and self.samples[index]:
-            return self.sample(index, 0)
+        if self.samples is not None and self.samples.count(index):
+            return self.samples.sample(index, 0)
         return self.signatures[index].synthesize()
 
     def signature_weights(self) -> list[int]:
         """How often each signature was called while recording (1 where that is not known)."""
         counts = self.signature_calls
         return [counts[i] if i < len(counts) and counts[i] > 0 else 1 for i in range(len(self.signatures))]
+
+
+@dataclass(eq=False)
+class Samples:
+    """The calls tuning recorded of one module, a few per signature (`ModuleSpec.samples`): tune time only.
+
+    Recorded inputs are never kept beyond tuning and never written to a package (they may be private
+    data). Running a sample puts its state objects (a KV cache) back as they were before the recorded
+    call, so every candidate runs it on the state eager ran it on; `drop` forgets the samples and gives the
+    state objects back the contents they had when the samples' run ended.
+
+    Args:
+        signatures: the module's signatures (`ModuleSpec.signatures`).
+        inputs: ``inputs[i]``: recorded ``(args, kwargs)`` of ``signatures[i]``.
+        states: ``states[i][k]``: copies of the state tensors of ``inputs[i][k]`` from before that call
+            (empty lists for signatures without state).
+        counts: ``counts[i][k]``: the Python-side counters of the state objects of ``inputs[i][k]`` from
+            before that call (`xpupack.state.SlidingWindowCounters`), or an empty list.
+    """
+
+    signatures: tuple[Signature, ...]
+    inputs: list[list[tuple[tuple, dict]]]
+    states: list[list[list[torch.Tensor]]]
+    counts: list[list[list[tuple]]]
+    #: state tensor -> its contents when tuning first put a recorded state back (restored by `drop`)
+    _after_run: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    #: state object -> its counters when tuning first put a recorded state back (restored by `drop`)
+    _counts_after_run: dict[int, tuple[Any, Any, tuple]] = field(default_factory=dict, repr=False)
+
+    def count(self, index: int) -> int:
+        """How many samples signature ``index`` has (0 once they are dropped).
+
+        Args:
+            index: a signature's position in ``signatures``.
+        """
+        return len(self.inputs[index]) if index < len(self.inputs) else 0
+
+    def counted(self, index: int) -> bool:
+        """Whether a sample of signature ``index`` has state objects with Python-side counters (a sliding-window
+        KV cache, `xpupack.state`) that were running when it was recorded.
+
+        Args:
+            index: a signature's position in ``signatures``.
+        """
+        return index < len(self.counts) and any(any(sample) for sample in self.counts[index])
 
     def sample(self, index: int, number: int) -> tuple[tuple, dict]:
         """Recorded sample ``number`` of signature ``index``, its state objects put back as they were
@@ -119,7 +157,7 @@ class ModuleSpec:
         Returns:
             ``(args, kwargs)`` as recorded.
         """
-        args, kwargs = self.samples[index][number]
+        args, kwargs = self.inputs[index][number]
         saved = self.states[index][number] if index < len(self.states) else []
         if saved:
             live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
@@ -145,9 +183,9 @@ class ModuleSpec:
         Returns:
             A context manager to run that signature's recorded calls in.
         """
-        if not self.signatures[index].state_slots or index >= len(self.samples) or not self.samples[index]:
+        if not self.signatures[index].state_slots or not self.count(index):
             return torch.no_grad()
-        args, kwargs = self.samples[index][0]
+        args, kwargs = self.inputs[index][0]
         return writing(self.signatures[index].state_tensors(flatten(args, kwargs)[0]))
 
     def observe(self, index: int, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -167,8 +205,8 @@ class ModuleSpec:
         live = self.signatures[index].state_tensors(flatten(args, kwargs)[0])
         return output, [own_copy(tensor) for tensor in live]
 
-    def drop_samples(self) -> None:
-        """Forgets the recorded data (never kept beyond tuning); state objects get back the contents
+    def drop(self) -> None:
+        """Forgets the recorded calls (never kept beyond tuning); state objects get back the contents
         they had when the samples' run ended."""
         for tensor, contents in self._after_run.values():
             write(tensor, contents)
@@ -176,7 +214,7 @@ class ModuleSpec:
             counters.write(obj, counts)
         self._after_run.clear()
         self._counts_after_run.clear()
-        self.samples, self.states, self.counts = [], [], []
+        self.inputs, self.states, self.counts = [], [], []
 
 
 def check_against_original(
@@ -203,10 +241,12 @@ def check_against_original(
         OutputMismatchError: the runner answers differently from the original module.
     """
     with torch.no_grad():
-        for index in sorted(runner.supported):
-            if spec.signatures[index].state_slots:
-                continue  # only a real call brings a KV cache; its recording was checked when tuning
-            args, kwargs = spec.signatures[index].synthesize(seed=index + 1)
+        for index, signature in enumerate(spec.signatures):
+            # only a real call brings a KV cache (a new size met while serving, `Runner.add_signature`, has
+            # one too); its recording was checked when tuning
+            if index not in runner.supported or signature.state_slots:
+                continue
+            args, kwargs = signature.synthesize(seed=index + 1)
             reset()
             expected = target.forward(*args, **kwargs)
             reset()
@@ -215,7 +255,7 @@ def check_against_original(
             if problem:
                 raise OutputMismatchError(
                     f"{target.path or '<model>'}: the restored {backend.name} backend "
-                    f"differs from the original module on {spec.signatures[index].describe()}"
+                    f"differs from the original module on {signature.describe()}"
                     f" ({problem})"
                 )
 
@@ -279,24 +319,32 @@ class Runner:
         """
         raise NotImplementedError
 
-    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
-        """Takes calls of a signature appended to the spec while serving (a call with state of a tuned
+    def add_signature(self, index: int, signature: Signature, args: tuple, kwargs: dict) -> Future | None:
+        """Takes calls of a signature the dispatcher meets while serving (a call with state of a tuned
         signature's family, e.g. a KV cache of another length); ``args`` and ``kwargs`` are its first call.
+
+        The dispatcher (`xpupack.tuned.TunedModule`) numbers served signatures after the spec's: ``index``
+        is ``len(spec.signatures)`` for the first one, and `run` gets calls of it under that index. The spec
+        itself never changes; a runner that reads a signature by its index keeps ``signature``.
 
         Returns None when `run` can take its calls now, or a future that finishes once the work they
         need (a compile) is done off the caller's path: until then its calls run the original module,
         and if the future fails they do for good. That work must not change the call's state objects.
 
         Args:
-            index: the new signature's position in ``spec.signatures``.
+            index: the new signature's index.
+            signature: the new signature.
             args: its first call's positional arguments.
             kwargs: its first call's keyword arguments.
 
         Returns:
-            None, or a future of the work off the caller's path.
+            None, or a future of the work off the caller's path: by default the base runner's, which
+            takes the signature too.
         """
         self.supported.add(index)
-        return None
+        if self.base_runner is None:
+            return None
+        return self.base_runner.add_signature(index, signature, args, kwargs)
 
     def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """Gets signature ``index`` ready off the caller's path for calls like this one (a compile of a call
@@ -305,7 +353,7 @@ class Runner:
         or None when the runner is ready for such calls now (the default).
 
         Args:
-            index: the signature's position in ``spec.signatures``.
+            index: the signature's index (a position in ``spec.signatures``, or one `add_signature` gave).
             args: a call's positional arguments.
             kwargs: a call's keyword arguments.
 
@@ -446,14 +494,14 @@ class Backend:
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         """Builds what runs the module's calls, at tune time: the extension point of a backend.
 
-        Records device graphs, compiles, or quantizes, for the signatures in ``spec`` (whose
-        ``samples`` hold recorded calls now). The strategy then checks the runner's outputs against
-        eager's (`compare`) and may reject it, calling `Runner.undo`; a build that fails must leave the
-        module as it found it.
+        Records device graphs, compiles, or quantizes, for the signatures in ``spec``, whose ``samples``
+        (`Samples`) hold recorded calls now; `ModuleSpec.example` gives one call of a signature. The
+        strategy then checks the runner's outputs against eager's (`compare`) and may reject it, calling
+        `Runner.undo`; a build that fails must leave the module as it found it.
 
         Args:
             target: the module to tune (its path, the module, its original forward).
-            spec: its recorded signatures and samples.
+            spec: its recorded signatures, with ``spec.samples`` set.
             device: the device to build for; the module is on it.
 
         Returns:
@@ -486,8 +534,8 @@ class Backend:
     ) -> Runner:
         """Rebuilds the runner at load time from ``spec``'s signatures and saved artifacts.
 
-        No recorded samples exist here: inputs are synthesised from the signatures
-        (`ModuleSpec.example`). The loader then checks the runner against the original module, and a
+        No recorded samples exist here (``spec.samples`` is None): inputs are synthesised from the
+        signatures (`ModuleSpec.example`). The loader then checks the runner against the original module, and a
         failure leaves the model exactly as it was. The default builds again.
 
         Args:
@@ -586,12 +634,20 @@ class Backend:
         return f"{type(self).__name__}({options})"
 
 
-class ComposedBackend(Backend):
+class ComposedBackend(Composition, Backend):  # type: ignore[override]  # depends_on etc. become properties
     """A backend that can run on top of another one (``base``) that transforms the module first.
 
     ``GraphBackend(base=TorchAOBackend(...))`` records the quantized module;
-    ``InductorBackend(base=...)`` compiles it. The base's artifacts are saved
-    in a sub-folder named after it, and its accuracy measure is the one used.
+    ``InductorBackend(base=...)`` compiles it. The rule of a composition lives
+    here and in `Composition` (its torch-free half, which ``xpupack inspect``
+    shares), once: ``label``, ``available``, ``why_unavailable``,
+    ``depends_on`` and ``compiled_artifacts`` are the backend's own part and
+    the base's together; the base's accuracy measure (``compare``,
+    ``tolerances``) is the one used where there is a base (quantization changes
+    numerics); the base is built, saved (in a sub-folder named after it) and
+    restored first. A subclass states only its own part: `own_depends_on`,
+    `own_compiled_artifacts`, `_own_label`, `_own_available`,
+    `_own_why_unavailable`, `_own_compare`.
     """
 
     base: Backend | None = None
@@ -603,15 +659,20 @@ class ComposedBackend(Backend):
             )
         self.base = backend_from_json(base["name"], base.get("options", {})) if isinstance(base, dict) else base
 
-    @property
-    def label(self) -> str:
-        return f"{self.name}+{self.base.label}" if self.base else self.name
-
     def _base_options(self) -> dict:
         return {"base": {"name": self.base.name, "options": self.base.options()}} if self.base else {}
 
+    def tolerances(self) -> dict[torch.dtype, tuple[float, float]]:
+        """The base's tolerances where there is a base, else the defaults.
+
+        Returns:
+            dtype -> ``(rtol, atol)``.
+        """
+        return self.base.tolerances() if self.base else super().tolerances()
+
     def compare(self, actual: Any, expected: Any) -> str | None:
-        """The base's measure where there is a base (quantization changes numerics), else `Backend.compare`.
+        """The base's measure where there is a base (quantization changes numerics), else its own
+        (`_own_compare`).
 
         Args:
             actual: the candidate's output.
@@ -620,7 +681,11 @@ class ComposedBackend(Backend):
         Returns:
             A short reason, or None when ``actual`` is acceptable.
         """
-        return self.base.compare(actual, expected) if self.base else super().compare(actual, expected)
+        return self.base.compare(actual, expected) if self.base else self._own_compare(actual, expected)
+
+    def _own_compare(self, actual: Any, expected: Any) -> str | None:
+        """This backend's own measure, without a base: `Backend.compare` unless a subclass says otherwise."""
+        return Backend.compare(self, actual, expected)
 
     def save(self, runner: Runner, folder: Path) -> dict:
         """Saves the base's artifacts into ``folder/<base name>/``.

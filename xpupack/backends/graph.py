@@ -56,9 +56,9 @@ from .._inference import own_copy
 from ..distributed import is_dtensor, is_sharded
 from ..errors import TuningError, error_line
 from ..padding import check_output_axes, signature_batch
-from ..signature import BatchAxes, flatten, unflatten
+from ..signature import BatchAxes, Signature, flatten, unflatten
 from ..state import state_type
-from ._facts import GRAPH_MAX_RECORDINGS
+from ._facts import GRAPH_MAX_RECORDINGS, no_graphs_on
 from .base import (
     Backend,
     ComposedBackend,
@@ -258,7 +258,8 @@ class GraphRunner(Runner):
         self.max_memory = max_memory
         self.copy_outputs = copy_outputs
         self.base_runner = base_runner
-        self.state_slots = [signature.state_slots for signature in spec.signatures]
+        #: index -> signature: the spec's, then those `add_signature` handed it while serving
+        self.signatures: dict[int, Signature] = dict(enumerate(spec.signatures))
         #: signature index -> recording, for calls without state (recorded up front)
         self.recordings: dict[int, _Capture] = {}
         #: (signature index, state tensor addresses, counter paths) -> recording, least recently used first
@@ -286,6 +287,8 @@ class GraphRunner(Runner):
         self._preparing: dict[int, Future] = {}
         self._base_ready: set[int] = set()
         self._base_refused: set[int] = set()
+        #: signatures added while the base runner was being restored: it is handed them when it takes over
+        self._unknown_to_base: set[int] = set()
         #: calls served by the original module's recordings while the base runner was being restored
         self.compiling = 0
         self.upgrade_error: str | None = None
@@ -294,21 +297,26 @@ class GraphRunner(Runner):
         #: time.monotonic() of the latest call while an upgrade is pending: the held restore waits for a pause
         self._last_call = 0.0
 
-    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+    def add_signature(self, index: int, signature: Signature, args: tuple, kwargs: dict) -> Future | None:
         """Records the new signature as any call with state (`_run_with_state`), once the base is ready.
 
         Args:
-            index: the new signature's position in ``spec.signatures``.
+            index: the new signature's index.
+            signature: the new signature.
             args: its first call's positional arguments.
             kwargs: its first call's keyword arguments.
 
         Returns:
             The base runner's future where it compiles for the new size, else None.
         """
-        with self._lock:  # a call of another thread may be recording again (`record_all` reads both)
-            self.state_slots.append(self.spec.signatures[index].state_slots)
-            super().add_signature(index, args, kwargs)
-        return self.base_runner.add_signature(index, args, kwargs) if self.base_runner is not None else None
+        with self._lock:  # a call of another thread may be recording again (`record_all` reads them)
+            self.signatures[index] = signature
+            self.supported.add(index)
+            base = self.base_runner
+            if base is None and self._original is not None:
+                self._unknown_to_base.add(index)  # the base being restored learns of it once it serves
+        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile
+        return base.add_signature(index, signature, args, kwargs) if base is not None else None
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -325,9 +333,8 @@ class GraphRunner(Runner):
             strict: raise on the first failure (tune time) instead of noting it and recording the
                 rest (load time).
         """
-        count = len(self.state_slots)  # a signature being added has no slots yet: it comes next time
-        self.supported.update(index for index in range(count) if self.state_slots[index])
-        stateless = [index for index in range(count) if not self.state_slots[index]]
+        self.supported.update(index for index, signature in self.signatures.items() if signature.state_slots)
+        stateless = [index for index, signature in self.signatures.items() if not signature.state_slots]
         self.skipped = {}
         spent = 0
         for rank, index in enumerate(self._recording_order(stateless)):
@@ -364,12 +371,12 @@ class GraphRunner(Runner):
         except Exception as exc:
             reason = error_line(exc)
             if strict:
-                raise RuntimeError(f"recording {self.spec.signatures[index].describe()} failed: {reason}") from exc
+                raise RuntimeError(f"recording {self.signatures[index].describe()} failed: {reason}") from exc
             self.failures[index] = reason
             log.warning(
                 "%s: recording %s failed (%s); those calls run the original module",
                 self.target.path or "<model>",
-                self.spec.signatures[index].describe(),
+                self.signatures[index].describe(),
                 reason,
             )
             return None
@@ -386,7 +393,7 @@ class GraphRunner(Runner):
         log.info(
             "%s: %s not kept: %s",
             self.target.path or "<model>",
-            self.spec.signatures[index].describe(),
+            self.signatures[index].describe(),
             self.skipped[index],
         )
         return True
@@ -401,9 +408,7 @@ class GraphRunner(Runner):
         """Largest first (input bytes); with a memory budget, most benefit first: the most calls
         while recording, then the largest (a smaller batch left out can still be padded up to it)."""
         sizes = {
-            index: sum(
-                math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.spec.signatures[index].tensor_leaves
-            )
+            index: sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.signatures[index].tensor_leaves)
             for index in indices
         }
         if self.max_memory is None:
@@ -415,7 +420,7 @@ class GraphRunner(Runner):
         """Records one call: tensor inputs copied into new static buffers, state objects used in place.
 
         Args:
-            index: the signature's position in ``spec.signatures``.
+            index: the signature's index (`signatures`).
             args: the call's positional arguments.
             kwargs: the call's keyword arguments.
             warmup: calls run before the capture. ``0`` for a call with state: it must run exactly
@@ -426,7 +431,7 @@ class GraphRunner(Runner):
             The recording (its static inputs, replay function and static outputs).
         """
         leaves, treespec = flatten(args, kwargs)
-        slots = self.state_slots[index]
+        slots = self.signatures[index].state_slots
         # normal tensors, even for a call under inference mode: a later call in another mode copies into them
         static = [
             None if i in slots else own_copy(leaf) if isinstance(leaf, torch.Tensor) else leaf
@@ -450,7 +455,7 @@ class GraphRunner(Runner):
             recording.live = {}
         axes = self.spec.batch_axes.get(index)
         if axes is not None:  # padded calls will be cut by these axes: they must fit (a package's are a claim)
-            check_output_axes(outputs, axes, signature_batch(self.spec.signatures[index], axes)[1])
+            check_output_axes(outputs, axes, signature_batch(self.signatures[index], axes)[1])
         # its static inputs, and what its capture added to the shared pool (outputs, work space)
         recording.memory = pool_memory + sum(static[slot].untyped_storage().nbytes() for slot in recording.tensor_slots)
         return recording
@@ -516,7 +521,7 @@ class GraphRunner(Runner):
     def _take_upgrade(self, index: int, args: tuple, kwargs: dict) -> None:
         """Called under the lock before each call while an upgrade is pending: adopts a finished base."""
         if self._upgrade is None:
-            if self._original is not None and self.state_slots[index] and index not in self._base_ready:
+            if self._original is not None and self.signatures[index].state_slots and index not in self._base_ready:
                 self._prepare_state_signature(index, args, kwargs)
             return
         if not self._upgrade.done() or not _background.device_work.acquire(blocking=False):
@@ -530,7 +535,7 @@ class GraphRunner(Runner):
                 self._keep_original(f"restoring the compiled module failed: {error_line(exc)}")
                 return
             self.base_runner, self.function = base, base.run
-            self._base_ready = {i for i, slots in enumerate(self.state_slots) if not slots}
+            self._base_ready = {i for i, signature in self.signatures.items() if not signature.state_slots}
             self._record_again()
             if self.failures:  # the original module's recordings served these: never lose one
                 failed = "; ".join(self.failures.values())
@@ -542,11 +547,11 @@ class GraphRunner(Runner):
             log.info(
                 "%s: the compiled module serves now (restored off the caller's path)", self.target.path or "<model>"
             )
-            if not any(self.state_slots):
+            if not self._has_state():
                 self._original = None  # every signature is the base's: nothing left to route
         finally:
             _background.device_work.release()
-        if self.state_slots[index]:
+        if self.signatures[index].state_slots:
             self._prepare_state_signature(index, args, kwargs)
 
     def _keep_original(self, why: str) -> None:
@@ -561,7 +566,7 @@ class GraphRunner(Runner):
             return
         future = self._preparing.get(index)
         if future is None:
-            future = self._preparing[index] = self.base_runner.prepare(index, args, kwargs) or _done()
+            future = self._preparing[index] = self._base_prepares(index, args, kwargs) or _done()
         if not future.done():
             self.compiling += 1
             return
@@ -570,7 +575,7 @@ class GraphRunner(Runner):
             log.warning(
                 "%s: the compiled module could not take %s (%s); the original module's recordings serve it",
                 self.target.path or "<model>",
-                self.spec.signatures[index].describe(),
+                self.signatures[index].describe(),
                 error_line(future.exception()),
             )
             self._base_refused.add(index)  # never asked again
@@ -578,6 +583,19 @@ class GraphRunner(Runner):
         self._base_ready.add(index)
         for key in [key for key in self.state_recordings if key[0] == index]:
             del self.state_recordings[key]  # recorded again, over the base, on the next calls
+
+    def _base_prepares(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+        """The base runner gets ready for signature ``index`` (`Runner.prepare`); one added while it was
+        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that)."""
+        if index in self._unknown_to_base:
+            self._unknown_to_base.discard(index)
+            work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
+            if work is not None:
+                return work
+        return self.base_runner.prepare(index, args, kwargs)
+
+    def _has_state(self) -> bool:
+        return any(signature.state_slots for signature in self.signatures.values())
 
     def _function(self, index: int) -> Callable[..., Any]:
         """What signature ``index``'s calls run (and its recordings record): the base's, or the original
@@ -620,7 +638,7 @@ class GraphRunner(Runner):
         signature with state (`_run_with_state` finds its recording). Called under the lock."""
         if self._watch is None or self._watch.changed():
             self._rerecord()
-        if self.state_slots[index]:
+        if self.signatures[index].state_slots:
             return None
         recording = self.recordings.get(index)
         if recording is None:
@@ -675,7 +693,7 @@ class GraphRunner(Runner):
         """A call with state replays the recording made at its state tensors' addresses (and, for state
         with Python-side counters, on its counters' path). The first call at new addresses runs for real
         (once: it updates the state), the next one there is recorded."""
-        signature = self.spec.signatures[index]
+        signature = self.signatures[index]
         counted = signature.state_counters(leaves)
         before = tuple(counters.read(obj) for counters, obj in counted)
         paths: tuple = ()
@@ -762,7 +780,7 @@ class GraphRunner(Runner):
     def recorded(self) -> dict:
         """The recordings' memory, each one's and the module's, and what the budget skipped (`describe`,
         and the package's config for `xpupack inspect`)."""
-        signatures = self.spec.signatures
+        signatures = self.signatures
         facts: dict = {
             "memory_bytes": self._memory_bytes(),
             "recording_memory": {signatures[i].describe(): r.memory for i, r in self.recordings.items()},
@@ -781,7 +799,7 @@ class GraphRunner(Runner):
                 "rerecordings": self.rerecordings,
                 **self.recorded(),
             }
-            if any(self.state_slots):
+            if self._has_state():
                 facts["warm_runs"] = self.warm_runs
             if self.unreplayable_runs:
                 facts["unreplayable_runs"] = self.unreplayable_runs
@@ -791,7 +809,7 @@ class GraphRunner(Runner):
             if self.upgrade_error:
                 facts["upgrade_error"] = self.upgrade_error
             if self.failures:
-                facts["not_recorded"] = {self.spec.signatures[i].describe(): why for i, why in self.failures.items()}
+                facts["not_recorded"] = {self.signatures[i].describe(): why for i, why in self.failures.items()}
             return facts
 
 
@@ -897,14 +915,6 @@ class GraphBackend(ComposedBackend):
         self.max_memory = max_memory
         self.record_collectives = record_collectives
 
-    @property
-    def depends_on(self) -> tuple[str, ...]:
-        return self.base.depends_on if self.base else ()
-
-    @property
-    def compiled_artifacts(self) -> bool:  # type: ignore[override]
-        return bool(self.base and self.base.compiled_artifacts)
-
     def options(self) -> dict:
         """The constructor options that differ from their defaults, the base's included."""
         options = self._base_options()
@@ -918,37 +928,13 @@ class GraphBackend(ComposedBackend):
             options["record_collectives"] = True
         return options
 
-    def available(self, device: torch.device) -> bool:
-        """Whether ``device`` records device graphs (CUDA, XPU) and the base, if any, runs there.
+    def _own_available(self, device: torch.device) -> bool:
+        """Whether ``device`` records device graphs (CUDA, XPU; not a CPU); the base must run there too
+        (`ComposedBackend`)."""
+        return _device.graphs_for(device) is not None
 
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            False on a CPU.
-        """
-        return _device.graphs_for(device) is not None and (self.base is None or self.base.available(device))
-
-    def why_unavailable(self, device: torch.device) -> str:
-        """``"no device graphs on cpu"``, or the base's reason.
-
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            One sentence.
-        """
-        if _device.graphs_for(device) is None:
-            return f"no device graphs on {device.type}"
-        return self.base.why_unavailable(device)
-
-    def tolerances(self):
-        """The base's tolerances where there is a base, else the defaults.
-
-        Returns:
-            (dict[torch.dtype, tuple[float, float]]): dtype -> ``(rtol, atol)``.
-        """
-        return self.base.tolerances() if self.base else super().tolerances()
+    def _own_why_unavailable(self, device: torch.device) -> str:
+        return no_graphs_on(device)
 
     def _runner(
         self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None

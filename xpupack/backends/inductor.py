@@ -47,7 +47,7 @@ from .. import _background, _device
 from .._compare import mismatch
 from ..errors import PackageFormatError
 from ..manifest import artifact_file
-from ..signature import Unsynthesizable, flatten
+from ..signature import Signature, Unsynthesizable, flatten
 from ..state import scratch_copy
 from ._facts import INDUCTOR_DEPENDS_ON, INDUCTOR_MODES, settings_tag
 from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original, register_backend
@@ -119,6 +119,8 @@ class InductorRunner(Runner):
         super().__init__(set())
         self.path = path
         self.spec = spec
+        #: index -> signature: the spec's, then those `add_signature` handed it while serving
+        self.signatures: dict[int, Signature] = dict(enumerate(spec.signatures))
         self.device = device
         #: ``compile_one(dynamic)`` makes ``(entry, compiled)``: a function of its own and its ``torch.compile``
         self._compile_one = compile_one
@@ -205,19 +207,19 @@ class InductorRunner(Runner):
         """Whether signature ``index`` runs the compile shared by calls with state, sizes as symbols.
 
         Args:
-            index: a signature's position in ``spec.signatures``.
+            index: a signature's index (`signatures`).
 
         Returns:
             True for a signature with state while ``symbolic_state`` holds.
         """
-        return self.symbolic_state and bool(self.spec.signatures[index].state_slots)
+        return self.symbolic_state and bool(self.signatures[index].state_slots)
 
     def compile_state_per_shape(self) -> None:
         """Calls with state get a static compile each (their compile with sizes as symbols failed): a
         new cache length then compiles once more (off the caller's path, `add_signature`)."""
         with self._lock:
             self.symbolic_state, self._symbolic = False, None
-            for index in [i for i in self._ready if self.spec.signatures[i].state_slots]:
+            for index in [i for i in self._ready if self.signatures[i].state_slots]:
                 del self._ready[index]
 
     def _compiled_for(self, index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -245,23 +247,26 @@ class InductorRunner(Runner):
             log.warning(
                 "%s: %s was not compiled: %s",
                 self.path or "<model>",
-                self.spec.signatures[index].describe(),
+                self.signatures[index].describe(),
                 NOT_COMPILED,
             )
         return output
 
-    def add_signature(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+    def add_signature(self, index: int, signature: Signature, args: tuple, kwargs: dict) -> Future | None:
         """A new size of a tuned signature with state: compiled off the caller's path (`prepare`).
 
         Args:
-            index: the new signature's position in ``spec.signatures``.
+            index: the new signature's index.
+            signature: the new signature.
             args: its first call's positional arguments.
             kwargs: its first call's keyword arguments.
 
         Returns:
             The compile's future, or None when it is compiled already.
         """
-        super().add_signature(index, args, kwargs)
+        self.signatures[index] = signature
+        # its base (TorchAO) takes any size as it is: nothing to wait for
+        super().add_signature(index, signature, args, kwargs)
         return self.prepare(index, args, kwargs)
 
     def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
@@ -270,7 +275,7 @@ class InductorRunner(Runner):
         process, or a size Dynamo could not keep symbolic), with the caller's grad and inference modes.
 
         Args:
-            index: the signature's position in ``spec.signatures``.
+            index: the signature's index (`signatures`).
             args: a call's positional arguments.
             kwargs: a call's keyword arguments.
 
@@ -282,7 +287,7 @@ class InductorRunner(Runner):
             return None
         try:
             scratch_args, scratch_kwargs = scratch_copy(
-                args, kwargs, self.spec.signatures[index].state_tensors(flatten(args, kwargs)[0])
+                args, kwargs, self.signatures[index].state_tensors(flatten(args, kwargs)[0])
             )
         except Exception as exc:
             failed: Future = Future()
@@ -316,7 +321,7 @@ class InductorRunner(Runner):
         if self.upgrade_error:
             facts["upgrade_error"] = self.upgrade_error
         if self.not_compiled:
-            facts["not_compiled"] = {self.spec.signatures[i].describe(): why for i, why in self.not_compiled.items()}
+            facts["not_compiled"] = {self.signatures[i].describe(): why for i, why in self.not_compiled.items()}
         return facts
 
 
@@ -494,7 +499,8 @@ class InductorBackend(ComposedBackend):
     #: round differently from eager's op-by-op kernels, and through a deep model (an LLM's logits)
     #: that adds up past any elementwise bound fit for one op, while a wrong kernel falls far below
     LOW_PRECISION_SQNR_DB = 25.0
-    compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
+    own_compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
+    own_depends_on = INDUCTOR_DEPENDS_ON
     supports_autocast = True  # Dynamo guards on the autocast state and compiles again
 
     def __init__(
@@ -518,11 +524,6 @@ class InductorBackend(ComposedBackend):
         self.mode = mode
         self.compile_options = _checked_compile_options(compile_options)
 
-    @property
-    def depends_on(self) -> tuple[str, ...]:
-        own = INDUCTOR_DEPENDS_ON
-        return own + tuple(key for key in self.base.depends_on if key not in own) if self.base else own
-
     def options(self) -> dict:
         """``mode``, ``compile_options`` and ``base``, where set."""
         return {
@@ -531,48 +532,23 @@ class InductorBackend(ComposedBackend):
             **self._base_options(),
         }
 
-    @property
-    def label(self) -> str:
+    def _own_label(self) -> str:
         """``inductor``, with its settings where they are not the defaults (``inductor[coordinate_descent_tuning]``)."""
-        own = self.name + settings_tag(self.options())
-        return f"{own}+{self.base.label}" if self.base else own
+        return self.name + settings_tag(self.options())
 
-    def compare(self, actual, expected) -> str | None:
+    def _own_compare(self, actual: Any, expected: Any) -> str | None:
         """Elementwise, with an SQNR floor for bfloat16/float16 outputs (`LOW_PRECISION_SQNR_DB`): fused
-        kernels round differently from eager's. With a base, the base's measure.
+        kernels round differently from eager's. With a base, the base's measure is used instead
+        (`ComposedBackend.compare`).
 
         Args:
-            actual (Any): the candidate's output.
-            expected (Any): eager's output.
+            actual: the candidate's output.
+            expected: eager's output.
 
         Returns:
             A short reason, or None when ``actual`` is acceptable.
         """
-        if self.base is not None:
-            return self.base.compare(actual, expected)
         return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=self.LOW_PRECISION_SQNR_DB)
-
-    def available(self, device: torch.device) -> bool:
-        """Everywhere torch compiles, where the base (if any) runs.
-
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            True without a base.
-        """
-        return self.base is None or self.base.available(device)
-
-    def why_unavailable(self, device: torch.device) -> str:
-        """The base's reason.
-
-        Args:
-            device: the device tuned or loaded on.
-
-        Returns:
-            One sentence.
-        """
-        return self.base.why_unavailable(device) if self.base else super().why_unavailable(device)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         """Builds the base (if any), then compiles every recorded signature now. See `Backend.build`.
@@ -624,7 +600,7 @@ class InductorBackend(ComposedBackend):
     def _runner(
         self, target: Target, spec: ModuleSpec, device: torch.device, *, symbolic_state: bool
     ) -> InductorRunner:
-        settings = self._settings(device, loading=not spec.samples)  # samples: at tune time
+        settings = self._settings(device, loading=spec.samples is None)  # samples: at tune time
 
         def compile_one(dynamic: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
             # a base transforms the module in place, so its own forward is what gets compiled
@@ -649,7 +625,7 @@ class InductorBackend(ComposedBackend):
 
     def _compile_into(self, runner: InductorRunner, target: Target, spec: ModuleSpec) -> None:
         """Compiles every signature of ``runner`` that has an example (now, not on the user's first call)."""
-        with _collecting_artifacts(reload_kernels=bool(spec.samples)) as recorded:  # samples: at tune time
+        with _collecting_artifacts(reload_kernels=spec.samples is not None) as recorded:  # samples: at tune time
             try:
                 attempted = _compile_examples(runner, spec)
             except _SymbolicSizesFailed as failed:
@@ -883,7 +859,7 @@ SPEED_SETTINGS: dict[str, type | range] = {
 def _compiles(spec: ModuleSpec, index: int) -> bool:
     """Whether Inductor takes signature ``index``: not a sliding-window decode step, whose Python-side
     token count Dynamo guards on (it would compile again for every position, up to its recompile limit)."""
-    return not (index < len(spec.counts) and any(any(sample) for sample in spec.counts[index]))
+    return spec.samples is None or not spec.samples.counted(index)
 
 
 class _SymbolicSizesFailed(Exception):
@@ -901,7 +877,7 @@ def _compile_examples(runner: InductorRunner, spec: ModuleSpec) -> int:
             continue
         runner.supported.add(index)
         attempted += 1
-        with spec.mode(index):
+        with spec.samples.mode(index) if spec.samples is not None else torch.no_grad():
             try:
                 args, kwargs = spec.example(index)  # a recorded call with state gets its state back as recorded
             except Unsynthesizable:
