@@ -87,12 +87,12 @@ def test_the_quick_search_is_the_default_strategy_unchanged(monkeypatch):
     assert asked == [CPU, CPU]
 
 
-def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_quantized_configs():
+def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_quantized_configs(monkeypatch):
+    monkeypatch.setattr(xpupack.strategies, "_launches_dependently", lambda device: False)
     labels = [backend.label for backend in thorough_backends(CUDA, quantize=True)]
     assert labels == [
         "graph+inductor",
         "graph+inductor[coordinate_descent_tuning]",
-        "graph+inductor[max-autotune-no-cudagraphs]",
         *(f"graph+inductor[coordinate_descent_tuning]+torchao:{name}" for name in QUANTIZE_CONFIGS),
         "graph",
         "inductor",
@@ -101,6 +101,30 @@ def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_qua
     strategy = search_strategy("thorough", CUDA)
     assert isinstance(strategy, xpupack.Fastest) and strategy.startup_margin == DEFAULT_STARTUP_MARGIN
     assert not any("torchao" in backend.label for backend in strategy.backends)  # quantization is opt-in
+
+
+def test_a_gpu_that_launches_kernels_dependently_also_tries_coordinate_descent_with_dependent_launch(monkeypatch):
+    """Programmatic dependent launch (CUDA 9.0+) lets a Triton kernel start while the one before it ends;
+    max-autotune is not tried on a GPU (slower than coordinate descent on a decode step, and retuned at load)."""
+    monkeypatch.setattr(xpupack.strategies, "_launches_dependently", lambda device: True)
+    labels = [backend.label for backend in thorough_backends(CUDA)]
+    assert labels[:3] == [
+        "graph+inductor",
+        "graph+inductor[coordinate_descent_tuning]",
+        "graph+inductor[coordinate_descent_tuning,triton.enable_pdl]",
+    ]
+    assert not any("max-autotune" in label for label in labels)
+    options = thorough_backends(CUDA)[2].base.compile_options
+    assert options == {"coordinate_descent_tuning": True, "triton.enable_pdl": True}
+
+
+def test_no_device_without_cuda_launches_kernels_dependently():
+    from xpupack.strategies import _launches_dependently
+
+    assert not _launches_dependently(CPU)
+    assert not _launches_dependently(torch.device("xpu"))
+    if not torch.cuda.is_available():
+        assert not _launches_dependently(CUDA)
 
 
 def test_the_thorough_search_on_a_cpu_compiles_without_graphs_and_skips_coordinate_descent():
@@ -224,6 +248,61 @@ def test_the_two_fastest_by_speedup_over_eager_are_timed_head_to_head_and_the_fa
     assert loser.status == "accepted" and "faster timed head to head" in loser.reason and "0.600x" in loser.head_to_head
     assert xpupack.stats(model)[""]["backend"] == winner.backend
     assert Candidate.from_json(loser.to_json()) == loser  # stored in the package, and read back
+
+
+class _Kept(xpupack.backends.base.Runner):
+    def __init__(self, name):
+        super().__init__({0})
+        self.name = name
+
+
+class _HeadToHead:
+    """A `_SpeedGate` stand-in whose head-to-head says which runner is faster, by name."""
+
+    def __init__(self, faster):
+        self.faster, self.timed = faster, []
+
+    def between(self, heavy, light, threshold, **options):
+        from xpupack import _timing
+
+        self.timed.append((heavy.name, light.name))
+        ratio = 0.7 if light.name == self.faster else 1.3  # below 1: the second (the challenger) was faster
+        return _timing.Comparison(
+            _timing.Timing(100.0, 100.0, 5), _timing.Timing(70.0, 70.0, 5), ratio, ratio - 0.05, ratio + 0.05, 5
+        )
+
+
+def test_the_runoff_also_challenges_the_quickest_by_its_own_time_where_eagers_drift_ranked_it_third():
+    """On the H200, eager's step drifted from 13 to 29 ms across one thorough search: the quickest candidate
+    (2.2 ms per call) came third by speedup behind one at 3.0 ms, and the runner-up by speedup was neither."""
+    from xpupack.strategies import _runoff
+
+    report = [
+        Candidate("max-autotune", "accepted", median_us=2984.0, speedup=6.87),
+        Candidate("default", "accepted", median_us=3494.0, speedup=6.31),
+        Candidate("coordinate-descent", "accepted", median_us=2160.0, speedup=6.22),
+        Candidate("eager", "accepted", median_us=20525.0),
+    ]
+    backends = [ShortcutBackend(), ShortcutBackend(), ShortcutBackend(), xpupack.EagerBackend()]
+    alive = {index: (backend, _Kept(entry.backend)) for index, (backend, entry) in enumerate(zip(backends, report))}
+    gate = _HeadToHead(faster="coordinate-descent")
+    assert report[_runoff(report, alive, gate)].backend == "coordinate-descent"
+    assert gate.timed == [("max-autotune", "default"), ("max-autotune", "coordinate-descent")]
+    assert all(report[index].head_to_head for index in range(3))  # each timed head to head says so
+    assert report[3].head_to_head is None
+
+
+def test_the_runoff_keeps_the_best_by_speedup_when_no_challenger_beats_it_head_to_head():
+    from xpupack.strategies import _runoff
+
+    report = [
+        Candidate("a", "accepted", median_us=2000.0, speedup=7.0),
+        Candidate("b", "accepted", median_us=2500.0, speedup=6.0),
+    ]
+    alive = {index: (ShortcutBackend(), _Kept(entry.backend)) for index, entry in enumerate(report)}
+    gate = _HeadToHead(faster="nobody")
+    assert _runoff(report, alive, gate) == 0
+    assert gate.timed == [("a", "b")]  # the quickest is the champion itself: one head-to-head
 
 
 def test_the_fastest_compiled_candidate_clearly_ahead_of_the_plain_one_is_kept():

@@ -632,7 +632,8 @@ def _runoff(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], g
             )
         finally:
             champion_runner.undo()
-        figure = f"{report[champion].backend} vs {report[challenger].backend}: {result.speedup:.3f}x ({result.interval()})"  # below 1: the challenger was faster
+        pair = f"{report[champion].backend} vs {report[challenger].backend}"
+        figure = f"{pair}: {result.speedup:.3f}x ({result.interval()})"  # below 1: the challenger was faster
         report[champion] = report[champion].but(head_to_head=figure)
         report[challenger] = report[challenger].but(head_to_head=figure)
         if result.verdict(1.0) == "slower":
@@ -650,7 +651,7 @@ def _fastest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]], 
 def _quickest(report: list[Candidate], alive: dict[int, tuple[Backend, Runner]]) -> int | None:
     """The report index of the candidate of ``alive`` with the lowest median time per call (None: none timed)."""
     timed = [index for index in alive if report[index].median_us is not None]
-    return min(timed, key=lambda index: report[index].median_us, default=None)  # type: ignore[arg-type, return-value]
+    return min(timed, key=lambda index: report[index].median_us, default=None)
 
 
 def _speedup(entry: Candidate) -> float:
