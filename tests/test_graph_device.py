@@ -176,6 +176,21 @@ def test_a_capture_after_every_recording_in_the_shared_pool_was_dropped_succeeds
     assert torch.equal(outputs, x * 3)
 
 
+def test_a_capture_that_fails_does_not_make_the_next_capture_fail():
+    """Regression (H200): torch ends a capture's allocation to its pool only when the capture ends well, so
+    after one failed capture every later one into the shared pool failed ("beginAllocateToPool: already
+    recording to mempool_id"): a TorchAO decode step's failed capture took every signature down with it."""
+    device = torch.device(GRAPH_DEVICE)
+    api = _device.graphs_for(device)
+    x = torch.ones(16, device=device)
+    with pytest.raises(Exception):  # noqa: B017  (the device's own capture error)
+        api.capture(lambda: x * int(x.sum().item()), device=device, pool=api.shared_pool(device), warmup=0)
+    replay, outputs, _ = api.capture(lambda: x * 3, device=device, pool=api.shared_pool(device))
+    replay()
+    getattr(torch, GRAPH_DEVICE).synchronize()
+    assert torch.equal(outputs, x * 3)
+
+
 def test_recording_memory_is_measured_and_a_budget_skips_the_smaller_batches(monkeypatch, fallback_calls):
     """Real figures: each recording holds at least its static input, and their sum is the module's. With a
     fresh pool per recording each figure is that recording's own, so a budget of the two largest keeps

@@ -98,7 +98,9 @@ class StandInXPU:
             "XPUGraph": Graph,
             "graph": graph,
             "graph_pool_handle": _checked(calls, "graph_pool_handle", REAL.graph_pool_handle, ("pool", 1)),
-            "MemPool": _checked(calls, "MemPool", REAL.MemPool, lambda *a, **k: _MemPool(("pool", 1))),
+            "MemPool": _checked(
+                calls, "MemPool", REAL.MemPool, lambda *a, **k: _MemPool(("pool", calls.count("MemPool")))
+            ),
             "Stream": lambda *a, **k: self._stream("side"),
             "current_stream": _checked(calls, "current_stream", REAL.current_stream, lambda *a: self.current),
             "set_stream": _checked(
@@ -268,3 +270,31 @@ def test_a_failed_xpu_capture_puts_the_stream_and_generator_back(monkeypatch, gr
         graphs.capture(fails_in_capture, device=XPU, pool=graphs.shared_pool(XPU))
     assert runs == [False, False, True] and repr(xpu.current) == "default"
     assert generator.restored == (["state"] if graph_safe else [])
+
+
+def test_a_capture_that_fails_leaves_later_captures_a_new_shared_pool(xpu):
+    """torch ends a capture's allocation to its pool only when the capture ends well: on the H200 one
+    failed capture made every later capture into the shared pool fail ("already recording to mempool_id")."""
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+    pool = graphs.shared_pool(XPU)
+
+    def fails_while_captured():
+        if xpu.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.ones(2)
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graphs.capture(fails_while_captured, device=XPU, pool=pool)
+    fresh = graphs.shared_pool(XPU)
+    assert fresh != pool and xpu.calls.count("MemPool") == 2
+    replay, outputs, _ = graphs.capture(lambda: torch.ones(2) * 3, device=XPU, pool=fresh)
+    torch.testing.assert_close(outputs, torch.full((2,), 3.0))
+    assert graphs.shared_pool(XPU) == fresh  # a capture that ends well keeps its pool
+
+
+def test_a_warm_up_that_fails_before_the_capture_keeps_the_shared_pool(xpu):
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+    pool = graphs.shared_pool(XPU)
+    with pytest.raises(ZeroDivisionError):
+        graphs.capture(lambda: 1 / 0, device=XPU, pool=pool)
+    assert graphs.shared_pool(XPU) == pool and xpu.calls.count("MemPool") == 1

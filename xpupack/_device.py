@@ -80,6 +80,8 @@ class DeviceGraphs:
         self._module = _device_module(device_type)
         self._graph_class = graph_class
         self._pools: dict[torch.device, Any] = {}
+        #: pools a failed capture left unusable (`_retire_pool`), kept alive with the graphs recorded in them
+        self._retired_pools: list[Any] = []
         self._streams: dict[torch.device, Any] = {}
 
     def available(self) -> bool:
@@ -110,6 +112,15 @@ class DeviceGraphs:
                 )
         pool = self._pools[device]
         return pool.id if hasattr(pool, "id") else pool
+
+    def _retire_pool(self, device: torch.device, pool: Any) -> None:
+        """After a failed capture into ``device``'s shared pool, later captures get a new pool: torch ends a
+        capture's allocation to its pool only when the capture ends well, so every later capture into that
+        pool would fail (on the H200: ``beginAllocateToPool: already recording to mempool_id`` for each
+        signature after one capture that failed). The old pool is kept, as the graphs recorded in it are."""
+        shared = self._pools.get(device)
+        if shared is not None and (shared.id if hasattr(shared, "id") else shared) == pool:
+            self._retired_pools.append(self._pools.pop(device))
 
     def capture(
         self, fn: Callable[[], Any], *, device: torch.device, pool: Any, warmup: int = 2
@@ -148,6 +159,7 @@ class DeviceGraphs:
                     outputs = fn()
             except BaseException:
                 _restore_after_failed_capture(module, previous_stream, generator_states)
+                self._retire_pool(device, pool)
                 raise
             memory = max(0, int(module.memory_reserved(device)) - int(reserved))
         return graph.replay, outputs, memory
