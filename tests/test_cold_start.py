@@ -3,6 +3,7 @@ module at load and switches to the compiled code once a background thread has it
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -163,6 +164,29 @@ def test_a_decode_length_met_while_the_compile_waits_is_handed_to_the_compiled_m
     assert new <= tuned.runner.base_runner.supported and base_runs() > 0
 
 
+def test_a_decode_step_whose_original_module_a_capture_refuses_runs_unrecorded_until_the_compiled_one_records(
+    emulated_graphs, gate, tmp_path, fallback_calls, caplog
+):
+    """Regression (H200): a TorchAO int8 package's decode step could not be recorded over the quantized
+    original module at load; the signature was given up for good, so its compiled form never served it."""
+    root = llm_package(tmp_path)
+    expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
+    served = xpupack.load(tiny_llama(), root)
+    emulated_graphs.fail_capture = lambda: not gate.is_set()  # the original module refuses to be recorded
+    with caplog.at_level("WARNING", logger="xpupack"):
+        assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+        assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert caplog.text.count("runs unrecorded until the compiled module takes it") == 1  # tried once
+    assert GatedCompileBackend.RESTORING.wait(10)  # the held compile started all the same
+    gate.set()
+    _background.wait(30)
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    assert torch.equal(generate(served, prompt(seed=5), 8), expected)
+    stats = xpupack.stats(served)[""]
+    assert stats["compiled_serving"] is True and stats["recordings"] >= 1 and base_runs() > 0
+    assert all("StaticCache not ready" in event.reason for event in fallback_calls)  # the prefills: no errors
+
+
 def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_recordings(
     emulated_graphs, gate, tmp_path, fallback_calls, caplog
 ):
@@ -282,3 +306,46 @@ def test_an_inductor_compile_off_the_callers_path_that_fails_or_answers_wrong_le
     stats = xpupack.stats(model)["layers.0.mlp"]
     assert why in stats["upgrade_error"] and stats["compiled_serving"] is False
     assert stats["fallbacks"] == 0 and stats["compiling"] == 1
+
+
+TUNE_GRAPH_OVER_INDUCTOR = """
+import xpupack
+from support.emulated_graph import EmulatedGraphs
+from support.language_models import generate, prompt, tiny_llama
+from xpupack import _device
+
+_device.GRAPH_APIS["cpu"] = EmulatedGraphs()
+strategy = xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend()))
+model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
+xpupack.save(model, {root!r})
+"""
+
+LOAD_AND_COUNT = """
+import json
+import xpupack
+from support.emulated_graph import EmulatedGraphs
+from support.language_models import generate, prompt, tiny_llama
+from torch._dynamo.utils import counters
+from xpupack import _background, _device
+
+_device.GRAPH_APIS["cpu"] = EmulatedGraphs()
+model = xpupack.load(tiny_llama(), {root!r})
+for _ in range(3):  # the decode step's compile is prepared off the caller's path on a scratch copy of its cache
+    generate(model, prompt(seed=5), 6)
+    _background.wait(300)
+print(json.dumps({{**counters["inductor"], "serving": xpupack.stats(model)[""]["compiled_serving"]}}))
+"""
+
+
+@pytest.mark.slow
+def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python):
+    """Regression: the decode step compiles at load on a scratch copy of the caller's cache, whose tensors
+    transformers had not marked static addresses as it marks a StaticCache's own; Dynamo compiled another
+    graph, which missed the package's cache and compiled from scratch (on the H200: a second graph and 27
+    coordinate-descent benchmarks while serving)."""
+    root = str(tmp_path / "pkg")
+    run_python(TUNE_GRAPH_OVER_INDUCTOR.format(root=root), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "tune")})
+    result = run_python(LOAD_AND_COUNT.format(root=root), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")})
+    counters = json.loads(result.stdout.strip().splitlines()[-1])
+    assert counters["serving"] is True
+    assert counters.get("fxgraph_cache_miss", 0) == 0 and counters.get("fxgraph_cache_hit", 0) >= 1, counters

@@ -287,6 +287,9 @@ class GraphRunner(Runner):
         self._preparing: dict[int, Future] = {}
         self._base_ready: set[int] = set()
         self._base_refused: set[int] = set()
+        #: signatures with state whose capture over the original module failed: run unrecorded until the base
+        #: takes them (`_record_state_call`)
+        self._original_unrecordable: set[int] = set()
         #: signatures added while the base runner was being restored: it is handed them when it takes over
         self._unknown_to_base: set[int] = set()
         #: calls served by the original module's recordings while the base runner was being restored
@@ -727,6 +730,8 @@ class GraphRunner(Runner):
             for (counters, obj), counts, adds in zip(counted, before, self._added[index]):
                 counters.write(obj, _sum(counts, adds))  # what the call's Python would have counted
             return output
+        if index in self._original_unrecordable and self._function(index) is self._original:
+            return self._original(index, args, kwargs, leaves)  # until the base serves it (`_record_state_call`)
         if key not in self._warm:
             self._warm[key] = None
             if len(self._warm) > _WARM_RUNS_KEPT:
@@ -741,12 +746,14 @@ class GraphRunner(Runner):
                 for counters, obj in counted:
                     counters.sync(obj)
                     following.enter_context(counters.following(obj))
-                recording = self.record(index, args, kwargs, warmup=0)
+                recording = self._record_state_call(index, args, kwargs, paths)
         finally:
             _background.device_work.release()
             if self._held is not None:  # recorded (or refused): the compile may start once the caller pauses
                 self._start_held_upgrade()
         del self._warm[key]
+        if recording is None:
+            return self._original(index, args, kwargs, leaves)  # type: ignore[misc]
         if (
             paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) != self._added[index]
         ):  # its replays would advance the counters by what another call added
@@ -761,6 +768,27 @@ class GraphRunner(Runner):
         if self.api.capture_executes:  # the capture itself ran this call
             return recording.outputs(leaves, self.copy_outputs)
         return self._replay(recording, leaves)
+
+    def _record_state_call(self, index: int, args: tuple, kwargs: dict, paths: tuple) -> _Capture | None:
+        """Records a call with state; None where the capture of the original module failed while the base
+        is still to take the signature over (a TorchAO-quantized module that a capture refuses, whose
+        compiled form records): the signature then runs the original module unrecorded until the base
+        serves it, rather than being given up for good. A capture that fails ran nothing of the call
+        (``warmup=0``, and a capture only records), so the call itself can still run."""
+        try:
+            return self.record(index, args, kwargs, warmup=0)
+        except Exception as exc:
+            if self._function(index) is not self._original or paths:  # counters may have moved: give it up
+                raise
+            self._original_unrecordable.add(index)
+            log.warning(
+                "%s: recording the original module's %s failed (%s); it runs unrecorded until the compiled "
+                "module takes it",
+                self.target.path or "<model>",
+                self.signatures[index].describe(),
+                error_line(exc),
+            )
+            return None
 
     def _make_room(self) -> None:
         """Drops least recently used recordings with state until one more fits under the cap."""
