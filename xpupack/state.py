@@ -128,10 +128,22 @@ def scratch_copy(args: tuple, kwargs: dict, state: list[torch.Tensor]) -> tuple[
 
     Raises whatever ``copy.deepcopy`` raises for an argument that cannot be copied.
     """
-    memo: dict[int, Any] = {
-        id(t): torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_() for t in state
-    }
+    memo: dict[int, Any] = {id(t): _zeroed_like(t) for t in state}
     return copy.deepcopy((args, kwargs), memo)
+
+
+def _zeroed_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A zeroed tensor of ``tensor``'s layout, marked a static address where ``tensor`` is (transformers marks
+    a StaticCache's tensors so): Dynamo compiles a call whose inputs are marked otherwise than one whose
+    inputs are not, and a compile for the scratch copy must be the compile tuning made and the package
+    carries, or a load compiles the decode step from scratch."""
+    zeroed = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).zero_()
+    marked = getattr(tensor, "_dynamo_static_input_type", None)
+    if marked is not None:
+        from torch._dynamo import mark_static_address
+
+        mark_static_address(zeroed, guard=marked == "guarded")
+    return zeroed
 
 
 # -- transformers, without importing it ------------------------------------------------------------
