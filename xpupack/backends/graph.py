@@ -746,7 +746,7 @@ class GraphRunner(Runner):
                 for counters, obj in counted:
                     counters.sync(obj)
                     following.enter_context(counters.following(obj))
-                recording = self._record_state_call(index, args, kwargs, paths)
+                recording = self._record_state_call(index, args, kwargs, counted, before)
         finally:
             _background.device_work.release()
             if self._held is not None:  # recorded (or refused): the compile may start once the caller pauses
@@ -769,16 +769,20 @@ class GraphRunner(Runner):
             return recording.outputs(leaves, self.copy_outputs)
         return self._replay(recording, leaves)
 
-    def _record_state_call(self, index: int, args: tuple, kwargs: dict, paths: tuple) -> _Capture | None:
+    def _record_state_call(
+        self, index: int, args: tuple, kwargs: dict, counted: list, before: tuple
+    ) -> _Capture | None:
         """Records a call with state; None where the capture of the original module failed while the base
         is still to take the signature over (a TorchAO-quantized module that a capture refuses, whose
         compiled form records): the signature then runs the original module unrecorded until the base
-        serves it, rather than being given up for good. A capture that fails ran nothing of the call
-        (``warmup=0``, and a capture only records), so the call itself can still run."""
+        serves it, rather than being given up for good. A capture that fails ran none of the call's device
+        work (``warmup=0``, and a capture only records), so the call itself can still run, unless the
+        capture's Python moved the call's Python-side counters (``counted``, read ``before`` it)."""
         try:
             return self.record(index, args, kwargs, warmup=0)
         except Exception as exc:
-            if self._function(index) is not self._original or paths:  # counters may have moved: give it up
+            moved = tuple(counters.read(obj) for counters, obj in counted) != before
+            if self._function(index) is not self._original or moved:
                 raise
             self._original_unrecordable.add(index)
             log.warning(
