@@ -318,8 +318,12 @@ class GraphRunner(Runner):
             base = self.base_runner
             if base is None and self._original is not None:
                 self._unknown_to_base.add(index)  # the base being restored learns of it once it serves
-        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile
-        return base.add_signature(index, signature, args, kwargs) if base is not None else None
+        if base is None:
+            return None
+        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile, for the
+        # call as its recordings will make it (`_as_recorded`)
+        own_args, own_kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
+        return base.add_signature(index, signature, own_args, own_kwargs)
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -589,7 +593,9 @@ class GraphRunner(Runner):
 
     def _base_prepares(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """The base runner gets ready for signature ``index`` (`Runner.prepare`); one added while it was
-        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that)."""
+        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that). Either
+        compiles for the call as its recordings will make it (`_as_recorded`)."""
+        args, kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
         if index in self._unknown_to_base:
             self._unknown_to_base.discard(index)
             work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
@@ -703,7 +709,7 @@ class GraphRunner(Runner):
         if any(before):
             added = self._added.get(index)
             if added is None:  # the first such call: run it for real to learn what it adds
-                output = self._function(index)(index, args, kwargs, leaves)
+                output = self._run_unrecorded(index, args, kwargs, leaves)
                 self._added[index] = _difference(tuple(counters.read(obj) for counters, obj in counted), before)
                 self.warm_runs += 1
                 return output
@@ -714,7 +720,7 @@ class GraphRunner(Runner):
                 self.unreplayable_runs += 1
                 if self._held is not None:  # no recording will come to wait for
                     self._start_held_upgrade()
-                return self._function(index)(index, args, kwargs, leaves)
+                return self._run_unrecorded(index, args, kwargs, leaves)
         tensors = signature.state_tensors(leaves)
         if paths:
             tensors += [t for counters, obj in counted for t in counters.tensors(obj)]
@@ -737,9 +743,9 @@ class GraphRunner(Runner):
             if len(self._warm) > _WARM_RUNS_KEPT:
                 self._warm.popitem(last=False)
             self.warm_runs += 1
-            return self._function(index)(index, args, kwargs, leaves)
+            return self._run_unrecorded(index, args, kwargs, leaves)
         if not _background.device_work.acquire(blocking=False):  # another thread's compile: record later
-            return self._function(index)(index, args, kwargs, leaves)
+            return self._run_unrecorded(index, args, kwargs, leaves)
         try:
             self._make_room()
             with ExitStack() as following:
@@ -768,6 +774,28 @@ class GraphRunner(Runner):
         if self.api.capture_executes:  # the capture itself ran this call
             return recording.outputs(leaves, self.copy_outputs)
         return self._replay(recording, leaves)
+
+    def _run_unrecorded(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """Runs a call with state for real, not replayed. Compiled code gets the call as its recordings and
+        tuning's recorded calls give it: each input besides the state a tensor of its own, not a view or an
+        inference tensor (`own_copy`; the graph backend takes no module that writes its inputs). Otherwise
+        Dynamo compiles another graph for it, on the caller's path and missing the package's: a
+        ``generate()``'s attention mask is a view."""
+        function = self._function(index)
+        if self.base_runner is None or function is self._original:  # the module itself takes any call
+            return function(index, args, kwargs, leaves)
+        return function(index, *self._as_recorded(index, args, kwargs, leaves))
+
+    def _as_recorded(self, index: int, args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict, list]:
+        """``(args, kwargs, leaves)`` of the call with each input besides the state a copy of its own, as a
+        recording's static buffers and tuning's recorded calls are (`_run_unrecorded`)."""
+        slots = self.signatures[index].state_slots
+        own = [
+            own_copy(leaf) if isinstance(leaf, torch.Tensor) and slot not in slots else leaf
+            for slot, leaf in enumerate(leaves)
+        ]
+        own_args, own_kwargs = unflatten(own, flatten(args, kwargs)[1])
+        return own_args, own_kwargs, own
 
     def _record_state_call(
         self, index: int, args: tuple, kwargs: dict, counted: list, before: tuple
