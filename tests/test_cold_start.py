@@ -308,27 +308,32 @@ def test_an_inductor_compile_off_the_callers_path_that_fails_or_answers_wrong_le
     assert stats["fallbacks"] == 0 and stats["compiling"] == 1
 
 
-TUNE_GRAPH_OVER_INDUCTOR = """
+TUNE_LANGUAGE_MODEL = """
 import xpupack
 from support.emulated_graph import EmulatedGraphs
 from support.language_models import generate, prompt, tiny_llama
 from xpupack import _device
 
 _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
-strategy = xpupack.Only(xpupack.GraphBackend(base={base}))
+strategy = xpupack.Only({backend})
 model = xpupack.tune(tiny_llama(), [prompt()], run=lambda m, ids: generate(m, ids, 6), strategy=strategy)
 xpupack.save(model, {root!r})
 """
 
 LOAD_AND_COUNT = """
 import json
+import threading
 import xpupack
 from support.emulated_graph import EmulatedGraphs
 from support.language_models import generate, prompt, static_cache, tiny_llama
 from torch._dynamo.utils import counters
 from xpupack import _background, _device
+from xpupack.backends.inductor import InductorRunner
 
 _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
+compiled_on = []  # the threads the decode step compiles on
+first_call = InductorRunner._first_call
+InductorRunner._first_call = lambda *a: compiled_on.append(threading.current_thread().name) or first_call(*a)
 model = xpupack.load(tiny_llama(), {root!r})
 for _ in range(3):  # the decode step's compile is prepared off the caller's path on a scratch copy of its cache
     generate(model, prompt(seed=5), 6)
@@ -336,31 +341,37 @@ for _ in range(3):  # the decode step's compile is prepared off the caller's pat
 for _ in range(2):  # a cache of the caller's own: its first steps run the compiled code for real, unrecorded
     generate(model, prompt(seed=6), 6, cache=static_cache(model, 14))
     _background.wait(300)
-stats = xpupack.stats(model)[""]
-print(json.dumps({{**counters["inductor"], "graphs": counters["stats"]["unique_graphs"], "stats": stats}}))
+report = {{"graphs": counters["stats"]["unique_graphs"], "stats": xpupack.stats(model)[""], "on": compiled_on}}
+print(json.dumps({{**counters["inductor"], **report}}))
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "base",
+    "backend",
     [
+        "xpupack.GraphBackend(base=xpupack.InductorBackend())",
+        'xpupack.GraphBackend(base=xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", '
+        "min_sqnr_db=10)))",
         "xpupack.InductorBackend()",
-        'xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=10))',
     ],
+    ids=["graph+inductor", "graph+inductor+torchao", "inductor"],
 )
-def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python, base):
+def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python, backend):
     """Regressions: Dynamo compiled the decode step again at load, missing the package's graph (on the H200:
     a second graph and 27 coordinate-descent benchmarks while serving). The compile at load runs on a scratch
     copy of the caller's cache, whose tensors transformers had not marked static addresses as it marks a
     StaticCache's own; and a call with state run for real (a new cache's first steps) handed the compiled
     code the caller's inputs, among them ``generate()``'s attention mask, a view, where tuning's recorded
-    calls and the recordings give it copies of their own."""
+    calls and the recordings give it copies of their own. Inductor without a graph compiled the decode
+    step on the caller's path, on its first call after the load's compile."""
     root = str(tmp_path / "pkg")
-    tune = TUNE_GRAPH_OVER_INDUCTOR.format(root=root, base=base)
+    tune = TUNE_LANGUAGE_MODEL.format(root=root, backend=backend)
     run_python(tune, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "tune")})
     result = run_python(LOAD_AND_COUNT.format(root=root), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")})
     counters = json.loads(result.stdout.strip().splitlines()[-1])
     assert counters["stats"]["fallbacks"] == counters["stats"]["fallback_reasons"].get("signature"), counters
     assert counters.get("fxgraph_cache_miss", 0) == 0 and counters.get("fxgraph_cache_hit", 0) >= 1, counters
     assert counters["graphs"] == 1, counters  # one Dynamo graph: nothing compiled again for another input form
+    if "TorchAO" not in backend:  # a load compiles over TorchAO itself: it quantizes the module first
+        assert counters["on"] and "MainThread" not in counters["on"], counters  # never on the caller's path

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
+
+from ._inference import own_copy
 
 
 class StateNotReady(Exception):
@@ -124,11 +127,17 @@ def state_type(obj: Any) -> StateType | None:
 
 def scratch_copy(args: tuple, kwargs: dict, state: list[torch.Tensor]) -> tuple[tuple, dict]:
     """A deep copy of a call in which each of its ``state`` tensors is a new zeroed tensor of the same
-    layout: running the copy (to compile for it, say) leaves the caller's state as it was.
+    layout: running the copy (to compile for it, say) leaves the caller's state as it was. Its other
+    tensors become copies of their own, as tuning's recorded calls are (`xpupack._inference.own_copy`),
+    not views of a copied base as a deep copy would make them, nor inference tensors: Dynamo compiles
+    another graph for those, which a package does not carry.
 
     Raises whatever ``copy.deepcopy`` raises for an argument that cannot be copied.
     """
     memo: dict[int, Any] = {id(t): _zeroed_like(t) for t in state}
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
+            memo[id(leaf)] = own_copy(leaf)
     return copy.deepcopy((args, kwargs), memo)
 
 

@@ -318,12 +318,8 @@ class GraphRunner(Runner):
             base = self.base_runner
             if base is None and self._original is not None:
                 self._unknown_to_base.add(index)  # the base being restored learns of it once it serves
-        if base is None:
-            return None
-        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile, for the
-        # call as its recordings will make it (`_as_recorded`)
-        own_args, own_kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
-        return base.add_signature(index, signature, own_args, own_kwargs)
+        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile
+        return base.add_signature(index, signature, args, kwargs) if base is not None else None
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -593,9 +589,7 @@ class GraphRunner(Runner):
 
     def _base_prepares(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """The base runner gets ready for signature ``index`` (`Runner.prepare`); one added while it was
-        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that). Either
-        compiles for the call as its recordings will make it (`_as_recorded`)."""
-        args, kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
+        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that)."""
         if index in self._unknown_to_base:
             self._unknown_to_base.discard(index)
             work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
@@ -788,7 +782,8 @@ class GraphRunner(Runner):
 
     def _as_recorded(self, index: int, args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict, list]:
         """``(args, kwargs, leaves)`` of the call with each input besides the state a copy of its own, as a
-        recording's static buffers and tuning's recorded calls are (`_run_unrecorded`)."""
+        recording's static buffers and tuning's recorded calls are (`_run_unrecorded`; a compile off the
+        caller's path runs on such copies too, `xpupack.state.scratch_copy`)."""
         slots = self.signatures[index].state_slots
         own = [
             own_copy(leaf) if isinstance(leaf, torch.Tensor) and slot not in slots else leaf

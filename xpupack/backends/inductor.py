@@ -45,7 +45,7 @@ from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 
 from .. import _background, _device
 from .._compare import mismatch
-from ..errors import PackageFormatError
+from ..errors import PackageFormatError, error_line
 from ..manifest import artifact_file
 from ..signature import Signature, Unsynthesizable, flatten
 from ..state import scratch_copy
@@ -130,6 +130,8 @@ class InductorRunner(Runner):
         #: signature index -> the compiled function of the signatures checked to be compiled
         self._ready: dict[int, Callable[..., Any]] = {}
         self._pending: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+        #: signature index -> its compile off the caller's path for a call with state, after a load's (`_prepared`)
+        self._preparing: dict[int, Future] = {}
         #: signature index -> why its calls are not compiled (they fall back)
         self.not_compiled: dict[int, str] = {}
         self.compiled = _Compiled()
@@ -145,7 +147,9 @@ class InductorRunner(Runner):
         """Runs the call through the signature's compiled code (compiling it on its first call).
 
         While a load's compile off the caller's path is pending, the original module runs instead
-        (counted as ``compiling``). See `Runner.run`.
+        (counted as ``compiling``); so it does for a call with state that compile could not reach (a KV
+        cache comes only with a real call) until it is compiled off the caller's path too (`prepare`).
+        See `Runner.run`.
 
         Args:
             index: the signature the call fits.
@@ -159,10 +163,32 @@ class InductorRunner(Runner):
         Raises:
             RuntimeError: Dynamo left no compiled code for the signature.
         """
-        if self._later is not None and not self._compiled_checked:
+        if self._later is not None and (not self._compiled_checked or not self._prepared(index, args, kwargs)):
             self.compiling += 1  # compiled off the caller's path (a load's `compile_later`): not yet, or never
             return self._original(*args, **kwargs)
         return self.run_compiled(index, args, kwargs, leaves)
+
+    def _prepared(self, index: int, args: tuple, kwargs: dict) -> bool:
+        """After a load's compile off the caller's path: whether signature ``index`` is compiled, starting its
+        compile off the caller's path (`prepare`) for a call with state it did not reach.
+
+        Raises:
+            RuntimeError: that compile failed (the call and those after it run the original module).
+        """
+        if index in self._ready or not self.signatures[index].state_slots:
+            return True
+        with self._lock:
+            future = self._preparing.get(index)
+            if future is None:
+                future = self.prepare(index, args, kwargs)
+                if future is None:  # compiled meanwhile
+                    return True
+                self._preparing[index] = future
+        if not future.done():
+            return False
+        if future.exception() is not None:
+            raise RuntimeError(f"compiling off the caller's path: {error_line(future.exception())}")
+        return True
 
     def run_compiled(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         """`run` through the compiled code, also before a load's compile off the caller's path was checked
