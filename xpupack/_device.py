@@ -110,8 +110,7 @@ class DeviceGraphs:
                 self._pools[device] = (
                     self._module.MemPool() if hasattr(self._module, "MemPool") else self._module.graph_pool_handle()
                 )
-        pool = self._pools[device]
-        return pool.id if hasattr(pool, "id") else pool
+        return _pool_id(self._pools[device])
 
     def _retire_pool(self, device: torch.device, pool: Any) -> None:
         """After a failed capture into ``device``'s shared pool, later captures get a new pool: torch ends a
@@ -119,7 +118,7 @@ class DeviceGraphs:
         pool would fail (on the H200: ``beginAllocateToPool: already recording to mempool_id`` for each
         signature after one capture that failed). The old pool is kept, as the graphs recorded in it are."""
         shared = self._pools.get(device)
-        if shared is not None and (shared.id if hasattr(shared, "id") else shared) == pool:
+        if shared is not None and _pool_id(shared) == pool:
             self._retired_pools.append(self._pools.pop(device))
 
     def capture(
@@ -163,6 +162,11 @@ class DeviceGraphs:
                 raise
             memory = max(0, int(module.memory_reserved(device)) - int(reserved))
         return graph.replay, outputs, memory
+
+
+def _pool_id(pool: Any) -> Any:
+    """What a capture takes as its pool: a ``MemPool``'s id, or a ``graph_pool_handle`` itself."""
+    return pool.id if hasattr(pool, "id") else pool
 
 
 @contextlib.contextmanager
