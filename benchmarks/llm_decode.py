@@ -172,13 +172,10 @@ class Settings:
         return self.workdir / f"reference-{'tiny-' if self.tiny else ''}b{batch}-n{self.new_tokens}.pt"
 
 
-#: id(model) -> its calls served while compiling when `loop_tokens_per_s` started timing
-timed_loop_started_at: dict[int, int] = {}
-
-
-def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple[float, list]:
+def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple[float, list, int]:
     """The decode loop on one caller-held cache, timed after warm-ups on it (for a package: until none of
-    their calls waits for a compile); tokens/s (all rows: batch × new tokens) and row 0's first 16 tokens."""
+    their calls waits for a compile); tokens/s (all rows: batch × new tokens), row 0's first 16 tokens, and
+    the timed loop's calls served while a compile was pending (0, or the figure is a switch-over's)."""
     from support.language_models import decode_loop
 
     cache = settings.cache(model)
@@ -190,13 +187,17 @@ def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple
 
     if step is None:  # a package: its calls on this cache may wait for work off the caller's path first
         until_nothing_waits_for_a_compile(model, warm_up)
-        timed_loop_started_at[id(model)] = calls_served_while_compiling(model)
     else:
         warm_up()
+
+    def served() -> int:  # a hand-made step (``step``) has no package to ask
+        return calls_served_while_compiling(model) if step is None else 0
+
+    before = served()
     tokens, seconds = synced(
         settings.device, lambda: decode_loop(model, ids, new, cache) if step is None else step(cache, batch)
     )
-    return batch * new / seconds, tokens[0, :16].tolist()
+    return batch * new / seconds, tokens[0, :16].tolist(), served() - before
 
 
 def greedy_generate(model, settings: Settings, batch: int):
@@ -471,9 +472,7 @@ def step_load(name: str, settings: Settings) -> None:
     emit(weight_bytes=parameters)
     loop_at = {}
     for batch in settings.batches:
-        loop, tokens = loop_tokens_per_s(model, settings, batch)
-        served = calls_served_while_compiling(model)  # the timed loop's own calls, after its warm-up
-        served -= timed_loop_started_at.get(id(model), served)
+        loop, tokens, served = loop_tokens_per_s(model, settings, batch)
         loop_at[batch] = loop
         _, generate = generate_tokens_per_s(model, settings, batch)
         limit = hbm_limit(settings.bandwidth, parameters["all"], batch)
@@ -666,7 +665,7 @@ def step_reference_row(name: str, settings: Settings) -> None:
             row.update(first_generate_s=round(first, 3), generate_tokens_per_s=round(generate, 1))
         else:
             step = hand_graph(model, settings, compiled=name.endswith("inductor"))
-            loop, tokens = loop_tokens_per_s(model, settings, batch, step)
+            loop, tokens, _ = loop_tokens_per_s(model, settings, batch, step)
             row.update(loop_tokens_per_s=round(loop, 1), loop_share_of_limit=round(loop / limit, 4), tokens=tokens)
             reference = torch.load(settings.reference_file(batch), weights_only=True)["tokens"]
             row["tokens_equal_eager"] = tokens == reference[0, :16].tolist()
