@@ -323,6 +323,7 @@ xpupack.save(model, {root!r})
 LOAD_AND_COUNT = """
 import json
 import threading
+import torch
 import xpupack
 from support.emulated_graph import EmulatedGraphs
 from support.language_models import generate, prompt, static_cache, tiny_llama
@@ -334,13 +335,14 @@ _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
 compiled_on = []  # the threads the decode step compiles on
 first_call = InductorRunner._first_call
 InductorRunner._first_call = lambda *a: compiled_on.append(threading.current_thread().name) or first_call(*a)
-model = xpupack.load(tiny_llama(), {root!r})
-for _ in range(3):  # the decode step's compile is prepared off the caller's path on a scratch copy of its cache
-    generate(model, prompt(seed=5), 6)
-    _background.wait(300)
-for _ in range(2):  # a cache of the caller's own: its first steps run the compiled code for real, unrecorded
-    generate(model, prompt(seed=6), 6, cache=static_cache(model, 14))
-    _background.wait(300)
+with {mode}:  # the mode the caller serves in: Dynamo guards on inference tensors
+    model = xpupack.load(tiny_llama(), {root!r})
+    for _ in range(3):  # the decode step's compile is prepared off the caller's path on a scratch copy of its cache
+        generate(model, prompt(seed=5), 6)
+        _background.wait(300)
+    for _ in range(2):  # a cache of the caller's own: its first steps run the compiled code for real, unrecorded
+        generate(model, prompt(seed=6), 6, cache=static_cache(model, 14))
+        _background.wait(300)
 report = {{"graphs": counters["stats"]["unique_graphs"], "stats": xpupack.stats(model)[""], "on": compiled_on}}
 print(json.dumps({{**counters["inductor"], **report}}))
 """
@@ -357,18 +359,23 @@ print(json.dumps({{**counters["inductor"], **report}}))
     ],
     ids=["graph+inductor", "graph+inductor+torchao", "inductor"],
 )
-def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python, backend):
+@pytest.mark.parametrize("mode", ["torch.no_grad()", "torch.inference_mode()"], ids=["no_grad", "inference_mode"])
+def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python, backend, mode):
     """Regressions: Dynamo compiled the decode step again at load, missing the package's graph (on the H200:
     a second graph and 27 coordinate-descent benchmarks while serving). The compile at load runs on a scratch
     copy of the caller's cache, whose tensors transformers had not marked static addresses as it marks a
     StaticCache's own; and a call with state run for real (a new cache's first steps) handed the compiled
     code the caller's inputs, among them ``generate()``'s attention mask, a view, where tuning's recorded
     calls and the recordings give it copies of their own. Inductor without a graph compiled the decode
-    step on the caller's path, on its first call after the load's compile."""
+    step on the caller's path, on its first call after the load's compile; and, served under
+    ``torch.inference_mode``, it compiled it there once more (Dynamo guards on inference tensors, which
+    the caller's are and the scratch copy compiled at load was not)."""
     root = str(tmp_path / "pkg")
     tune = TUNE_LANGUAGE_MODEL.format(root=root, backend=backend)
     run_python(tune, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "tune")})
-    result = run_python(LOAD_AND_COUNT.format(root=root), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")})
+    result = run_python(
+        LOAD_AND_COUNT.format(root=root, mode=mode), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")}
+    )
     counters = json.loads(result.stdout.strip().splitlines()[-1])
     assert counters["stats"]["fallbacks"] == counters["stats"]["fallback_reasons"].get("signature"), counters
     assert counters.get("fxgraph_cache_miss", 0) == 0 and counters.get("fxgraph_cache_hit", 0) >= 1, counters

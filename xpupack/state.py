@@ -36,8 +36,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ._inference import own_copy
-
 
 class StateNotReady(Exception):
     """The state object cannot be recorded now (e.g. its tensors are not allocated yet); the message says why."""
@@ -128,25 +126,30 @@ def state_type(obj: Any) -> StateType | None:
 def scratch_copy(args: tuple, kwargs: dict, state: list[torch.Tensor]) -> tuple[tuple, dict]:
     """A deep copy of a call in which each of its ``state`` tensors is a new zeroed tensor of the same
     layout: running the copy (to compile for it, say) leaves the caller's state as it was. Its other
-    tensors become copies of their own, as tuning's recorded calls are (`xpupack._inference.own_copy`),
-    not views of a copied base as a deep copy would make them, nor inference tensors: Dynamo compiles
-    another graph for those, which a package does not carry.
+    tensors become copies of their own, not views of a copied base as a deep copy would make them.
+
+    Each tensor of the copy is an inference tensor exactly where the call's is: Dynamo guards on that, so
+    a compile made on the copy serves the call only if they agree. A caller hands the call as its compiled
+    code will meet it (a graph runner: as its recordings give it, `own_copy`; Inductor alone: the caller's
+    own tensors, inference tensors under ``torch.inference_mode``).
 
     Raises whatever ``copy.deepcopy`` raises for an argument that cannot be copied.
     """
     memo: dict[int, Any] = {id(t): _zeroed_like(t) for t in state}
     for leaf in tree_leaves((args, kwargs)):
         if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
-            memo[id(leaf)] = own_copy(leaf)
+            with torch.inference_mode(leaf.is_inference()):
+                memo[id(leaf)] = leaf.detach().clone()
     return copy.deepcopy((args, kwargs), memo)
 
 
 def _zeroed_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A zeroed tensor of ``tensor``'s layout, marked a static address where ``tensor`` is (transformers marks
-    a StaticCache's tensors so): Dynamo compiles a call whose inputs are marked otherwise than one whose
-    inputs are not, and a compile for the scratch copy must be the compile tuning made and the package
-    carries, or a load compiles the decode step from scratch."""
-    zeroed = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).zero_()
+    """A zeroed tensor of ``tensor``'s layout, an inference tensor where ``tensor`` is, marked a static address
+    where ``tensor`` is (transformers marks a StaticCache's tensors so): Dynamo compiles a call whose inputs
+    are marked otherwise than one whose inputs are not, and a compile for the scratch copy must be the
+    compile tuning made and the package carries, or a load compiles the decode step from scratch."""
+    with torch.inference_mode(tensor.is_inference()):
+        zeroed = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device).zero_()
     marked = getattr(tensor, "_dynamo_static_input_type", None)
     if marked is not None:
         from torch._dynamo import mark_static_address

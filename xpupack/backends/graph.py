@@ -318,8 +318,13 @@ class GraphRunner(Runner):
             base = self.base_runner
             if base is None and self._original is not None:
                 self._unknown_to_base.add(index)  # the base being restored learns of it once it serves
-        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile
-        return base.add_signature(index, signature, args, kwargs) if base is not None else None
+        if base is None:
+            return None
+        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile, for the
+        # call as its compiled code will meet it, from the recordings
+        return base.add_signature(
+            index, signature, *self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])[:2]
+        )
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -589,7 +594,9 @@ class GraphRunner(Runner):
 
     def _base_prepares(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """The base runner gets ready for signature ``index`` (`Runner.prepare`); one added while it was
-        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that)."""
+        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that). It is
+        handed the call as its compiled code will meet it, from the recordings (`_as_recorded`)."""
+        args, kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
         if index in self._unknown_to_base:
             self._unknown_to_base.discard(index)
             work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
