@@ -382,3 +382,67 @@ def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_p
     assert counters["graphs"] == 1, counters  # one Dynamo graph: nothing compiled again for another input form
     if "TorchAO" not in backend:  # a load compiles over TorchAO itself: it quantizes the module first
         assert counters["on"] and "MainThread" not in counters["on"], counters  # never on the caller's path
+
+
+TUNE_TWO_FORMS = """
+import torch
+import xpupack
+from support.emulated_graph import EmulatedGraphs
+from support.language_models import decode_loop, generate, prompt, static_cache, tiny_llama
+from xpupack import _device
+
+_device.GRAPH_APIS["cpu"] = EmulatedGraphs()
+
+
+def run(model, sample):
+    if sample == "loop":  # a hand-written loop: another form of the decode-step call than generate()'s
+        return decode_loop(model, prompt(), 4, static_cache(model, 14))
+    if sample == "batch2":  # generate() of two rows: its sizes are another pattern (2 also counts the KV heads)
+        return generate(model, torch.cat([prompt(), prompt(seed=2)]), 6)
+    return generate(model, prompt(), 6)
+
+
+strategy = xpupack.Only(xpupack.GraphBackend(base=xpupack.InductorBackend()))
+model = xpupack.tune(tiny_llama(), {samples!r}, run=run, strategy=strategy)
+xpupack.save(model, {root!r})
+"""
+
+LOAD_GENERATE_AND_COUNT = """
+import json
+import torch
+import xpupack
+from support.emulated_graph import EmulatedGraphs
+from support.language_models import generate, prompt, tiny_llama
+from torch._dynamo.utils import counters
+from xpupack import _background, _device
+
+_device.GRAPH_APIS["cpu"] = EmulatedGraphs()
+model = xpupack.load(tiny_llama(), {root!r})
+ids = torch.cat([prompt(seed=5)] * {rows})
+for _ in range(2):  # its decode step is the first this process compiles
+    generate(model, ids, 6)
+    _background.wait(300)
+print(json.dumps({{**counters["inductor"], "stats": xpupack.stats(model)[""]}}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "samples, rows",
+    [(["loop", "generate"], 1), (["generate", "batch2"], 2)],
+    ids=["generate-after-a-loop", "batch2-after-batch1"],
+)
+def test_a_decode_step_hits_the_carried_graph_whatever_call_compiles_first(tmp_path, run_python, samples, rows):
+    """Regression: on the H200 an int8 package's first generate() after a load compiled its decode step
+    from scratch (a cache miss and 22 coordinate-descent benchmarks, 70 s). Its tune had run a decode
+    loop before generate(), and batch 1 before batch 8. All its calls with state shared one compiled
+    function, so each later form's graph was Dynamo's second for it, made with what the first taught it
+    (which sizes change), unlike the graph a load makes when that form comes first."""
+    root = str(tmp_path / "pkg")
+    run_python(TUNE_TWO_FORMS.format(root=root, samples=samples), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "t")})
+    result = run_python(
+        LOAD_GENERATE_AND_COUNT.format(root=root, rows=rows), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")}
+    )
+    counters = json.loads(result.stdout.strip().splitlines()[-1])
+    assert counters["stats"]["compiled_serving"] is True, counters
+    assert counters.get("fxgraph_cache_miss", 0) == 0 and counters.get("fxgraph_cache_hit", 0) >= 1, counters

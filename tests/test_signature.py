@@ -223,3 +223,17 @@ def test_a_terabyte_tensor_claim_is_refused_when_parsed(kind):
     )
     with pytest.raises(ValueError, match="4096 GiB"):
         _leaf_from_json(data)
+
+
+def test_the_size_pattern_keeps_zeros_ones_and_which_sizes_are_equal():
+    """Dynamo's first compile with sizes as symbols keeps 0 and 1 and gives equal sizes one symbol: calls
+    that agree on that share a compile (a longer cache), calls that do not get their own (another batch)."""
+
+    def pattern(batch, length):
+        return Signature.of_call((torch.zeros(batch, 1, length), torch.zeros(batch, 2, length, 16)), {}).size_pattern
+
+    assert pattern(1, 13) == ((1, 1, "s0"), (1, "s1", "s0", "s2"))
+    assert pattern(1, 40) == pattern(1, 13)  # a longer cache: the same pattern
+    assert pattern(3, 13) == (("s0", 1, "s1"), ("s0", "s2", "s1", "s3"))  # 1 is kept as it is, 3 is a symbol
+    assert pattern(2, 13) == (("s0", 1, "s1"), ("s0", "s0", "s1", "s2"))  # 2 rows: as many as the heads
+    assert pattern(1, 16) != pattern(1, 13)  # a length that equals the head size

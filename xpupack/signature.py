@@ -250,6 +250,29 @@ class Signature:
         )
 
     @property
+    def size_pattern(self) -> tuple:
+        """Which of the call's sizes are 0 or 1 and which equal each other, the other sizes left out: what
+        Dynamo's first compile of a call with sizes as symbols depends on (it keeps 0 and 1 as they are and
+        gives equal sizes one symbol). Calls of one `family` and one pattern share that compile whichever
+        comes first (`xpupack.backends.inductor.InductorRunner`)."""
+        symbols: dict[int, str] = {}
+        shapes = [
+            shape
+            for leaf in self.leaves
+            for shape in (
+                [leaf.shape]
+                if isinstance(leaf, TensorLeaf)
+                else [layout[0] for layout in leaf.tensors]
+                if isinstance(leaf, StateLeaf)
+                else []
+            )
+        ]
+        return tuple(
+            tuple(size if size < 2 else symbols.setdefault(size, f"s{len(symbols)}") for size in shape)
+            for shape in shapes
+        )
+
+    @property
     def state_layout(self) -> tuple:
         """The layouts of the state leaves' tensors (empty without state)."""
         return tuple(leaf.tensors for leaf in self.leaves if isinstance(leaf, StateLeaf))

@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, count
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -126,7 +126,11 @@ class InductorRunner(Runner):
         self._compile_one = compile_one
         #: whether calls with state share the compile with sizes as symbols
         self.symbolic_state = symbolic_state and any(signature.state_slots for signature in spec.signatures)
-        self._symbolic: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        #: a signature's family and size pattern (`Signature.size_pattern`) -> the compile with sizes as symbols
+        #: its calls with state share, each its own function to Dynamo: its graph is then the same whichever
+        #: of them compiles first, at tune time as at load, and so the load hits the package's graph. (One
+        #: function for all would make Dynamo compile the others again with what the first taught it.)
+        self._symbolic: dict[tuple, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         #: signature index -> the compiled function of the signatures checked to be compiled
         self._ready: dict[int, Callable[..., Any]] = {}
         self._pending: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
@@ -244,16 +248,18 @@ class InductorRunner(Runner):
         """Calls with state get a static compile each (their compile with sizes as symbols failed): a
         new cache length then compiles once more (off the caller's path, `add_signature`)."""
         with self._lock:
-            self.symbolic_state, self._symbolic = False, None
+            self.symbolic_state, self._symbolic = False, {}
             for index in [i for i in self._ready if self.signatures[i].state_slots]:
                 del self._ready[index]
 
     def _compiled_for(self, index: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
         with self._lock:
             if self.is_symbolic(index):
-                if self._symbolic is None:
-                    self._symbolic = self._compile_one(True)
-                return self._symbolic
+                signature = self.signatures[index]
+                shared = (signature.family, signature.size_pattern)
+                if shared not in self._symbolic:
+                    self._symbolic[shared] = self._compile_one(True)
+                return self._symbolic[shared]
             if index not in self._pending:
                 self._pending[index] = self._compile_one(False)
             return self._pending[index]
@@ -461,13 +467,24 @@ def _own_entry(function: Callable[..., Any]) -> Callable[..., Any]:
     shapes) was compiled before in the process would compile nothing, and so
     record nothing. Its own code object makes Dynamo compile it (cheaply when
     Inductor's caches hold the result).
+
+    It has a name of its own too: Dynamo keeps what it learnt of input sizes
+    (its automatic-dynamic state) per file, line and name, not per code
+    object. Sharing it, a decode step's compile took what an earlier compile
+    of another call form had met (a hand-written loop's cache, then
+    ``generate()``'s) and made another graph than a load makes, where that
+    form compiles first: the load missed the package's graph.
     """
 
     def entry(*args, **kwargs):
         return function(*args, **kwargs)
 
-    entry.__code__ = entry.__code__.replace()  # a copy: equal, but another object
+    entry.__code__ = entry.__code__.replace(co_name=f"xpupack_entry_{next(_ENTRIES)}")
     return entry
+
+
+#: numbers the entries `_own_entry` makes, for their names
+_ENTRIES = count()
 
 
 def _vec_isa_probes(root: Path) -> dict[str, Path]:
