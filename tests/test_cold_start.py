@@ -356,8 +356,9 @@ print(json.dumps({{**counters["inductor"], **report}}))
         'xpupack.GraphBackend(base=xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", '
         "min_sqnr_db=10)))",
         "xpupack.InductorBackend()",
+        'xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=10))',
     ],
-    ids=["graph+inductor", "graph+inductor+torchao", "inductor"],
+    ids=["graph+inductor", "graph+inductor+torchao", "inductor", "inductor+torchao"],
 )
 @pytest.mark.parametrize("mode", ["torch.no_grad()", "torch.inference_mode()"], ids=["no_grad", "inference_mode"])
 def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python, backend, mode):
@@ -367,7 +368,8 @@ def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_p
     StaticCache's own; and a call with state run for real (a new cache's first steps) handed the compiled
     code the caller's inputs, among them ``generate()``'s attention mask, a view, where tuning's recorded
     calls and the recordings give it copies of their own. Inductor without a graph compiled the decode
-    step on the caller's path, on its first call after the load's compile; and, served under
+    step on the caller's path, on its first call after the load's compile, and so did every package over
+    TorchAO (its quantized module served meanwhile now); and, served under
     ``torch.inference_mode``, it compiled it there once more (Dynamo guards on inference tensors, which
     the caller's are and the scratch copy compiled at load was not)."""
     root = str(tmp_path / "pkg")
@@ -380,8 +382,9 @@ def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_p
     assert counters["stats"]["fallbacks"] == counters["stats"]["fallback_reasons"].get("signature"), counters
     assert counters.get("fxgraph_cache_miss", 0) == 0 and counters.get("fxgraph_cache_hit", 0) >= 1, counters
     assert counters["graphs"] == 1, counters  # one Dynamo graph: nothing compiled again for another input form
-    if "TorchAO" not in backend:  # a load compiles over TorchAO itself: it quantizes the module first
-        assert counters["on"] and "MainThread" not in counters["on"], counters  # never on the caller's path
+    assert counters["on"] and "MainThread" not in counters["on"], counters  # never on the caller's path
+    # the module itself served the decode steps meanwhile, then the compiled code (recorded, with a graph)
+    assert counters["stats"].get("compiling", 0) >= 1 and counters["stats"]["compiled_serving"] is True, counters
 
 
 TUNE_TWO_FORMS = """

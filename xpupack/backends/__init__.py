@@ -66,5 +66,10 @@ compiled code when it is ready (`GraphRunner.upgrade_when_ready`), asking its
 base to get ready for a call with state through ``prepare(index, args,
 kwargs)`` (a future, or None when ready); the Inductor backend runs the
 original module meanwhile and sets ``checked_where_compiled``, since the worker
-checks its compiled code against the original before any call runs it.
+checks its compiled code against the original before any call runs it. Over a
+base that changes the module (TorchAO) the Inductor backend compiles at once,
+but its calls with state only off the caller's path: its runner sets
+``prepares_state_calls``, and a graph runner over it records the quantized
+module for those calls until its base is ready for them
+(`GraphRunner.prepare_state_calls`).
 """

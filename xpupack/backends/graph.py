@@ -514,6 +514,17 @@ class GraphRunner(Runner):
         self._original = self.function
         self._upgrade = future
 
+    def prepare_state_calls(self, original: Callable[..., Any]) -> None:
+        """For a base that is restored but compiles its calls with state off the caller's path
+        (`Runner.prepares_state_calls`): ``original`` serves those calls, recorded, until the base is ready
+        for their signature (`_prepare_state_signature`), as after an upgrade (`upgrade_when_ready`).
+
+        Args:
+            original: runs the module itself, ``(index, args, kwargs, leaves) -> output``.
+        """
+        self._original = original
+        self._base_ready = {i for i, signature in self.signatures.items() if not signature.state_slots}
+
     def start_upgrade_after_recording(self, held: _background.Held) -> None:
         """For signatures with state (decode steps): their recordings need a real call's state, and a
         capture cannot overlap the worker's device work, so the restore (`held`) starts only once the
@@ -875,6 +886,12 @@ class GraphRunner(Runner):
             return facts
 
 
+def _forward_of(target: Target) -> Callable[..., Any]:
+    """The module's own forward as a runner's function, ``(index, args, kwargs, leaves) -> output``."""
+    forward = target.forward
+    return lambda index, args, kwargs, leaves: forward(*args, **kwargs)
+
+
 def _done() -> Future:
     future: Future = Future()
     future.set_result(None)
@@ -1002,11 +1019,7 @@ class GraphBackend(ComposedBackend):
         self, target: Target, spec: ModuleSpec, device: torch.device, base_runner: Runner | None
     ) -> GraphRunner:
         api = _device.graphs_for(device)
-        if base_runner is not None:
-            function = base_runner.run
-        else:
-            forward = target.forward
-            function = lambda index, args, kwargs, leaves: forward(*args, **kwargs)  # noqa: E731
+        function = base_runner.run if base_runner is not None else _forward_of(target)
         return GraphRunner(
             target,
             spec,
@@ -1080,9 +1093,14 @@ class GraphBackend(ComposedBackend):
             else:
                 runner.upgrade_when_ready(_background.later(restore))
             return runner
-        return self._recorded(
+        runner = self._recorded(
             target, spec, device, self._restore_base(target, spec, config, folder, device, use_artifacts)
         )
+        if runner.base_runner is not None and runner.base_runner.prepares_state_calls:
+            # a base over TorchAO compiles its decode steps off the caller's path: the quantized module's
+            # recordings serve them meanwhile, as the original module's do for a deferred base
+            runner.prepare_state_calls(_forward_of(target))
+        return runner
 
     def _defers(self, spec: ModuleSpec) -> bool:
         """Whether this load records the original module now and restores the base off the caller's path

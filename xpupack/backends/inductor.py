@@ -167,7 +167,7 @@ class InductorRunner(Runner):
         Raises:
             RuntimeError: Dynamo left no compiled code for the signature.
         """
-        if self._later is not None and (not self._compiled_checked or not self._prepared(index, args, kwargs)):
+        if self._original is not None and (not self._compiled_checked or not self._prepared(index, args, kwargs)):
             self.compiling += 1  # compiled off the caller's path (a load's `compile_later`): not yet, or never
             return self._original(*args, **kwargs)
         return self.run_compiled(index, args, kwargs, leaves)
@@ -232,6 +232,18 @@ class InductorRunner(Runner):
             log.warning("%s: %s; the original module keeps serving", self.path or "<model>", self.upgrade_error)
 
         work.add_done_callback(settle)
+
+    def compile_state_calls_later(self, original: Callable[..., Any]) -> None:
+        """Runs ``original`` for a call with state until its signature is compiled off the caller's path
+        (`prepare`); every other signature is compiled and checked already. A load over a base that changes
+        the module (TorchAO) compiles those now, since it cannot run the module meanwhile unchanged, but
+        a decode step compiles only with a real call's cache.
+
+        Args:
+            original: the module's own forward, over the base's changes (the quantized module).
+        """
+        self._original, self._compiled_checked = original, True
+        self.prepares_state_calls = True
 
     def is_symbolic(self, index: int) -> bool:
         """Whether signature ``index`` runs the compile shared by calls with state, sizes as symbols.
@@ -347,7 +359,7 @@ class InductorRunner(Runner):
     def describe(self) -> dict:
         """``compiling``, ``compiled_serving``, ``upgrade_error`` and ``not_compiled``, where they apply."""
         facts: dict = {}
-        if self._later is not None:
+        if self._original is not None:
             facts["compiling"] = self.compiling
             facts["compiled_serving"] = self._compiled_checked
         if self.upgrade_error:
@@ -724,19 +736,32 @@ class InductorBackend(ComposedBackend):
         symbolic_state = config.get(STATE_SIZES) != PER_SHAPE
         if self._defers(spec):
             return self._compiled_later(target, spec, device, symbolic_state)
-        return self._compile_or_undo(
+        runner = self._compile_or_undo(
             target,
             spec,
             device,
             self._restore_base(target, spec, config, folder, device, use_artifacts),
             symbolic_state=symbolic_state,
         )
+        if self._defers_state_calls(spec):
+            runner.compile_state_calls_later(target.forward)
+        return runner
 
     def _defers(self, spec: ModuleSpec | None = None) -> bool:
         """Whether this load compiles off the caller's path (README: "Cold start"), the original module
         serving meanwhile: without a base (a base such as TorchAO changes the module first) and for a
         module that writes none of its buffers (the worker runs it while calls do)."""
         return _background.deferred() and self.base is None and not (spec is not None and spec.writes_buffers)
+
+    def _defers_state_calls(self, spec: ModuleSpec) -> bool:
+        """Whether this load, compiling now over a base (`_defers` does not hold), compiles its calls with state
+        off the caller's path, as a load without a base does (`InductorRunner.compile_state_calls_later`)."""
+        return (
+            _background.deferred()
+            and self.base is not None
+            and not spec.writes_buffers
+            and any(signature.state_slots for signature in spec.signatures)
+        )
 
     def _compiled_later(self, target: Target, spec: ModuleSpec, device: torch.device, symbolic_state: bool) -> Runner:
         """A runner that runs the original module until the worker has compiled every signature it can
