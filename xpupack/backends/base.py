@@ -283,7 +283,8 @@ class Runner:
     #: compiled, off the caller's path (a load's ``defer_compile``): the load itself has nothing to check
     checked_where_compiled: bool = False
     #: True when the runner's calls with state run the original module until their compile off the caller's
-    #: path is done (`Runner.prepare`); a graph runner over it then records those calls over it only after
+    #: path is done (`Runner.prepare`): a graph runner over it records those calls over it only once it is
+    #: ready for them (`GraphRunner.prepare_state_calls`)
     prepares_state_calls: bool = False
 
     def __init__(self, supported: set[int]):

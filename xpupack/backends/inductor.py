@@ -168,7 +168,7 @@ class InductorRunner(Runner):
             RuntimeError: Dynamo left no compiled code for the signature.
         """
         if self._original is not None and (not self._compiled_checked or not self._prepared(index, args, kwargs)):
-            self.compiling += 1  # compiled off the caller's path (a load's `compile_later`): not yet, or never
+            self.compiling += 1  # compiled off the caller's path (a load's): not yet, or never
             return self._original(*args, **kwargs)
         return self.run_compiled(index, args, kwargs, leaves)
 
