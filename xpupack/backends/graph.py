@@ -320,11 +320,8 @@ class GraphRunner(Runner):
                 self._unknown_to_base.add(index)  # the base being restored learns of it once it serves
         if base is None:
             return None
-        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile, for the
-        # call as its compiled code will meet it, from the recordings
-        return base.add_signature(
-            index, signature, *self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])[:2]
-        )
+        # the base takes it too (`Runner.add_signature`), outside the lock: it may start a compile
+        return base.add_signature(index, signature, *self._for_base(index, args, kwargs))
 
     # -- recording -------------------------------------------------------------
     def record_all(self, *, strict: bool) -> None:
@@ -605,9 +602,8 @@ class GraphRunner(Runner):
 
     def _base_prepares(self, index: int, args: tuple, kwargs: dict) -> Future | None:
         """The base runner gets ready for signature ``index`` (`Runner.prepare`); one added while it was
-        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that). It is
-        handed the call as its compiled code will meet it, from the recordings (`_as_recorded`)."""
-        args, kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
+        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that)."""
+        args, kwargs = self._for_base(index, args, kwargs)
         if index in self._unknown_to_base:
             self._unknown_to_base.discard(index)
             work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
@@ -809,6 +805,12 @@ class GraphRunner(Runner):
         ]
         own_args, own_kwargs = unflatten(own, flatten(args, kwargs)[1])
         return own_args, own_kwargs, own
+
+    def _for_base(self, index: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A call as the base's compiled code will meet it, from the recordings (`_as_recorded`), for the base
+        to compile for (`Runner.prepare`, `Runner.add_signature`)."""
+        own_args, own_kwargs, _ = self._as_recorded(index, args, kwargs, flatten(args, kwargs)[0])
+        return own_args, own_kwargs
 
     def _record_state_call(
         self, index: int, args: tuple, kwargs: dict, counted: list, before: tuple

@@ -140,9 +140,10 @@ class InductorRunner(Runner):
         self.not_compiled: dict[int, str] = {}
         self.compiled = _Compiled()
         self._lock = threading.Lock()
-        #: a load's compile off the caller's path (`compile_later`) and the module's own forward meanwhile
-        self._later: Future | None = None
+        #: the module's own forward, serving while a load's compile off the caller's path is not done
+        #: (`compile_later`, `compile_state_calls_later`); None: every call runs the compiled code
         self._original: Callable[..., Any] | None = None
+        #: whether the compiled code may serve (its compile off the caller's path checked)
         self._compiled_checked = False
         self.compiling = 0
         self.upgrade_error: str | None = None
@@ -220,7 +221,7 @@ class InductorRunner(Runner):
             original: the module's own forward.
             work: the compile and its check, queued with `xpupack._background.later`.
         """
-        self._original, self._later = original, work
+        self._original = original
         self.checked_where_compiled = True
 
         def settle(done: Future) -> None:
