@@ -180,24 +180,22 @@ def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple
 
     cache = settings.cache(model)
     ids, new = settings.ids(batch), settings.new_tokens
+    package = step is None  # else a hand-made step, with no package to wait for or ask
+    loop = (lambda: decode_loop(model, ids, new, cache)) if package else (lambda: step(cache, batch))
 
     def warm_up() -> None:
-        decode_loop(model, ids, new, cache) if step is None else step(cache, batch)
+        loop()
         cache.reset()
 
-    if step is None:  # a package: its calls on this cache may wait for work off the caller's path first
+    if package:  # its calls on this cache may wait for work off the caller's path first
         until_nothing_waits_for_a_compile(model, warm_up)
     else:
         warm_up()
 
-    def served() -> int:  # a hand-made step (``step``) has no package to ask
-        return calls_served_while_compiling(model) if step is None else 0
-
-    before = served()
-    tokens, seconds = synced(
-        settings.device, lambda: decode_loop(model, ids, new, cache) if step is None else step(cache, batch)
-    )
-    return batch * new / seconds, tokens[0, :16].tolist(), served() - before
+    before = calls_served_while_compiling(model) if package else 0
+    tokens, seconds = synced(settings.device, loop)
+    served = calls_served_while_compiling(model) - before if package else 0
+    return batch * new / seconds, tokens[0, :16].tolist(), served
 
 
 def greedy_generate(model, settings: Settings, batch: int):
