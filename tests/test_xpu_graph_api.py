@@ -292,6 +292,47 @@ def test_a_capture_that_fails_leaves_later_captures_a_new_shared_pool(xpu):
     assert graphs.shared_pool(XPU) == fresh  # a capture that ends well keeps its pool
 
 
+def test_a_capture_that_fails_ends_its_allocation_to_the_pool(xpu, monkeypatch):
+    """Regression (H200): torch leaves a failed capture's allocation to its pool open, and the allocator then
+    aborts the process at its next release of cached memory, at the latest as the process exits
+    (``captures_underway.empty() INTERNAL ASSERT FAILED``, exit code 134). The device layer ends it."""
+    ended = []
+    end = _checked(ended, "end", torch._C._xpu_endAllocateToPool, lambda index, pool: ended.append((index, pool)))
+    monkeypatch.setattr(torch._C, "_xpu_endAllocateToPool", end, raising=False)
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+    pool = graphs.shared_pool(XPU)
+
+    def fails_while_captured():
+        if xpu.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return torch.ones(2)
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graphs.capture(fails_while_captured, device=XPU, pool=pool)
+    assert ended == ["end", (0, pool)]
+    graphs.capture(lambda: torch.ones(2), device=XPU, pool=graphs.shared_pool(XPU))
+    assert ended == ["end", (0, pool)]  # a capture that ends well: torch ends it itself
+
+
+def test_ending_a_failed_captures_allocation_tolerates_a_torch_that_ended_it(xpu, monkeypatch):
+    """A torch that ends the allocation with the failed capture raises on a second end; the capture's own
+    error is what the caller sees."""
+
+    def not_under_way(index, pool):
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_xpu_endAllocateToPool", not_under_way, raising=False)
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+
+    def fails_while_captured():
+        if xpu.capturing:
+            raise ValueError("the capture's own error")
+        return torch.ones(2)
+
+    with pytest.raises(ValueError, match="own error"):
+        graphs.capture(fails_while_captured, device=XPU, pool=graphs.shared_pool(XPU))
+
+
 def test_a_warm_up_that_fails_before_the_capture_keeps_the_shared_pool(xpu):
     graphs = _device.DeviceGraphs("xpu", "XPUGraph")
     pool = graphs.shared_pool(XPU)

@@ -121,6 +121,18 @@ class DeviceGraphs:
         if shared is not None and _pool_id(shared) == pool:
             self._retired_pools.append(self._pools.pop(device))
 
+    def _end_allocation_to_pool(self, index: int, pool: Any) -> None:
+        """Ends a failed capture's allocation to ``pool``, which torch ends only for a capture that ends
+        well. Left open, the allocator counts the capture as under way for good, and the next release of
+        cached memory (``empty_cache``, or the pool's own release as the process exits) aborts the
+        process: on the H200, ``captures_underway.empty() INTERNAL ASSERT FAILED`` and exit code 134
+        after a run whose one failed capture had fallen back cleanly."""
+        end = getattr(torch._C, f"_{self.device_type}_endAllocateToPool", None)
+        if end is None:
+            return
+        with contextlib.suppress(RuntimeError):  # raised where this torch ended it with the capture
+            end(index, pool)
+
     def capture(
         self, fn: Callable[[], Any], *, device: torch.device, pool: Any, warmup: int = 2
     ) -> tuple[Callable[[], None], Any, int]:
@@ -158,6 +170,7 @@ class DeviceGraphs:
                     outputs = fn()
             except BaseException:
                 _restore_after_failed_capture(module, previous_stream, generator_states)
+                self._end_allocation_to_pool(module.current_device(), pool)
                 self._retire_pool(device, pool)
                 raise
             memory = max(0, int(module.memory_reserved(device)) - int(reserved))
