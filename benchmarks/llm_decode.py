@@ -270,20 +270,29 @@ def decode_logits(model, ids, new_tokens: int, cache, forced=None):
     return torch.cat(tokens, dim=1), torch.stack(logits)
 
 
-def tokens_check(tuned, eager) -> dict:
-    """Teacher-forced agreement of ``tuned`` logits with ``eager``'s (both ``[steps, batch, vocab]``)."""
+def tokens_check(tuned, eager, *, quantized: bool = False) -> dict:
+    """Teacher-forced agreement of ``tuned`` logits with ``eager``'s (both ``[steps, batch, vocab]``).
+
+    It passes as the issue's targets say: bf16 with eager's argmax in the top 3 at every step and at least
+    90% argmax agreement; a quantized package with logits at least 20 dB SQNR from bf16 eager's (its
+    argmax may differ where this random-weight model's top logits are close)."""
     tuned, eager = tuned.float().cpu(), eager.float().cpu()
     wanted = eager.argmax(-1)
     in_top3 = (tuned.topk(3, dim=-1).indices == wanted[..., None]).any(-1)
     agreement = int((tuned.argmax(-1) == wanted).sum()) / wanted.numel()  # exact: 9 of 10 is 0.9
     per_step = [sqnr_db(tuned[i], eager[i]) for i in range(tuned.shape[0])]
+    sqnr = sqnr_db(tuned, eager)
     return {
         "predictions": int(wanted.numel()),
         "top3_contains_eager_argmax": bool(in_top3.all()),
         "top3_fraction": round(float(in_top3.float().mean()), 4),
         "argmax_agreement": round(agreement, 4),
-        "passed": bool(in_top3.all()) and agreement >= TARGETS["argmax_agreement"],
-        "logits_sqnr_db": sqnr_db(tuned, eager),
+        "passed": (
+            sqnr >= TARGETS["quantized_sqnr_db"]
+            if quantized
+            else bool(in_top3.all()) and agreement >= TARGETS["argmax_agreement"]
+        ),
+        "logits_sqnr_db": sqnr,
         "min_step_sqnr_db": min(per_step),
         "max_abs_diff": float((tuned - eager).abs().max()),
     }
@@ -489,7 +498,8 @@ def step_load(name: str, settings: Settings) -> None:
         )
     emit(stats=xpupack.stats(model), counters=compiler_counters())
     for batch in settings.batches:
-        emit(**{f"batch{batch}": {"check": guarded(teacher_forced_check, model, settings, batch)}})
+        check = guarded(teacher_forced_check, model, settings, batch, quantized=name in QUANTIZED)
+        emit(**{f"batch{batch}": {"check": check}})
     if settings.profile:
         batch = settings.batches[0]
         emit(profile=guarded(step_profile, model, settings, batch, step_us=batch * 1e6 / loop_at[batch]))
@@ -511,7 +521,7 @@ def calls_served_while_compiling(model) -> int:
     return sum(entry.get("compiling", 0) for entry in xpupack.stats(model).values())
 
 
-def teacher_forced_check(model, settings: Settings, batch: int) -> dict:
+def teacher_forced_check(model, settings: Settings, batch: int, *, quantized: bool = False) -> dict:
     import torch
 
     reference = settings.reference_file(batch)
@@ -520,7 +530,7 @@ def teacher_forced_check(model, settings: Settings, batch: int) -> dict:
     eager = torch.load(reference, weights_only=True)
     forced = eager["tokens"].to(settings.device)
     _, logits = decode_logits(model, settings.ids(batch), settings.new_tokens, settings.cache(model), forced=forced)
-    return tokens_check(logits, eager["logits"])
+    return tokens_check(logits, eager["logits"], quantized=quantized)
 
 
 def step_profile(model, settings: Settings, batch: int, step_us: float | None = None) -> dict:

@@ -87,8 +87,7 @@ def test_the_quick_search_is_the_default_strategy_unchanged(monkeypatch):
     assert asked == [CPU, CPU]
 
 
-def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_quantized_configs(monkeypatch):
-    monkeypatch.setattr(xpupack.strategies, "_launches_dependently", lambda device: False)
+def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_quantized_configs():
     labels = [backend.label for backend in thorough_backends(CUDA, quantize=True)]
     assert labels == [
         "graph+inductor",
@@ -103,28 +102,13 @@ def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_qua
     assert not any("torchao" in backend.label for backend in strategy.backends)  # quantization is opt-in
 
 
-def test_a_gpu_that_launches_kernels_dependently_also_tries_coordinate_descent_with_dependent_launch(monkeypatch):
-    """Programmatic dependent launch (CUDA 9.0+) lets a Triton kernel start while the one before it ends;
-    max-autotune is not tried on a GPU (slower than coordinate descent on a decode step, and retuned at load)."""
-    monkeypatch.setattr(xpupack.strategies, "_launches_dependently", lambda device: True)
-    labels = [backend.label for backend in thorough_backends(CUDA)]
-    assert labels[:3] == [
-        "graph+inductor",
-        "graph+inductor[coordinate_descent_tuning]",
-        "graph+inductor[coordinate_descent_tuning,triton.enable_pdl]",
-    ]
-    assert not any("max-autotune" in label for label in labels)
-    options = thorough_backends(CUDA)[2].base.compile_options
-    assert options == {"coordinate_descent_tuning": True, "triton.enable_pdl": True}
-
-
-def test_no_device_without_cuda_launches_kernels_dependently():
-    from xpupack.strategies import _launches_dependently
-
-    assert not _launches_dependently(CPU)
-    assert not _launches_dependently(torch.device("xpu"))
-    if not torch.cuda.is_available():
-        assert not _launches_dependently(CUDA)
+def test_the_thorough_search_on_a_gpu_tries_neither_dependent_launch_nor_max_autotune():
+    """Dependent launch (``triton.enable_pdl``): on the H200 two of four tunes with it gave outputs far
+    from eager's (24.6 dB where 33 dB is usual, 11.4 dB for int8) and the check refused them, where the
+    same settings without it never were. Max-autotune: slower than coordinate descent on a decode step,
+    and retuned at load. Both stay a user's choice (``compile_options``, a strategy of their own)."""
+    labels = [backend.label for backend in thorough_backends(CUDA, quantize=True)]
+    assert not any("enable_pdl" in label or "max-autotune" in label for label in labels), labels
 
 
 def test_the_thorough_search_on_a_cpu_compiles_without_graphs_and_skips_coordinate_descent():

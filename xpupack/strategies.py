@@ -815,37 +815,22 @@ _GRAPH_DEVICES = ("cuda", "xpu")
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 
 
-#: programmatic dependent launch: each Triton kernel may start while the one before it ends (CUDA 9.0+)
-DEPENDENT_LAUNCH = {**COORDINATE_DESCENT, "triton.enable_pdl": True}
-
-
 def inductor_settings(device: torch.device | None) -> list[dict[str, Any]]:
     """The `InductorBackend` arguments the thorough search tries on ``device``, each a candidate.
 
-    The defaults, then on a GPU coordinate descent and, where the device launches kernels dependently
-    (CUDA compute capability 9.0 and the installed Inductor), coordinate descent with programmatic
-    dependent launch; on a CPU (whose C++ kernels coordinate descent does not tune) max-autotune
-    without Inductor's own CUDA graphs. A GPU does not try max-autotune: on the H200 it was slower than
-    coordinate descent on a decode step (2.98 against 2.16 ms per call), took the longest to tune, and
-    its package retuned kernels when it loaded (docs/tuning.md).
+    The defaults, then on a GPU coordinate descent; on a CPU (whose C++ kernels coordinate descent does
+    not tune) max-autotune without Inductor's own CUDA graphs. A GPU does not try max-autotune: on the
+    H200 it was slower than coordinate descent on a decode step (2.98 against 2.16 ms per call), took
+    the longest to tune, and its package retuned kernels when it loaded (docs/tuning.md). Nor does it
+    try programmatic dependent launch (``triton.enable_pdl``): on the H200 two of four tunes with it
+    gave outputs far from eager's where the same settings without it never did (docs/tuning.md).
     """
     settings: list[dict[str, Any]] = [{}]
     if device is not None and device.type in _GRAPH_DEVICES:
         settings.append({"compile_options": dict(COORDINATE_DESCENT)})
-        if _launches_dependently(device):
-            settings.append({"compile_options": dict(DEPENDENT_LAUNCH)})
     else:
         settings.append({"mode": "max-autotune-no-cudagraphs"})
     return settings
-
-
-def _launches_dependently(device: torch.device) -> bool:
-    """Whether Inductor can launch kernels on ``device`` with programmatic dependent launch."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    import torch._inductor.config as inductor_config
-
-    return hasattr(inductor_config.triton, "enable_pdl") and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def thorough_backends(
