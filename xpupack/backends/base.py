@@ -350,7 +350,9 @@ class Runner:
             return None
         return self.base_runner.add_signature(index, signature, args, kwargs)
 
-    def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+    def prepare(
+        self, index: int, args: tuple, kwargs: dict, *, ready: Callable[[], bool] | None = None
+    ) -> Future | None:
         """Gets signature ``index`` ready off the caller's path for calls like this one (a compile of a call
         with state, on a scratch copy of its state), for a runner that takes over from recordings of the
         original module while serving (`GraphRunner.upgrade_when_ready`). Returns a future of that work,
@@ -360,6 +362,7 @@ class Runner:
             index: the signature's index (a position in ``spec.signatures``, or one `add_signature` gave).
             args: a call's positional arguments.
             kwargs: a call's keyword arguments.
+            ready: the work starts once this returns True (`xpupack._background.submit`): the caller's pause.
 
         Returns:
             None, or a future of the work off the caller's path.

@@ -290,6 +290,11 @@ class GraphRunner(Runner):
         #: signatures with state whose capture over the original module failed: run unrecorded until the base
         #: takes them (`_record_state_call`)
         self._original_unrecordable: set[int] = set()
+        #: signatures with state whose recording over the original module was made or tried: only then does
+        #: the base get ready for them (`_prepare_state_signature`). A compile holds the device, so the calls
+        #: it would leave unrecorded ran the original module for real: on the H200 a TorchAO int8 package's
+        #: first ``generate()`` took 29 s where replays take 1 s
+        self._original_tried: set[int] = set()
         #: signatures added while the base runner was being restored: it is handed them when it takes over
         self._unknown_to_base: set[int] = set()
         #: calls served by the original module's recordings while the base runner was being restored
@@ -582,6 +587,8 @@ class GraphRunner(Runner):
             return
         future = self._preparing.get(index)
         if future is None:
+            if index not in self._original_tried:
+                return  # its recording of the original module first: replays serve while the base compiles
             future = self._preparing[index] = self._base_prepares(index, args, kwargs) or _done()
         if not future.done():
             self.compiling += 1
@@ -609,7 +616,7 @@ class GraphRunner(Runner):
             work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
             if work is not None:
                 return work
-        return self.base_runner.prepare(index, args, kwargs)
+        return self.base_runner.prepare(index, args, kwargs, ready=_background.quiet(lambda: self._last_call))
 
     def _has_state(self) -> bool:
         return any(signature.state_slots for signature in self.signatures.values())
@@ -726,6 +733,7 @@ class GraphRunner(Runner):
             )
             if None in paths:
                 self.unreplayable_runs += 1
+                self._original_tried.add(index)  # no recording will come: the base may get ready now
                 if self._held is not None:  # no recording will come to wait for
                     self._start_held_upgrade()
                 return self._run_unrecorded(index, args, kwargs, leaves)
@@ -761,6 +769,7 @@ class GraphRunner(Runner):
                     counters.sync(obj)
                     following.enter_context(counters.following(obj))
                 recording = self._record_state_call(index, args, kwargs, counted, before)
+            self._original_tried.add(index)
         finally:
             _background.device_work.release()
             if self._held is not None:  # recorded (or refused): the compile may start once the caller pauses

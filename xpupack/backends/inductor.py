@@ -314,7 +314,9 @@ class InductorRunner(Runner):
         super().add_signature(index, signature, args, kwargs)
         return self.prepare(index, args, kwargs)
 
-    def prepare(self, index: int, args: tuple, kwargs: dict) -> Future | None:
+    def prepare(
+        self, index: int, args: tuple, kwargs: dict, *, ready: Callable[[], bool] | None = None
+    ) -> Future | None:
         """Runs a call like this one on a scratch copy of its state on the background worker
         (`xpupack._background`), where signature ``index`` compiles if it must (the first call of the
         process, or a size Dynamo could not keep symbolic), with the caller's grad and inference modes.
@@ -323,6 +325,7 @@ class InductorRunner(Runner):
             index: the signature's index (`signatures`).
             args: a call's positional arguments.
             kwargs: a call's keyword arguments.
+            ready: the compile starts once this returns True (the caller paused).
 
         Returns:
             The compile's future (it fails when no scratch copy of the state can be made), or None when
@@ -351,7 +354,7 @@ class InductorRunner(Runner):
             if index not in self._ready:
                 raise RuntimeError(f"not compiled: {self.not_compiled.get(index, NOT_COMPILED)}")
 
-        return _background.submit(compile_off_the_callers_path)
+        return _background.submit(compile_off_the_callers_path, ready=ready)
 
     def unbuilt(self) -> dict[int, str]:
         """The signatures Dynamo did not compile, and why."""
