@@ -327,3 +327,86 @@ def test_verify_says_an_untrusted_package_does_not_get_its_record_collectives(bu
     status = untrusted["compatibility"]["layers.0.mlp"]["status"]
     assert "record_collectives=False: not taken from an untrusted source" in status
     assert not untrusted["compatibility"]["layers.0.mlp"]["compatible"]
+
+
+def _inspect_json(package) -> dict:
+    result = CliRunner().invoke(main, ["inspect", str(package), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.slow
+def test_inspect_counts_the_inductor_artifacts_a_package_carries(inductor_package):
+    """Graphs and tuning results as PyTorch's own reader counts them (a CPU compile runs no Triton kernel,
+    so nothing was tuned), the C++ kernel sources and the bytes, in --json and in the table."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    root = inductor_package[1]
+    folder = root / "backends" / "inductor"
+    carried = _inspect_json(root)["inductor_artifacts"]
+    by_torch = CacheArtifactManager.deserialize((folder / "cache.bin").read_bytes())
+    assert carried["artifacts"] == {kind: len(artifacts) for kind, artifacts in by_torch.items()}
+    assert carried["graphs"] == len(by_torch["inductor"]) >= 1 and carried["tuning_results"] == 0
+    sources = list((folder / "kernels").rglob("*.cpp"))
+    assert carried["kernel_sources"] == len(sources) > 0
+    assert carried["bytes"] == sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    table = CliRunner().invoke(main, ["inspect", str(root)]).output
+    assert f"inductor artifacts: {carried['graphs']} graphs, 0 tuning results, {len(sources)} kernel sources" in table
+
+
+def _with_mega_cache(package, destination, blob: bytes):
+    """``package`` carrying ``blob`` as its Inductor mega-cache, digests updated."""
+    from support.package_tools import redigest
+
+    shutil.copytree(package, destination)
+    (destination / "backends" / "inductor").mkdir(parents=True)
+    (destination / "backends" / "inductor" / "cache.bin").write_bytes(blob)
+    manifest = json.loads((destination / "xpupack.json").read_text())
+    manifest["backends"]["inductor"] = {"folder": "backends/inductor", "config": {"cache": "cache.bin", "kernels": []}}
+    (destination / "xpupack.json").write_text(json.dumps(manifest))
+    redigest(destination)
+    return destination
+
+
+def test_inspect_counts_the_tuning_results_pytorch_wrote_into_the_mega_cache(built, tmp_path):
+    import torch
+    from torch.compiler._cache import CacheArtifactManager
+
+    with CacheArtifactManager.with_fresh_cache():
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        for n in range(3):  # what coordinate descent records for a Triton kernel
+            CacheArtifactManager.record_artifact("autotune", f"ab/k{n}.best_config", {"XBLOCK": 64, "num_warps": 4})
+        CacheArtifactManager.record_artifact("inductor", "fgraph", b"a graph")
+        blob = torch.compiler.save_cache_artifacts()[0]
+    carried = _inspect_json(_with_mega_cache(built[0], tmp_path / "pkg", blob))["inductor_artifacts"]
+    assert carried == {
+        "graphs": 1,
+        "tuning_results": 3,
+        "artifacts": {"autotune": 3, "inductor": 1},
+        "kernel_sources": 0,
+        "bytes": len(blob),
+    }
+
+
+class _Planted:
+    """Touches a file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_inspect_never_unpickles_a_mega_cache_it_cannot_read(built, tmp_path):
+    """PyTorch's first mega-cache was one pickle; inspect reads only PyTorch's container and says why not."""
+    import pickle
+
+    marker = tmp_path / "unpickled"
+    package = _with_mega_cache(built[0], tmp_path / "pkg", pickle.dumps({"inductor": [_Planted(marker)]}))
+    carried = _inspect_json(package)["inductor_artifacts"]
+    assert carried["graphs"] is carried["tuning_results"] is carried["artifacts"] is None
+    assert "backends/inductor/cache.bin is not PyTorch's cache-artifact container" in carried["unreadable"]
+    table = CliRunner().invoke(main, ["inspect", str(package)]).output
+    assert "mega-cache not read" in re.sub(r"\s+", " ", table)
+    assert not marker.exists()

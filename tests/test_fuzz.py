@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,8 @@ from support.emulated_graph import EmulatedGraphs
 from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, snapshot
 from xpupack import _device
-from xpupack.errors import IntegrityError, XpupackError
+from xpupack.backends._megacache import artifact_counts
+from xpupack.errors import IntegrityError, PackageFormatError, XpupackError
 from xpupack.manifest import MANIFEST, read_manifest
 from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature
@@ -170,6 +172,20 @@ def test_manifest_reader_takes_any_bytes(data):
 @given(json_values)
 def test_manifest_reader_takes_any_json(value):
     _read_manifest_of(json.dumps(value).encode())
+
+
+@CHEAP
+@given(st.binary(max_size=400))
+def test_mega_cache_reader_takes_any_bytes_behind_a_valid_checksum_and_version(data):
+    """What `xpupack inspect` reads of an Inductor package's mega-cache: counts, or a PackageFormatError."""
+    body = (1).to_bytes(8, "big") + data
+    try:
+        counts = artifact_counts(zlib.crc32(body).to_bytes(4, "big") + body, "cache.bin")
+    except PackageFormatError:
+        event("refused")
+    else:
+        event(f"read {len(counts)} artifact types")
+        assert all(name.isidentifier() and n > 0 for name, n in counts.items())
 
 
 def _containers(value, found=None):

@@ -138,6 +138,7 @@ FORMAT_FLOOR = (
     "xpupack._version",
     "xpupack._fsutil",
     "xpupack.backends._facts",
+    "xpupack.backends._megacache",
     "xpupack._listeners",
 )
 

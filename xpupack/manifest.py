@@ -234,7 +234,7 @@ def check_package(root: Path, *, links_within: Path | None = None, ignore_unlist
 
 
 #: the file names backend configs of format 1 use: Inductor's shared cache and kernels, TorchAO's weights
-_CACHE, _KERNELS, _TORCHAO_WEIGHTS = "cache", "kernels", "weights.safetensors"
+CACHE, KERNELS, _TORCHAO_WEIGHTS = "cache", "kernels", "weights.safetensors"
 
 
 def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
@@ -245,16 +245,16 @@ def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
     named = []
     for name, shared in manifest["backends"].items():
         config, folder = shared["config"], shared["folder"]
-        if _CACHE in config:
-            named.append((f"{where} {name}", config[_CACHE], folder))
-        kernels = config.get(_KERNELS, [])
+        if CACHE in config:
+            named.append((f"{where} {name}", config[CACHE], folder))
+        kernels = config.get(KERNELS, [])
         if not isinstance(kernels, list):
             raise PackageFormatError(
                 f"{where} {name} lists the kernels as {str(kernels)[:80]}, not as a list of "
                 "files; the package is damaged — rebuild it",
                 path=MANIFEST,
             )
-        named += [(f"{where} {name}", kernel, f"{folder}/{_KERNELS}") for kernel in kernels]
+        named += [(f"{where} {name}", kernel, f"{folder}/{KERNELS}") for kernel in kernels]
     for entry in manifest["modules"]:
         backend, config, folder = entry["backend"], entry["backend"]["config"], entry["folder"]
         for _ in range(MAX_DEPTH):

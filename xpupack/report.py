@@ -21,11 +21,22 @@ from typing import Any
 
 from ._signature_text import describe_leaves
 from .backends._facts import describe
+from .backends._megacache import artifact_counts
 from .candidate import Candidate
 from .errors import PackageFormatError, XpupackError
 from .limits import LoadLimits
 from .limits import check_package as check_limits
-from .manifest import MANIFEST, check_package, module_slot, package_slots, read_manifest, read_spec
+from .manifest import (
+    CACHE,
+    KERNELS,
+    MANIFEST,
+    artifact_file,
+    check_package,
+    module_slot,
+    package_slots,
+    read_manifest,
+    read_spec,
+)
 from .source import Source
 
 
@@ -168,6 +179,38 @@ def _recorded(entry: dict) -> dict | None:
     return recorded
 
 
+def inductor_artifacts(manifest: dict, root: Path) -> dict | None:
+    """What the package carries for Inductor (None: nothing), read without unpickling any of it.
+
+    ``graphs`` and ``tuning_results`` count the mega-cache's ``inductor`` and ``autotune`` artifacts (the
+    autotuned and coordinate-descent configs of Triton kernels, which a load would otherwise tune again),
+    ``artifacts`` counts every type; all three are None where the mega-cache cannot be read
+    (``unreadable`` says why). ``kernel_sources`` counts the C++ sources carried with the libraries built
+    from them; ``bytes`` is everything in the backend's folder.
+    """
+    shared = manifest["backends"].get("inductor")
+    if not isinstance(shared, dict):
+        return None
+    folder, config = shared["folder"], shared["config"]
+    counts: dict[str, int] | None = {}
+    unreadable = {}
+    if CACHE in config:
+        try:
+            cache = artifact_file(root / folder, config[CACHE])
+            counts = artifact_counts(cache.read_bytes(), f"{folder}/{config[CACHE]}")
+        except (XpupackError, OSError) as exc:
+            counts, unreadable = None, {"unreadable": str(exc)}
+    kernels = config.get(KERNELS, [])
+    return {
+        "graphs": None if counts is None else counts.get("inductor", 0),
+        "tuning_results": None if counts is None else counts.get("autotune", 0),
+        "artifacts": counts,
+        "kernel_sources": sum(str(name).endswith(".cpp") for name in kernels) if isinstance(kernels, list) else 0,
+        "bytes": sum(f["size"] for name, f in manifest["files"].items() if name.startswith(folder + "/")),
+        **unreadable,
+    }
+
+
 def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
@@ -229,6 +272,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         },
         "modules": modules,
         "recording_memory_bytes": sum(m["recorded"]["memory_bytes"] for m in modules if m["recorded"]),
+        "inductor_artifacts": inductor_artifacts(manifest, root),
         "files": {name: f["size"] for name, f in manifest["files"].items()},
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "trusted": source.trusted,

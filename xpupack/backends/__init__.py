@@ -2,8 +2,9 @@
 
 This package imports nothing: ``import xpupack.backends`` costs no torch. The
 modules are `base` (the contract below, `ModuleSpec` and `Samples`, the registry), `eager`,
-`graph`, `inductor`, `torchao` with `torchao_configs`, and `_facts` (what
-`xpupack.plan` asks of a backend, answered without torch for inspect/verify).
+`graph`, `inductor`, `torchao` with `torchao_configs`, `_facts` (what
+`xpupack.plan` asks of a backend, answered without torch for inspect/verify) and
+`_megacache` (what Inductor's carried mega-cache holds, counted without torch or pickle).
 
 The contract (`base.Backend`; a new backend subclasses it and is made
 resolvable from a manifest with `base.register_backend`):

@@ -56,6 +56,8 @@ def print_report(report: dict, out) -> None:
             "device slots (xpupack.load(..., device_map={slot: device})): "
             + ", ".join(f"{slot}: built on {device}" for slot, device in enumerate(report["devices"]))
         )
+    if report.get("inductor_artifacts"):
+        out.print(_inductor_line(report["inductor_artifacts"]))
     out.print(_trust_line(report))
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
@@ -79,6 +81,20 @@ def print_report(report: dict, out) -> None:
         backend = "\n".join([module["backend"], *map(escape, module.get("settings", []))])
         table.add_row(name, backend, signatures, candidates, module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
+
+
+def _inductor_line(carried: dict) -> str:
+    """``inductor artifacts: 2 graphs, 0 tuning results, 10 kernel sources, 654.7 KiB (mega-cache: inductor 2,
+    aot_autograd 2)``: `report.inductor_artifacts` in a line."""
+    from rich.markup import escape
+
+    rest = f"{carried['kernel_sources']} kernel sources, {byte_size(carried['bytes'])}"
+    if carried["artifacts"] is None:
+        return f"inductor artifacts: {rest}; mega-cache not read: {escape(carried['unreadable'])}"
+    by_type = ", ".join(f"{name} {n}" for name, n in carried["artifacts"].items())
+    return f"inductor artifacts: {carried['graphs']} graphs, {carried['tuning_results']} tuning results, {rest}" + (
+        f" (mega-cache: {by_type})" if by_type else ""
+    )
 
 
 def _trust_line(report: dict) -> str:
