@@ -35,3 +35,23 @@ def compiler_counters() -> dict:
         "autotune_benchmarks": sum(v for k, v in inductor.items() if "autotune" in k and "bench" in k),
         "coordinate_descent_benchmarks": sum(v for k, v in inductor.items() if k.startswith("coordesc")),
     }
+
+
+def watch_coordinate_descent() -> list[str]:
+    """From now on, the name of each Triton kernel that coordinate descent tunes in this process, in order (a
+    load that runs it repeats a tuning its package should have carried). Reads the tuner's debug log, kept
+    out of the process's own log output."""
+    import logging
+
+    names: list[str] = []
+
+    class Names(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg == "= Do coordinate descent tuning for %s =" and record.args:
+                names.append(str(record.args[0]))
+
+    tuner = logging.getLogger("torch._inductor.runtime.coordinate_descent_tuner")
+    tuner.addHandler(Names())
+    tuner.setLevel(logging.DEBUG)
+    tuner.propagate = False
+    return names

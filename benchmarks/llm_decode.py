@@ -50,13 +50,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use too
 
-from _caches import compiler_counters, empty_compiler_caches  # noqa: E402  (found through the path set above)
+from _caches import compiler_counters, empty_compiler_caches, watch_coordinate_descent  # noqa: E402  (found through the path set above)
 
 CONFIG = {
     "vocab_size": 32000,
@@ -451,6 +452,7 @@ def step_load(name: str, settings: Settings) -> None:
     torch.zeros(1, device=device)  # device context creation, which any program on that device pays
     model = build(device, settings.tiny)
     sync(device)
+    tuned_here = watch_coordinate_descent()
     modules_before = set(sys.modules)
     started = time.perf_counter()
     import xpupack
@@ -496,7 +498,8 @@ def step_load(name: str, settings: Settings) -> None:
                 }
             }
         )
-    emit(stats=xpupack.stats(model), counters=compiler_counters())
+    # which kernels the load tuned again, where the package should have carried their tuning
+    emit(stats=xpupack.stats(model), counters=compiler_counters(), coordinate_descent_kernels=dict(Counter(tuned_here)))
     for batch in settings.batches:
         check = guarded(teacher_forced_check, model, settings, batch, quantized=name in QUANTIZED)
         emit(**{f"batch{batch}": {"check": check}})

@@ -205,3 +205,24 @@ def test_resume_keeps_finished_variants_and_loads_a_tuned_package_without_tuning
         "xpupack_bf16_thorough": results["xpupack_bf16_thorough"],
         "xpupack_int8": {"tune": {"tune_s": 2, "package_bytes": 10}, "status": "tuned"},
     }
+
+
+def test_the_load_step_names_each_kernel_coordinate_descent_tunes_and_keeps_the_tuners_log_quiet(capsys):
+    """A load that tunes again what its package should carry: which kernels, as Inductor's tuner names them."""
+    import logging
+
+    import _caches
+
+    tuner = logging.getLogger("torch._inductor.runtime.coordinate_descent_tuner")
+    saved = (tuner.level, tuner.propagate, list(tuner.handlers))
+    try:
+        names = _caches.watch_coordinate_descent()
+        for kernel in ("triton_red_fused_mm_1", "triton_red_fused_mm_1", "triton_poi_fused_add_2"):
+            tuner.debug("= Do coordinate descent tuning for %s =", kernel)
+        tuner.debug("Try config %s", "XBLOCK: 8")
+        assert names == ["triton_red_fused_mm_1", "triton_red_fused_mm_1", "triton_poi_fused_add_2"]
+        assert "coordinate descent" not in capsys.readouterr().err
+    finally:
+        tuner.setLevel(saved[0])
+        tuner.propagate = saved[1]
+        tuner.handlers[:] = saved[2]
