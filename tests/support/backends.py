@@ -190,7 +190,7 @@ class GatedRunner(CountingRunner):
 
     prepare_fails = False
 
-    def prepare(self, index, args, kwargs):
+    def prepare(self, index, args, kwargs, *, ready=None):
         if not self.prepare_fails:
             return None
         failed = Future()

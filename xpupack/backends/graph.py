@@ -481,6 +481,7 @@ class GraphRunner(Runner):
     def _drop_recordings(self) -> None:
         self.recordings.clear()
         self.state_recordings.clear()
+        self._original_tried.clear()  # recorded again before a base's compile of them starts
         self._warm.clear()
         self._watch = None
 
@@ -587,7 +588,7 @@ class GraphRunner(Runner):
             return
         future = self._preparing.get(index)
         if future is None:
-            if index not in self._original_tried:
+            if index not in self._original_tried and index not in self._original_unrecordable:
                 return  # its recording of the original module first: replays serve while the base compiles
             future = self._preparing[index] = self._base_prepares(index, args, kwargs) or _done()
         if not future.done():
