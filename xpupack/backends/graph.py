@@ -291,9 +291,9 @@ class GraphRunner(Runner):
         #: takes them (`_record_state_call`)
         self._original_unrecordable: set[int] = set()
         #: signatures with state whose recording over the original module was made or tried: only then does
-        #: the base get ready for them (`_prepare_state_signature`). A compile holds the device, so the calls
-        #: it would leave unrecorded ran the original module for real: on the H200 a TorchAO int8 package's
-        #: first ``generate()`` took 29 s where replays take 1 s
+        #: the base get ready for them (`_prepare_state_signature`). A compile holds the device: started
+        #: earlier, it left every call during it unrecorded, the original module run for real (on the H200 a
+        #: TorchAO int8 package's first ``generate()`` took 29 s, where replays take about 1 s)
         self._original_tried: set[int] = set()
         #: signatures added while the base runner was being restored: it is handed them when it takes over
         self._unknown_to_base: set[int] = set()
