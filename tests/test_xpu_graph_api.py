@@ -272,19 +272,25 @@ def test_a_failed_xpu_capture_puts_the_stream_and_generator_back(monkeypatch, gr
     assert generator.restored == (["state"] if graph_safe else [])
 
 
+def _fails_while_captured(xpu, error: Exception | None = None):
+    """A call that runs when warmed up and raises ``error`` inside a capture, as a host sync does."""
+
+    def call():
+        if xpu.capturing:
+            raise error or RuntimeError("operation not permitted when stream is capturing")
+        return torch.ones(2)
+
+    return call
+
+
 def test_a_capture_that_fails_leaves_later_captures_a_new_shared_pool(xpu):
     """torch ends a capture's allocation to its pool only when the capture ends well: on the H200 one
     failed capture made every later capture into the shared pool fail ("already recording to mempool_id")."""
     graphs = _device.DeviceGraphs("xpu", "XPUGraph")
     pool = graphs.shared_pool(XPU)
 
-    def fails_while_captured():
-        if xpu.capturing:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        return torch.ones(2)
-
     with pytest.raises(RuntimeError, match="not permitted"):
-        graphs.capture(fails_while_captured, device=XPU, pool=pool)
+        graphs.capture(_fails_while_captured(xpu), device=XPU, pool=pool)
     fresh = graphs.shared_pool(XPU)
     assert fresh != pool and xpu.calls.count("MemPool") == 2
     replay, outputs, _ = graphs.capture(lambda: torch.ones(2) * 3, device=XPU, pool=fresh)
@@ -302,13 +308,8 @@ def test_a_capture_that_fails_ends_its_allocation_to_the_pool(xpu, monkeypatch):
     graphs = _device.DeviceGraphs("xpu", "XPUGraph")
     pool = graphs.shared_pool(XPU)
 
-    def fails_while_captured():
-        if xpu.capturing:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        return torch.ones(2)
-
     with pytest.raises(RuntimeError, match="not permitted"):
-        graphs.capture(fails_while_captured, device=XPU, pool=pool)
+        graphs.capture(_fails_while_captured(xpu), device=XPU, pool=pool)
     assert ended == ["end", (0, pool)]
     graphs.capture(lambda: torch.ones(2), device=XPU, pool=graphs.shared_pool(XPU))
     assert ended == ["end", (0, pool)]  # a capture that ends well: torch ends it itself
@@ -324,13 +325,9 @@ def test_ending_a_failed_captures_allocation_tolerates_a_torch_that_ended_it(xpu
     monkeypatch.setattr(torch._C, "_xpu_endAllocateToPool", not_under_way, raising=False)
     graphs = _device.DeviceGraphs("xpu", "XPUGraph")
 
-    def fails_while_captured():
-        if xpu.capturing:
-            raise ValueError("the capture's own error")
-        return torch.ones(2)
-
     with pytest.raises(ValueError, match="own error"):
-        graphs.capture(fails_while_captured, device=XPU, pool=graphs.shared_pool(XPU))
+        failing = _fails_while_captured(xpu, ValueError("the capture's own error"))
+        graphs.capture(failing, device=XPU, pool=graphs.shared_pool(XPU))
 
 
 def test_a_warm_up_that_fails_before_the_capture_keeps_the_shared_pool(xpu):
