@@ -232,6 +232,16 @@ def test_compile_options_with_a_mode_keep_the_mode_settings():
     }
 
 
+def test_a_package_may_carry_the_choice_of_triton_launcher():
+    """Off, Inductor reads coordinate descent's carried results through the autotune cache, where its static
+    launcher's path loses them (pytorch#172819); the choice must travel, since a compile's cache key has it."""
+    options = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
+    backend = xpupack.InductorBackend(compile_options=options)
+    assert backend._settings(torch.device("cpu"))["options"]["use_static_cuda_launcher"] is False
+    with pytest.raises(ValueError, match="not a boolean"):
+        xpupack.InductorBackend(compile_options={"use_static_cuda_launcher": "no"})
+
+
 @pytest.mark.parametrize(
     "options, problem",
     [

@@ -914,6 +914,9 @@ SPEED_SETTINGS: dict[str, type | range] = {
             "triton.use_block_ptr",
             # programmatic dependent launch (Hopper and later): a kernel's start overlaps the last one's end
             "triton.enable_pdl",
+            # how Triton kernels are launched; off, a load reads coordinate descent's results through the
+            # autotune cache, which Inductor's static launcher path does not mark as tuned (pytorch#172819)
+            "use_static_cuda_launcher",
             "cpp.enable_tiling_heuristics",
             "cpp.enable_loop_tail_vec",
         ),
