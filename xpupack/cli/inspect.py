@@ -128,7 +128,8 @@ def _trust_line(report: dict) -> str:
 @handle_errors
 def inspect(package, revision, on_mismatch, as_json):
     """Show a package's modules, chosen backends, rejected candidates and why, recorded signatures,
-    build environment, file sizes, and whether its compiled artifacts are trusted.
+    build environment, file sizes, the Inductor graphs and tuning results it carries, and whether its
+    compiled artifacts are trusted.
 
     PACKAGE is a folder (./out/pkg, /abs/pkg, tiny-pkg) or a Hub repo (org/name, hf://org/name);
     a plain org/name that is also a folder here is refused: write ./org/name or hf://org/name.
