@@ -233,7 +233,8 @@ def check_package(root: Path, *, links_within: Path | None = None, ignore_unlist
     return manifest
 
 
-#: the file names backend configs of format 1 use: Inductor's shared cache and kernels, TorchAO's weights
+#: the file names backend configs of format 1 use: Inductor's shared cache and kernels (the backend and the
+#: report read them from here), TorchAO's weights
 CACHE, KERNELS, _TORCHAO_WEIGHTS = "cache", "kernels", "weights.safetensors"
 
 

@@ -255,18 +255,13 @@ class Signature:
         Dynamo's first compile of a call with sizes as symbols depends on (it keeps 0 and 1 as they are and
         gives equal sizes one symbol). Calls of one `family` and one pattern share that compile whichever
         comes first (`xpupack.backends.inductor.InductorRunner`)."""
+        shapes: list[tuple[int, ...]] = []
+        for leaf in self.leaves:
+            if isinstance(leaf, TensorLeaf):
+                shapes.append(leaf.shape)
+            elif isinstance(leaf, StateLeaf):
+                shapes += [shape for shape, *_ in leaf.tensors]
         symbols: dict[int, str] = {}
-        shapes = [
-            shape
-            for leaf in self.leaves
-            for shape in (
-                [leaf.shape]
-                if isinstance(leaf, TensorLeaf)
-                else [layout[0] for layout in leaf.tensors]
-                if isinstance(leaf, StateLeaf)
-                else []
-            )
-        ]
         return tuple(
             tuple(size if size < 2 else symbols.setdefault(size, f"s{len(symbols)}") for size in shape)
             for shape in shapes

@@ -46,7 +46,7 @@ from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 from .. import _background, _device
 from .._compare import mismatch
 from ..errors import PackageFormatError, error_line
-from ..manifest import artifact_file
+from ..manifest import CACHE, KERNELS, artifact_file
 from ..signature import Signature, Unsynthesizable, flatten
 from ..state import scratch_copy
 from ._facts import INDUCTOR_DEPENDS_ON, INDUCTOR_MODES, settings_tag
@@ -57,7 +57,6 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "cache.bin"
 #: the backend config's entry that says calls with state were compiled per shape, not with sizes as symbols
 STATE_SIZES, PER_SHAPE = "state_sizes", "per shape"
-KERNELS = "kernels"
 #: what Inductor builds from a C++ source ``name.cpp`` in its cache: ``name.so`` (``name.o``: a part linked later)
 _BUILT_SUFFIXES = (".so", ".o")
 
@@ -800,7 +799,7 @@ class InductorBackend(ComposedBackend):
         if blob is not None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / CACHE_FILE).write_bytes(blob)
-            config["cache"] = CACHE_FILE
+            config[CACHE] = CACHE_FILE
         sources = {relative: source for record in compiled for relative, source in record.sources.items()}
         if sources:
             sources.update(_vec_isa_probes(_inductor_cache_dir()))
@@ -832,7 +831,7 @@ class InductorBackend(ComposedBackend):
                 path=str(folder),
             )
         sources = [artifact_file(folder / KERNELS, relative) for relative in kernels]
-        cache = artifact_file(folder, config["cache"]) if "cache" in config else None
+        cache = artifact_file(folder, config[CACHE]) if CACHE in config else None
         if self._defers():  # on the worker, before the modules' compiles it queues (importing Inductor: seconds)
 
             def install() -> None:
