@@ -9,6 +9,7 @@ layer makes on XPU must be checked against torch's XPU API here first.
 
 from __future__ import annotations
 
+import gc
 import inspect
 from typing import Any
 
@@ -71,6 +72,7 @@ class StandInXPU:
             capture_end = _method(calls, "capture_end")
             instantiate = _method(calls, "instantiate")
             replay = _method(calls, "replay")
+            reset = _method(calls, "reset")
 
         def graph(*args, **kwargs):
             inspect.signature(REAL.graph.__init__).bind(None, *args, **kwargs)
@@ -313,6 +315,47 @@ def test_a_capture_that_fails_ends_its_allocation_to_the_pool(xpu, monkeypatch):
     assert ended == ["end", (0, pool)]
     graphs.capture(lambda: torch.ones(2), device=XPU, pool=graphs.shared_pool(XPU))
     assert ended == ["end", (0, pool)]  # a capture that ends well: torch ends it itself
+
+
+def test_a_capture_runs_with_the_garbage_collector_off(xpu):
+    """Regression (H200): a graph that the collector frees during another capture resets itself there, which
+    the device refuses and which spoils that capture ("operation not permitted when stream is capturing"):
+    a module's recording failed and fell back after an earlier capture had failed."""
+    seen = []
+
+    def call():
+        if xpu.capturing:
+            seen.append(gc.isenabled())
+        return torch.ones(2)
+
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+    assert gc.isenabled()
+    graphs.capture(call, device=XPU, pool=graphs.shared_pool(XPU))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graphs.capture(_fails_while_captured(xpu), device=XPU, pool=graphs.shared_pool(XPU))
+    assert gc.isenabled()
+
+
+def test_a_capture_leaves_a_disabled_garbage_collector_disabled(xpu):
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+    gc.disable()
+    try:
+        graphs.capture(lambda: torch.ones(2), device=XPU, pool=graphs.shared_pool(XPU))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_failed_capture_resets_its_graph_at_once(xpu):
+    """Its graph would otherwise be freed whenever the exception's frames are collected: maybe during a
+    later capture, which the reset in its destructor would spoil."""
+    graphs = _device.DeviceGraphs("xpu", "XPUGraph")
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graphs.capture(_fails_while_captured(xpu), device=XPU, pool=graphs.shared_pool(XPU))
+    assert xpu.calls[xpu.calls.index("capture_begin") :].count("reset") == 1
+    graphs.capture(lambda: torch.ones(2), device=XPU, pool=graphs.shared_pool(XPU))
+    assert xpu.calls.count("reset") == 1  # a capture that ends well keeps its graph
 
 
 def test_ending_a_failed_captures_allocation_tolerates_a_torch_that_ended_it(xpu, monkeypatch):

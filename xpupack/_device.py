@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -165,16 +166,34 @@ class DeviceGraphs:
             generator_states = _generator_states(module, device)
             previous_stream = module.current_stream()
             try:
-                with torch.no_grad(), module.graph(graph, pool=pool, stream=stream):
+                with _collector_paused(), torch.no_grad(), module.graph(graph, pool=pool, stream=stream):
                     reserved = module.memory_reserved(device)
                     outputs = fn()
             except BaseException:
                 _restore_after_failed_capture(module, previous_stream, generator_states)
                 self._end_allocation_to_pool(module.current_device(), pool)
                 self._retire_pool(device, pool)
+                # now, not whenever the exception's frames are collected: a graph's destructor resets it,
+                # and a reset during another capture spoils that capture
+                with contextlib.suppress(RuntimeError):
+                    graph.reset()
                 raise
             memory = max(0, int(module.memory_reserved(device)) - int(reserved))
         return graph.replay, outputs, memory
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's garbage collector stays off inside the block: a graph it frees there (one of a dropped
+    recording, held in a reference cycle) resets itself, which the device refuses during a capture and
+    which spoils the capture ("operation not permitted when stream is capturing", seen on the H200)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _pool_id(pool: Any) -> Any:
