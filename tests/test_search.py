@@ -25,6 +25,7 @@ from xpupack.cli import main
 from xpupack.errors import TuningError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
 from xpupack.strategies import (
+    COORDINATE_DESCENT,
     DEFAULT_STARTUP_MARGIN,
     QUANTIZE_CONFIGS,
     default_strategy,
@@ -100,6 +101,20 @@ def test_the_thorough_search_on_a_gpu_records_each_inductor_setting_then_the_qua
     strategy = search_strategy("thorough", CUDA)
     assert isinstance(strategy, xpupack.Fastest) and strategy.startup_margin == DEFAULT_STARTUP_MARGIN
     assert not any("torchao" in backend.label for backend in strategy.backends)  # quantization is opt-in
+
+
+@pytest.mark.parametrize("retunes", [True, False])
+def test_coordinate_descent_on_cuda_turns_the_static_launcher_off_where_it_loses_the_tuning(monkeypatch, retunes):
+    """Regression (H200, torch 2.11): Inductor's static CUDA launcher forgets that a carried kernel's block
+    sizes came from coordinate descent, and a bf16 Llama package's load ran 276 benchmarks to tune them
+    again; with the launcher off, 22. Where torch keeps the mark (2.13) the candidates stay as they were,
+    and off CUDA (no static launcher) too."""
+    monkeypatch.setattr(xpupack.strategies, "_STATIC_LAUNCHER_RETUNES", retunes)
+    expected = {"coordinate_descent_tuning": True, **({"use_static_cuda_launcher": False} if retunes else {})}
+    cuda = [backend.base for backend in thorough_backends(CUDA, quantize=["int8-weight-only"])[1:3]]
+    assert [backend.options()["compile_options"] for backend in cuda] == [expected, expected]
+    xpu = [backend.base for backend in thorough_backends(torch.device("xpu"), quantize=["int8-weight-only"])[1:3]]
+    assert [backend.options()["compile_options"] for backend in xpu] == [dict(COORDINATE_DESCENT)] * 2
 
 
 def test_the_thorough_search_on_a_gpu_tries_neither_dependent_launch_nor_max_autotune():
@@ -501,11 +516,12 @@ LOAD_AND_COUNT = """
 """
 
 TUNE_TWICE = """
-    import xpupack
+    import torch, xpupack
     from xpupack.examples import tiny_transformer, tiny_transformer_samples
+    from xpupack.strategies import coordinate_descent  # the thorough search's settings on this device
 
     def tuned():
-        compiled = xpupack.InductorBackend(compile_options={{"coordinate_descent_tuning": True}})
+        compiled = xpupack.InductorBackend(compile_options=coordinate_descent(torch.device({device!r})))
         backend = compiled if {device!r} == "cpu" else xpupack.GraphBackend(base=compiled)
         return xpupack.tune(tiny_transformer(), tiny_transformer_samples(), modules=["layers.0.mlp"],
                             device={device!r}, strategy=xpupack.Only(backend))

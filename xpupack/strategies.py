@@ -813,6 +813,21 @@ QUANTIZE_CONFIGS = ("int8-weight-only", "float8-weight-only", "int4-weight-only"
 _GRAPH_DEVICES = ("cuda", "xpu")
 #: Inductor's coordinate descent: each Triton kernel's block sizes and warps tuned by timing its neighbours
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
+#: whether Inductor's static CUDA launcher loses the mark that a cached kernel's block sizes came from
+#: coordinate descent, so that a load tunes them again (torch 2.11; torch 2.13 keeps it; pytorch#172819)
+_STATIC_LAUNCHER_RETUNES = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
+
+
+def coordinate_descent(device: torch.device | None) -> dict[str, Any]:
+    """The compile options of a coordinate-descent candidate on ``device``: `COORDINATE_DESCENT`, and on
+    CUDA with a torch whose static launcher loses the tuning (`_STATIC_LAUNCHER_RETUNES`) that launcher
+    off, so that a load reads the carried block sizes as tuned. On the H200 (torch 2.11) a bf16 Llama
+    package's load ran 276 coordinate-descent benchmarks with it and 22 without (docs/tuning.md). The
+    decode step replays as a device graph, which launches its kernels without either launcher."""
+    options = dict(COORDINATE_DESCENT)
+    if device is not None and device.type == "cuda" and _STATIC_LAUNCHER_RETUNES:
+        options["use_static_cuda_launcher"] = False
+    return options
 
 
 def inductor_settings(device: torch.device | None) -> list[dict[str, Any]]:
@@ -827,7 +842,7 @@ def inductor_settings(device: torch.device | None) -> list[dict[str, Any]]:
     """
     settings: list[dict[str, Any]] = [{}]
     if device is not None and device.type in _GRAPH_DEVICES:
-        settings.append({"compile_options": dict(COORDINATE_DESCENT)})
+        settings.append({"compile_options": coordinate_descent(device)})
     else:
         settings.append({"mode": "max-autotune-no-cudagraphs"})
     return settings
@@ -870,7 +885,7 @@ def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Back
 
     on_gpu = device is not None and device.type in _GRAPH_DEVICES
     return [
-        InductorBackend(base=backend, compile_options=dict(COORDINATE_DESCENT) if on_gpu else None)
+        InductorBackend(base=backend, compile_options=coordinate_descent(device) if on_gpu else None)
         for backend in quantized_backends(quantize)
     ]
 
