@@ -122,69 +122,40 @@ def _gemm_dot(
     tl.store(y_ptrs, (acc * scale[None, :]).to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def _launch(kernel, rows, config, arguments, **blocks):
+    """``kernel`` over ``rows`` output rows, ``config[0]`` per program, with ``config``'s warps and stages."""
+    block_n, _, warps, stages = config
+    kernel[(triton.cdiv(rows, block_n),)](*arguments, BLOCK_N=block_n, **blocks, num_warps=warps, num_stages=stages)
+
+
 def launch_cvt(x, w, s, config):
-    block_n, block_k, warps, stages = config
-    (_, k), n = x.shape, w.shape[0]
+    (_, k), n, block_k = x.shape, w.shape[0], config[1]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_cvt[(triton.cdiv(n, block_n),)](
-        x,
-        w,
-        s,
-        y,
-        n,
-        k,
-        w.stride(0),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0,
-        num_warps=warps,
-        num_stages=stages,
-    )
+    _launch(_gemv_cvt, n, config, (x, w, s, y, n, k, w.stride(0)), BLOCK_K=block_k, EVEN_K=k % block_k == 0)
     return y
 
 
 def launch_magic(x, w, s, config):
-    block_n, block_k, warps, stages = config  # block_k: bytes of a row per step
     words = w.view(torch.int32)
-    n, kw, block_kw = w.shape[0], words.shape[1], block_k // 4
+    n, kw, block_kw = w.shape[0], words.shape[1], config[1] // 4  # config[1]: bytes of a row per step
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_magic[(triton.cdiv(n, block_n),)](
-        x,
-        words,
-        s,
-        y,
-        n,
-        kw,
-        words.stride(0),
-        BLOCK_N=block_n,
-        BLOCK_KW=block_kw,
-        EVEN_K=kw % block_kw == 0,
-        num_warps=warps,
-        num_stages=stages,
+    _launch(
+        _gemv_magic, n, config, (x, words, s, y, n, kw, words.stride(0)), BLOCK_KW=block_kw, EVEN_K=kw % block_kw == 0
     )
     return y
 
 
 def launch_dot(x, w, s, config):
-    block_n, block_k, warps, stages = config
-    (m, k), n = x.shape, w.shape[0]
+    (m, k), n, block_k = x.shape, w.shape[0], config[1]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemm_dot[(triton.cdiv(n, block_n),)](
-        x,
-        w,
-        s,
-        y,
-        m,
+    arguments = (x, w, s, y, m, n, k, x.stride(0), w.stride(0), y.stride(0))
+    _launch(
+        _gemm_dot,
         n,
-        k,
-        x.stride(0),
-        w.stride(0),
-        y.stride(0),
+        config,
+        arguments,
         BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
-        num_warps=warps,
-        num_stages=stages,
     )
     return y
