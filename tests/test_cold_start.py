@@ -251,6 +251,46 @@ def test_quiet_is_true_once_the_caller_paused_or_at_the_latest_after_its_limit()
     assert _background.quiet(lambda: time.monotonic(), pause_s=60, at_most_s=0)()  # a caller that never pauses
 
 
+def _random_numbers(seed: int, count: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    return [torch.randn(4) for _ in range(count)]
+
+
+def test_a_background_job_that_restores_the_random_state_leaves_the_callers_random_numbers_alone():
+    """Regression: a compile restores the global random state it found when it started (Dynamo does, for every
+    frame it compiles). On the worker that rewound the caller's generator to where it was then: a model built
+    from a seed during a load's compile took other weights (a CI run's wrong logits) and sampling repeated
+    itself."""
+    expected = _random_numbers(0, 2)
+    torch.manual_seed(0)
+    at_start = torch.random.get_rng_state()
+    first = torch.randn(4)  # the caller goes on while the job runs
+    _background.submit(lambda: torch.random.set_rng_state(at_start)).result(timeout=30)
+    second = torch.randn(4)
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    torch.manual_seed(3)  # the caller's own calls still set it
+    assert torch.equal(torch.randn(4), _random_numbers(3, 1)[0])
+
+
+def test_a_compile_on_the_worker_leaves_the_callers_random_numbers_alone():
+    started, proceed = threading.Event(), threading.Event()
+
+    def backend(graph, example_inputs):  # runs inside Dynamo's compile of the frame, on the worker
+        started.set()
+        proceed.wait(timeout=30)
+        return graph.forward
+
+    compiled = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    expected = _random_numbers(0, 2)
+    torch.manual_seed(0)
+    future = _background.submit(lambda: compiled(torch.ones(3)))
+    started.wait(timeout=30)
+    first = torch.randn(4)  # drawn while Dynamo holds the state it will restore
+    proceed.set()
+    torch.testing.assert_close(future.result(timeout=60), torch.full((3,), 3.0))
+    assert torch.equal(first, expected[0]) and torch.equal(torch.randn(4), expected[1])
+
+
 @pytest.fixture
 def busy_worker():
     """Holds the background worker on a job of its own until the test lets go: what a load queues waits."""

@@ -16,12 +16,20 @@ steps can only be recorded during a real call (they need its KV cache), so
 their compile waits until the first of them is recorded and the caller pauses
 (`Held.start`), instead of leaving the first `generate()` to run every step
 on the original module.
+
+A job must not change the caller's random numbers. A compile restores the global random state it found
+when it started (Dynamo does, for every frame), which from the worker would rewind the caller's
+generators to that moment: a model built from a seed meanwhile took other weights, and sampling repeated
+itself. While a job runs, the default generators' setters called from the worker do nothing
+(`_random_state_kept`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import importlib
 import os
 import queue
 import threading
@@ -37,6 +45,7 @@ device_work = threading.RLock()
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _worker: threading.Thread | None = None
+_worker_ident: int | None = None
 _starting = threading.Lock()
 _stopping = False
 
@@ -133,6 +142,8 @@ _POLL_S = 0.02
 
 
 def _work() -> None:
+    global _worker_ident
+    _worker_ident = threading.get_ident()
     while True:
         item = _jobs.get()
         if item is None:
@@ -145,13 +156,46 @@ def _work() -> None:
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            with device_work:
+            with device_work, _random_state_kept():
                 result = job()
         except BaseException as exc:  # the caller's future reports it; the worker goes on
             future.set_exception(exc)
         else:
             future.set_result(result)
         del item, job, future, ready  # a finished job's inputs (a scratch KV cache) are freed now, not at the next job
+
+
+#: the default generators' state setters (module, name) that a compile calls as it ends
+_RANDOM_STATE_SETTERS = tuple((module, "set_rng_state") for module in ("torch.random", "torch.cuda", "torch.xpu"))
+
+
+@contextlib.contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Inside the block, calls of `_RANDOM_STATE_SETTERS` from the worker do nothing; other threads' calls go
+    through. xpupack's jobs draw no random numbers from the default generators (inputs they make come from
+    generators of their own), so keeping the state as the caller left it loses nothing."""
+    swapped = []
+    for module_name, name in _RANDOM_STATE_SETTERS:
+        module = importlib.import_module(module_name)
+        setter = getattr(module, name, None)
+        if setter is not None:
+            setattr(module, name, _from_caller_only(setter))
+            swapped.append((module, name, setter))
+    try:
+        yield
+    finally:
+        for module, name, setter in swapped:
+            setattr(module, name, setter)
+
+
+def _from_caller_only(setter: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(setter)
+    def set_state(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == _worker_ident:
+            return None
+        return setter(*args, **kwargs)
+
+    return set_state
 
 
 #: the jobs a load queues (`deferring`): given to the worker once every module is restored, so that no
