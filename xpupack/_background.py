@@ -45,7 +45,6 @@ device_work = threading.RLock()
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _worker: threading.Thread | None = None
-_worker_ident: int | None = None
 _starting = threading.Lock()
 _stopping = False
 
@@ -142,8 +141,6 @@ _POLL_S = 0.02
 
 
 def _work() -> None:
-    global _worker_ident
-    _worker_ident = threading.get_ident()
     while True:
         item = _jobs.get()
         if item is None:
@@ -191,7 +188,7 @@ def _random_state_kept() -> Iterator[None]:
 def _from_caller_only(setter: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(setter)
     def set_state(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() == _worker_ident:
+        if threading.current_thread() is _worker:
             return None
         return setter(*args, **kwargs)
 
