@@ -133,6 +133,8 @@ def test_no_cycle_even_counting_imports_for_annotations():
 #: what reads and checks a package's files and names where it came from
 FORMAT_FLOOR = (
     "xpupack.manifest",
+    "xpupack.shards",
+    "xpupack.digests",
     "xpupack.source",
     "xpupack.errors",
     "xpupack._version",

@@ -6,7 +6,6 @@ commands that only look at a package stay fast.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import json
 import os
@@ -20,14 +19,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._fsutil import interrupted_save_of, moved_aside
+from .digests import Digests, Remembered, remembering, sha256_of
 from .errors import DestinationExistsError, IntegrityError, PackageFormatError, SaveError, XpupackError
+from .shards import check_weights, is_weights_file
 
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 MANIFEST = "xpupack.json"
 MODEL_CARD = "README.md"
-#: the weights no backend owns (optional: ``save(..., weights=False)``)
-WEIGHTS = "model.safetensors"
 #: files a package may hold without listing them (the Hub adds .gitattributes)
 UNLISTED_OK = frozenset({MANIFEST, MODEL_CARD, ".gitattributes"})
 #: folders a package may hold without listing them (huggingface_hub's local_dir metadata)
@@ -220,17 +219,33 @@ def _check_module_paths(modules: list[dict], where: str) -> None:
 
 
 def check_package(root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> dict:
-    """The manifest of an intact package: schema, paths, every file's size and sha256, every spec.
+    """The manifest of an intact package: schema, paths, every file's size and sha256, the weights' headers,
+    every spec. Every file is hashed (a remembered verification is not trusted here, only refreshed).
 
     Raises `PackageFormatError` or `IntegrityError` naming the first problem.
     """
-    manifest = read_manifest(root)
-    check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
-    check_named_files(root, manifest)
-    check_weights(root, manifest)
-    for entry in manifest["modules"]:
-        read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
+    manifest, digests = open_package(root, links_within=links_within, ignore_unlisted=ignore_unlisted, trusted=False)
+    digests.wait()
     return manifest
+
+
+def open_package(
+    root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False, trusted: bool = True
+) -> tuple[dict, Digests]:
+    """`check_package` for a load, which hashes the weights files as it streams them: returns before their
+    digests are in; `Digests.wait` raises if one is damaged. With ``trusted``, a
+    weights file this machine remembers as verified and unchanged is not hashed again (`xpupack.digests`).
+    An error raised before the digests are in gives way to a failed digest."""
+    manifest = read_manifest(root)
+    digests = check_files(
+        root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted, pending=True, trusted=trusted
+    )
+    with digests.reported_first():
+        check_named_files(root, manifest)
+        check_weights(root, manifest)
+        for entry in manifest["modules"]:
+            read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
+    return manifest, digests
 
 
 #: the file names backend configs of format 1 use: Inductor's shared cache and kernels (the backend and the
@@ -287,75 +302,6 @@ def check_named_files(root: Path, manifest: dict) -> None:
                 "it); the package is damaged or incomplete — rebuild or re-download it",
                 path=relative,
             )
-
-
-#: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is not compared
-_SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "U16": "uint16",
-    "U32": "uint32",
-    "U64": "uint64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-
-
-def check_weights(root: Path, manifest: dict) -> None:
-    """The weights file as safetensors parses its header (torch-free): valid, and holding exactly the
-    tensors the manifest lists (less those a backend owns, and the aliases), with their shapes and dtypes."""
-    relative = manifest["model"]["weights"]
-    if relative is None:
-        return
-    from safetensors import SafetensorError, safe_open
-
-    path = root / relative
-    try:
-        with safe_open(str(path), framework="numpy") as stored:
-            names = stored.keys()  # a safe_open has no __iter__
-            header = {name: (stored.get_slice(name).get_shape(), stored.get_slice(name).get_dtype()) for name in names}
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise PackageFormatError(
-            f"{path} is not a readable safetensors file ({str(exc)[:200]}); the package is damaged — rebuild it",
-            path=relative,
-        ) from None
-    aliases = manifest["model"]["aliases"]
-    for alias, name in aliases.items():
-        if name not in header:
-            raise PackageFormatError(
-                f"alias {alias!r} in {root / MANIFEST} names {name!r}, which {relative} does "
-                "not hold; the package is damaged — rebuild it",
-                path=relative,
-            )
-        header[alias] = header[name]
-    expected = manifest["model"]["tensors"]
-    for name, (shape, dtype) in header.items():
-        spec = expected.get(name)
-        if (
-            spec is None
-            or list(shape) != spec["shape"]
-            or _SAFETENSORS_DTYPES.get(dtype, spec["dtype"]) != spec["dtype"]
-        ):
-            raise PackageFormatError(
-                f"{path}: tensor {name!r} does not match the manifest; rebuild the package", path=relative
-            )
-    owned = {
-        f"{m['path']}.{name}" if m["path"] else name for m in manifest["modules"] for name in m.get("owned_tensors", [])
-    }
-    missing = sorted(set(expected) - owned - set(header))
-    if missing or set(header) - (set(expected) - owned):
-        raise IntegrityError(
-            f"{path} lacks {missing[:5]} or holds tensors a backend owns; rebuild the package", path=relative
-        )
 
 
 def read_spec(root: Path, entry: dict) -> dict:
@@ -588,31 +534,41 @@ def artifact_file(folder: Path, name: Any) -> Path:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def describe_files(root: Path) -> dict[str, dict]:
-    """``{relative path: {sha256, size}}`` for every file under ``root`` but the unlisted ones."""
+def describe_files(root: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """``{relative path: {sha256, size}}`` for every file under ``root`` but the unlisted ones; the files in
+    ``known`` (the weights, hashed as they were written) are taken from there."""
     files = {}
     for path in sorted(root.rglob("*")):
         relative = path.relative_to(root).as_posix()
         if path.is_file() and relative not in UNLISTED_OK:
-            files[relative] = {"sha256": sha256_of(path), "size": path.stat().st_size}
+            size = path.stat().st_size
+            given = (known or {}).get(relative)
+            files[relative] = (
+                given if given is not None and given["size"] == size else {"sha256": sha256_of(path), "size": size}
+            )
     return files
 
 
-def check_files(root: Path, manifest: dict, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> None:
+def check_files(
+    root: Path,
+    manifest: dict,
+    *,
+    links_within: Path | None = None,
+    ignore_unlisted: bool = False,
+    pending: bool = False,
+    trusted: bool = False,
+) -> Digests:
     """Checks every listed file's size and digest, and that no unlisted file is present.
 
     Symbolic links are refused, except links that resolve inside ``links_within``
     (the Hugging Face cache, whose snapshots link to its blob store). With
     ``ignore_unlisted`` (a Hub snapshot, which may hold the repo's other files),
     unlisted files are not refused; `artifact_file` never hands them out.
+
+    Files are hashed in worker threads. The weights files' verifications are remembered
+    (`xpupack.digests`); with ``trusted``, a remembered one is not hashed again. With ``pending`` it
+    returns before the weights files' digests are in, for the load that reads them to hash them as it
+    does: the returned `Digests` raises for them on `Digests.wait`.
     """
     listed = manifest["files"]
     for relative, expected in listed.items():
@@ -632,17 +588,25 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
                 expected=str(expected["size"]),
                 actual=str(size),
             )
-        actual = sha256_of(path)
-        if actual != expected["sha256"]:
-            raise IntegrityError(
-                f"{path} does not match its sha256 in the manifest; the file was changed "
-                "or damaged — rebuild or re-download the package",
-                path=relative,
-                expected=expected["sha256"],
-                actual=actual,
-            )
-    if ignore_unlisted:
-        return
+    remembered = Remembered() if remembering() else None
+    weights = Digests(
+        root,
+        listed,
+        [relative for relative in listed if is_weights_file(relative)],
+        remembered=remembered,
+        trust_remembered=trusted,
+        by_reader=pending,
+    )
+    with weights.reported_first():
+        Digests(root, listed, [relative for relative in listed if not is_weights_file(relative)]).wait()
+        if not ignore_unlisted:
+            _refuse_unlisted(root, listed, links_within)
+        if not pending:
+            weights.wait()
+    return weights
+
+
+def _refuse_unlisted(root: Path, listed: dict, links_within: Path | None) -> None:
     for path in root.rglob("*"):
         relative = path.relative_to(root)
         if relative.parts[0] in UNLISTED_DIRS_OK:

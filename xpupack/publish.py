@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from .card import package_card
 from .errors import HubError, SourceError, first_line
 from .hub import COMMIT_HASH, hub_api, hub_settings
-from .manifest import MANIFEST, MODEL_CARD, WEIGHTS, check_package
+from .manifest import MANIFEST, MODEL_CARD, check_package
+from .shards import WEIGHTS_INDEX, is_weights_file
 from .source import HUB_PREFIX, is_repo_id, local_folder
 
 if TYPE_CHECKING:
@@ -221,8 +222,9 @@ def _repo_id(repo_id: str) -> str:
 
 def _package_owned(name: str) -> bool:
     """Whether a repo file is where a package keeps its files (so an earlier package's file, not the repo
-    owner's LICENSE or docs): the weights, and everything under ``modules/`` and ``backends/``."""
-    return name == WEIGHTS or name.split("/", 1)[0] in ("modules", "backends")
+    owner's LICENSE or docs): the weights (one file, or shards and their index), and everything under
+    ``modules/`` and ``backends/``."""
+    return is_weights_file(name) or name == WEIGHTS_INDEX or name.split("/", 1)[0] in ("modules", "backends")
 
 
 def _commit_message(manifest: dict) -> str:
