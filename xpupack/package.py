@@ -8,18 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from . import _fsutil, device_slots, distributed
 from ._version import __version__
+from ._weights_io import write_weights
 from .card import model_card
 from .errors import SaveError, XpupackError
 from .manifest import (
     FORMAT_VERSION,
     MANIFEST,
     MODEL_CARD,
-    WEIGHTS,
     check_destination,
     describe_files,
     destination,
@@ -27,11 +26,12 @@ from .manifest import (
     validate,
     write_json,
 )
+from .shards import check_weights, parse_size
 from .spec import spec_to_json
 from .tuned import session_of
 
 
-def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
+def save(model: nn.Module, path: str | Path, *, weights: bool = True, max_shard_size: int | str = "5GB") -> Path:
     """Writes the tuned ``model`` as a package directory at ``path``.
 
     The package is written into a hidden sibling directory and moved into
@@ -46,7 +46,13 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
         path: the package directory. An existing package there is replaced only if
             xpupack wrote it: its manifest validates and it holds no other files.
         weights: store the model's weights (``model.safetensors``). Without them,
-            a loader keeps whatever weights its model holds.
+            a loader keeps whatever weights its model holds (the package still records their
+            names, shapes and dtypes, and a load checks the model against them).
+        max_shard_size: the most bytes of tensors in one weights file, in bytes or as ``"5GB"``,
+            ``"500MB"``, ``"2GiB"``. Weights past it are written as shards
+            ``model-00001-of-0000n.safetensors`` with ``model.safetensors.index.json``, the
+            Hugging Face layout (a tensor larger than it gets a shard of its own). Each shard
+            comes to the host on its own, a tensor at a time: never the whole model at once.
 
     Returns:
         The package directory.
@@ -56,20 +62,23 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True) -> Path:
         DestinationExistsError: the destination exists and is not a package xpupack wrote (a
             directory holding anything its manifest does not list); nothing is changed.
         SaveError: writing failed; any previous package there is unchanged.
+        ValueError: ``max_shard_size`` is not a positive size.
 
     Examples:
         >>> xpupack.save(model, "pkg/")
     """
+    shard_bytes = parse_size(max_shard_size)
     session = session_of(model)
     root = destination(path)
     state = model.state_dict()
     # a tensor-parallel model: every rank gathers the full weights (a collective), rank 0 alone writes them
     full = distributed.full_state(state)
-    distributed.on_rank0(state, lambda: _save(model, session, full, root, weights))
+    distributed.on_rank0(state, lambda: _save(model, session, full, root, shard_bytes if weights else 0))
     return root
 
 
-def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path, weights: bool) -> None:
+def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path, weights: int) -> None:
+    """``weights``: the largest shard in bytes, 0 for none."""
     check_destination(root)
     staging = None
     try:
@@ -89,20 +98,18 @@ def _save(model: nn.Module, session, state: dict[str, torch.Tensor], root: Path,
         ) from exc
 
 
-def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], staging: Path, weights: bool) -> dict:
+def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], staging: Path, weights: int) -> dict:
     owned = {
         f"{path}.{name}" if path else name
         for path, tuned in session.modules.items()
         for name in tuned.runner.owned_tensors()
     }
     aliases: dict[str, str] = {}
+    weights_path: str | None = None
+    hashed: dict[str, dict] = {}
     if weights:
         unique, aliases = _deduplicate({k: v for k, v in state.items() if k not in owned})
-        save_file(
-            {name: t.detach().to("cpu").contiguous() for name, t in unique.items()},
-            str(staging / WEIGHTS),
-            metadata={"format": "pt"},
-        )
+        weights_path, hashed = write_weights(unique, staging, weights)
 
     slots = device_slots.slot_order(session.device_of(path) for path in session.modules)
     modules: list[dict] = []
@@ -150,14 +157,18 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         "model": {
             "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "tensors": session.architecture,
-            "weights": WEIGHTS if weights else None,
+            "weights": weights_path,
             "aliases": aliases,
         },
         "modules": modules,
         "backends": shared,
-        "files": describe_files(staging),
+        "files": describe_files(staging, known=hashed),
     }
     validate(manifest, "manifest", MANIFEST)
+    try:
+        check_weights(staging, manifest)  # safetensors' own parser reads back what `write_weights` wrote
+    except XpupackError as exc:
+        raise SaveError(f"the weights written do not read back ({exc}); nothing was saved — report this") from exc
     return manifest
 
 

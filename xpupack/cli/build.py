@@ -238,6 +238,15 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
     help="The samples' batch axis for --batch-sizes (default 0).",
 )
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
+@click.option(
+    "--max-shard-size",
+    "max_shard_size",
+    default="5GB",
+    show_default=True,
+    metavar="SIZE",
+    help="Weights past this size are written as shards model-0000k-of-0000n.safetensors with "
+    "model.safetensors.index.json (the Hugging Face layout): bytes, or e.g. 500MB, 5GB, 2GiB.",
+)
 @handle_errors
 def build(
     model_factory,
@@ -254,6 +263,7 @@ def build(
     batch_sizes,
     batch_axis,
     no_weights,
+    max_shard_size,
 ):
     """Tune MODULE:FACTORY's model on its samples and write a package to --out.
 
@@ -263,7 +273,12 @@ def build(
           --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
     """
     from ..manifest import check_destination, destination
+    from ..shards import parse_size
 
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
     sizes = _sizes(batch_sizes) if batch_sizes is not None else None
     configs = _quantize(quantize, search, backends)
     check_destination(destination(out))  # before minutes of tuning: save would refuse it after them
@@ -310,7 +325,7 @@ def build(
             progress=progress,
         )
         progress(f"writing {out}")
-        xpupack.save(model, out, weights=not no_weights)
+        xpupack.save(model, out, weights=not no_weights, max_shard_size=shard_bytes)
 
     from ..report import package_report
     from .inspect import print_report
