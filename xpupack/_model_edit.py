@@ -50,7 +50,7 @@ def edits_model(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ModelEdit:
-    """Changes to a model that can all be undone: tensor swaps, training flags, runners' changes.
+    """Changes to a model that can all be undone: tensors replaced or written, training flags, runners' changes.
 
     It also keeps each module's parameter, buffer and submodule entries as they
     were, for whatever a backend's `restore` replaced without undoing it.
@@ -60,29 +60,27 @@ class ModelEdit:
         self._undo: list[Callable[[], None]] = []
         self._entries = [(m, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
 
-    def set_tensors(
-        self, model: nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device | None
-    ) -> None:
-        """Installs ``weights`` and moves every tensor to ``device`` (None: where it is), keeping the Parameter
-        objects."""
-        for module, state_name, name, tensor in named_tensors(model):
-            new = weights.get(state_name, tensor) if weights is not None else tensor
-            if device is not None and new.device != device:
-                new = new.to(device)
-            if new is tensor:
-                continue
-            if name in module._parameters:
-                old = tensor.data
-                tensor.data = new
-                self._undo.append(functools.partial(setattr, tensor, "data", old))
-            else:
-                module._buffers[name] = new
-                self._undo.append(functools.partial(module._buffers.__setitem__, name, tensor))
+    def replace_tensor(self, module: nn.Module, name: str, tensor: torch.Tensor, new: torch.Tensor) -> None:
+        """Puts ``new`` in place of the parameter or buffer ``tensor`` (``module``'s ``name``): a parameter keeps its
+        Parameter object and takes ``new`` as its data, a buffer entry is replaced. Rollback puts the old tensor
+        back; the undo log holds a reference to it, no copy."""
+        if name in module._parameters:
+            old = tensor.data
+            tensor.data = new
+            self._undo.append(functools.partial(setattr, tensor, "data", old))
+        else:
+            module._buffers[name] = new
+            self._undo.append(functools.partial(module._buffers.__setitem__, name, tensor))
 
     def copy_into(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
-        """Writes ``values`` into ``tensor`` in place (a DTensor's local shard, whose Parameter cannot take
-        new data); rollback writes the old values back."""
-        old = tensor.detach().clone()
+        """Writes ``values`` into ``tensor`` in place (same object, same memory); rollback writes the old values back.
+
+        For a tensor that stays on its accelerator: the old values wait for a rollback in host memory, so the
+        load needs no device memory beyond the model's own (`replace_tensor` would hold the old tensor on the
+        device until the load is over: a second model's worth). Also a DTensor's local shard, whose Parameter
+        cannot take new data.
+        """
+        old = tensor.detach().to("cpu", copy=True)
         with torch.no_grad():
             tensor.copy_(values)
 

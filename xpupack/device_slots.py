@@ -64,13 +64,16 @@ class Placement:
         """Slot 0's device here: the session's device (its environment is what a later save records)."""
         return self.slots[min(self.slots)]
 
-
-def read_device(model: nn.Module, placement: Placement) -> torch.device:
-    """Where to read the package's weights: where they all go when that is one device (no copy later), else CPU."""
-    if placement.everything is not None:
-        return placement.everything
-    here = {tensor.device for tensor in (*model.parameters(), *model.buffers())} | set(placement.modules.values())
-    return here.pop() if len(here) == 1 else torch.device("cpu")
+    def tensor_device(self, state_name: str, current: torch.device) -> torch.device:
+        """Where a load puts the model's tensor ``state_name``, now on ``current``: with ``device=`` there; with
+        ``device_map=`` on the device of the innermost tuned module holding it; else where it is."""
+        if self.everything is not None:
+            return self.everything
+        if self.moves_modules:
+            owners = [path for path in self.modules if not path or state_name.startswith(path + ".")]
+            if owners:
+                return self.modules[max(owners, key=len)]
+        return current
 
 
 def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map, default: torch.device) -> Placement:

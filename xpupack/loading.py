@@ -20,8 +20,10 @@ from torch import nn
 
 from . import _background, _device, _hooks, _inference, device_slots, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
+from ._weights_io import stored_tensors
 from .backends.base import Backend, ModuleSpec, Target, backend_from_json, check_against_original
 from .candidate import Candidate
+from .digests import Digests
 from .environment import environment
 from .errors import (
     BackendError,
@@ -35,9 +37,10 @@ from .errors import (
 from .hub import resolve_source
 from .limits import LoadLimits
 from .limits import check_package as check_limits
-from .manifest import check_package, listed_files, module_slot
+from .manifest import listed_files, module_slot, open_package
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
+from .shards import read_weight_map
 from .signature import dtype_name
 from .source import Source
 from .spec import read_module_spec
@@ -202,8 +205,10 @@ class _Verified:
     #: the load's context: its first device, both environments, trust and ``on_mismatch``
     context: Context
     jobs: list[_ModuleLoad]
-    #: the package's weights on the device they are read to, None for a package without weights
-    weights: dict[str, torch.Tensor] | None
+    #: the weights files in the order they are read, empty for a package without weights
+    weights: list[str]
+    #: the weights files' digests, checked while they are read (`manifest.open_package`)
+    digests: Digests
 
 
 def _verify(
@@ -217,27 +222,29 @@ def _verify(
     overrides: dict,
 ) -> _Verified:
     """Everything that can be checked before the model is touched: the package, its limits, the model's
-    architecture, where each module goes, what runs it here, and the weights with their ties."""
+    architecture, where each module goes and what runs it here. The weights' digests are still being checked
+    when it returns (`manifest.open_package`); an error raised meanwhile gives way to a failed digest."""
     # the checks `xpupack verify` makes, so that the two never disagree on a damaged package
-    manifest = check_package(source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted)
-    check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
-    check_architecture(model, manifest, source.root)
-    placement = device_slots.resolve_placement(
-        model, manifest, device=device, device_map=device_map, default=_device.model_device(model)
+    manifest, digests = open_package(
+        source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted
     )
-    here = environment(placement.first)
-    build_devices = device_slots.manifest_devices(manifest, source.root)
-    context = Context(
-        placement.first, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch
-    )
-    jobs = [
-        _module_load(model, module, source, build_devices, placement, context, overrides)
-        for module in manifest["modules"]
-    ]
-    weights = _read_weights(source.root, manifest, device_slots.read_device(model, placement))
-    if weights is not None:
-        _check_ties(model, weights, manifest, source.root)
-    return _Verified(source, manifest, placement, context, jobs, weights)
+    with digests.reported_first():
+        check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
+        check_architecture(model, manifest, source.root)
+        placement = device_slots.resolve_placement(
+            model, manifest, device=device, device_map=device_map, default=_device.model_device(model)
+        )
+        here = environment(placement.first)
+        build_devices = device_slots.manifest_devices(manifest, source.root)
+        context = Context(
+            placement.first, here, manifest["environment"], source.trusted, untrusted_why(source), on_mismatch
+        )
+        jobs = [
+            _module_load(model, module, source, build_devices, placement, context, overrides)
+            for module in manifest["modules"]
+        ]
+        weights = list(read_weight_map(source.root, manifest))
+    return _Verified(source, manifest, placement, context, jobs, weights, digests)
 
 
 def _install(
@@ -254,7 +261,9 @@ def _install(
     try:
         if previous is not None:  # loading again replaces the earlier tuning
             _set_aside(model, previous, edit)
-        _place_tensors(edit, model, verified.weights, verified.placement)
+        with verified.digests.reported_first():
+            _place_tensors(edit, model, verified)
+            verified.digests.wait()  # nothing runs on the weights before their digests are in
         edit.set_eval(model)
         clock.lap("weights")
         modules = _restore_modules(verified, edit, clock, progress=progress, defer=defer)
@@ -429,47 +438,6 @@ def untrusted_why(source: Source) -> str:
     return source.untrusted_why
 
 
-def _read_weights(root: Path, manifest: dict, device: torch.device) -> dict[str, torch.Tensor] | None:
-    relative = manifest["model"]["weights"]
-    if relative is None:
-        return None
-    from safetensors.torch import load_file
-
-    # `check_package` (`manifest.check_weights`) checked the header: names, shapes, dtypes, aliases
-    tensors = load_file(str(root / relative), device=str(device))
-    for alias, name in manifest["model"]["aliases"].items():
-        tensors[alias] = tensors[name]
-    expected = manifest["model"]["tensors"]
-    if any(dtype_name(tensor.dtype) != expected[name]["dtype"] for name, tensor in tensors.items()):
-        raise PackageFormatError(
-            f"{root / relative} holds a tensor of another dtype than the manifest's; rebuild the package", path=relative
-        )  # a dtype safetensors' codes leave open
-    return tensors
-
-
-def _check_ties(model: nn.Module, weights: dict[str, torch.Tensor], manifest: dict, root: Path) -> None:
-    """Names that share one tensor in the model (tied weights) must get one value from the package.
-
-    Otherwise installing the weights would keep whichever came last, and the
-    model would compute something the packaged model never did.
-    """
-    groups: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-    for names in groups.values():
-        stored = [name for name in names if name in weights]
-        first = stored[0] if stored else None
-        for name in stored[1:]:
-            if weights[name] is not weights[first] and not torch.equal(weights[name], weights[first]):
-                raise ModelMismatchError(
-                    f"{type(model).__name__} ties {first} and {name} (one tensor), but the package at {root} "
-                    f"stores different values for them (built from {manifest['model']['class']}, which does not "
-                    "tie them) — build the model with the same weight tying as the package",
-                    expected="untied",
-                    actual="tied",
-                )
-
-
 def _restore_shared(manifest: dict, source: Source, jobs: list[_ModuleLoad], context: Context) -> None:
     """Artifacts that a backend saved once for all its modules (Inductor's cache), for what runs them now.
 
@@ -578,21 +546,104 @@ def _restore_failed(job: _ModuleLoad, context: Context, exc: Exception) -> Tuned
     return tuned
 
 
-def _place_tensors(
-    edit: ModelEdit, model: nn.Module, weights: dict[str, torch.Tensor] | None, placement: device_slots.Placement
-) -> None:
-    """Installs the package's weights, each tensor on the device the placement gives it (`xpupack.device_slots`):
-    with ``device=`` everything moves there; with ``device_map=`` each tuned module's tensors move to its
-    slot's device; otherwise every tensor stays where it is. A DTensor gets its shard of the full weight."""
-    paths = sorted(placement.modules, key=len, reverse=True) if placement.moves_modules else []
-    placed = {}
-    for _module, state_name, _name, tensor in named_tensors(model):
-        new = weights.get(state_name, tensor) if weights is not None else tensor
+def _place_tensors(edit: ModelEdit, model: nn.Module, verified: _Verified) -> None:
+    """Installs the package's weights, streamed from its files a tensor at a time, and puts each of the model's
+    tensors on the device the placement gives it (`xpupack.device_slots`): with ``device=`` everything moves
+    there; with ``device_map=`` each tuned module's tensors move to its slot's device; otherwise every tensor
+    stays where it is. A DTensor gets its shard of the full weight.
+
+    Device memory: a tensor that stays on its accelerator is written in place (`ModelEdit.copy_into`, its old
+    values kept in host memory for a rollback), one that moves or lives in host memory is replaced by a copy
+    on its device (`ModelEdit.replace_tensor`): past the model's own, a load allocates nothing on a device.
+    """
+    manifest, placement = verified.manifest, verified.placement
+    tensors: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
+    for module, state_name, name, tensor in named_tensors(model):
+        tensors[state_name] = (module, name, tensor)
+    takers: dict[str, list[str]] = {}  # stored name -> the model's names that take its value
+    for alias, stored in manifest["model"]["aliases"].items():
+        takers.setdefault(stored, []).append(alias)
+    installed = _Installed(edit, placement, manifest, verified.source.root, type(model).__name__)
+    for stored, value in stored_tensors(verified.source.root, verified.weights, verified.digests):
+        for state_name in [stored, *takers.get(stored, ())]:
+            installed.put(state_name, *tensors[state_name], value, stored)
+    for state_name, (module, name, tensor) in tensors.items():
+        installed.move(state_name, module, name, tensor)
+
+
+class _Installed:
+    """The tensors of the model a load has installed or moved so far: a tensor that two names share (tied
+    weights, in one Parameter object) is written once, and must get one value from the package."""
+
+    def __init__(self, edit: ModelEdit, placement: device_slots.Placement, manifest: dict, root: Path, model: str):
+        self.edit, self.placement, self.manifest, self.root, self.model = edit, placement, manifest, root, model
+        #: id of a tensor of the model -> (the stored name it took, the tensor that holds its value now)
+        self.done: dict[int, tuple[str | None, torch.Tensor]] = {}
+
+    def put(
+        self, state_name: str, module: nn.Module, name: str, tensor: torch.Tensor, value: torch.Tensor, stored: str
+    ) -> None:
+        """``value`` (a CPU tensor over the file) into the model's ``state_name``, on the device it goes to."""
+        self._check(state_name, value, stored)
+        if id(tensor) in self.done:
+            self._check_tie(state_name, tensor, value, stored)
+            return
         if distributed.is_dtensor(tensor):
-            if new is not tensor:
-                edit.copy_into(tensor.to_local(), distributed.local_shard(tensor, new))
-            continue
-        owner = next((path for path in paths if not path or state_name.startswith(path + ".")), None)
-        target = placement.everything or (placement.modules[owner] if owner is not None else tensor.device)
-        placed[state_name] = new.to(target)
-    edit.set_tensors(model, placed, placement.everything)
+            self.edit.copy_into(tensor.to_local(), distributed.local_shard(tensor, value))  # type: ignore[attr-defined]
+            self.done[id(tensor)] = (stored, tensor)
+            return
+        device = self.placement.tensor_device(state_name, tensor.device)
+        if device == tensor.device and device.type != "cpu":
+            self.edit.copy_into(tensor, value)  # stays on its accelerator: in place, the old values to the host
+            self.done[id(tensor)] = (stored, tensor)
+        else:  # moves, or lives on the host: a copy (never the file's memory map) takes its place
+            new = value.to(device, copy=True)
+            self.edit.replace_tensor(module, name, tensor, new)
+            self.done[id(tensor)] = (stored, new)
+
+    def move(self, state_name: str, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """A tensor the package does not store (owned by a backend, or no weights): to its device, if it moves."""
+        if id(tensor) in self.done:
+            new = self.done[id(tensor)][1]
+            if name in module._buffers and module._buffers[name] is not new:  # a buffer another module shares
+                self.edit.replace_tensor(module, name, tensor, new)
+            return
+        device = self.placement.tensor_device(state_name, tensor.device)
+        if distributed.is_dtensor(tensor) or device == tensor.device:
+            return
+        new = tensor.to(device)
+        self.edit.replace_tensor(module, name, tensor, new)
+        self.done[id(tensor)] = (None, new)
+
+    def _check(self, state_name: str, value: torch.Tensor, stored: str) -> None:
+        """The stored tensor has the manifest's shape and dtype (`shards.check_weights` read the header; a dtype
+        safetensors' codes leave open is checked here, and a file changed since is caught before any copy)."""
+        expected = self.manifest["model"]["tensors"][state_name]
+        if dtype_name(value.dtype) != expected["dtype"] or list(value.shape) != expected["shape"]:
+            raise PackageFormatError(
+                f"{self.root}: the stored tensor {stored!r} is a {dtype_name(value.dtype)}{list(value.shape)}, the "
+                f"manifest says {expected['dtype']}{expected['shape']} for {state_name}; rebuild the package",
+                path=self.manifest["model"]["weights"],
+            )
+
+    def _check_tie(self, state_name: str, tensor: torch.Tensor, value: torch.Tensor, stored: str) -> None:
+        """Names that share one tensor in the model (tied weights) must get one value from the package.
+
+        Otherwise installing the weights would keep whichever came first, and the model would compute
+        something the packaged model never did.
+        """
+        first, holder = self.done[id(tensor)]
+        if first == stored:  # an alias: the package stores the two once
+            return
+        current = holder.to_local() if distributed.is_dtensor(holder) else holder  # type: ignore[attr-defined]
+        if distributed.is_dtensor(tensor):
+            value = distributed.local_shard(tensor, value)
+        if not torch.equal(current, value.to(current.device)):
+            one, other = sorted((first, state_name))
+            raise ModelMismatchError(
+                f"{self.model} ties {one} and {other} (one tensor), but the package at {self.root} stores "
+                f"different values for them (built from {self.manifest['model']['class']}, which does not tie them) "
+                "— build the model with the same weight tying as the package",
+                expected="untied",
+                actual="tied",
+            )
