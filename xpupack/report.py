@@ -37,6 +37,7 @@ from .manifest import (
     read_manifest,
     read_spec,
 )
+from .shards import weights_data
 from .source import Source
 
 
@@ -269,6 +270,9 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             "class": manifest["model"]["class"],
             "tensors": len(manifest["model"]["tensors"]),
             "weights": manifest["model"]["weights"],
+            # one model.safetensors, or its shards (`xpupack.shards`): how many, and their bytes
+            "weights_files": len(weights_data(manifest)),
+            "weights_bytes": sum(manifest["files"][name]["size"] for name in weights_data(manifest)),
         },
         "modules": modules,
         "recording_memory_bytes": sum(m["recorded"]["memory_bytes"] for m in modules if m["recorded"]),

@@ -43,8 +43,7 @@ def print_report(report: dict, out) -> None:
     )
     out.print(
         f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
-        f"weights {'stored' if report['model']['weights'] else 'not stored'}; "
-        f"package {byte_size(report['total_bytes'])}"
+        f"{_weights(report['model'])}; package {byte_size(report['total_bytes'])}"
         + (
             f"; recordings at build {byte_size(report['recording_memory_bytes'])}"
             if report["recording_memory_bytes"]
@@ -81,6 +80,15 @@ def print_report(report: dict, out) -> None:
         backend = "\n".join([module["backend"], *map(escape, module.get("settings", []))])
         table.add_row(name, backend, signatures, candidates, module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
+
+
+def _weights(model: dict) -> str:
+    """``weights in model.safetensors (12.0 MiB)``, ``weights in 4 shards (15.0 GiB)`` or ``weights not stored``."""
+    if not model["weights"]:
+        return "weights not stored"
+    files = model["weights_files"]
+    where = "model.safetensors" if files == 1 else f"{files} shards"
+    return f"weights in {where} ({byte_size(model['weights_bytes'])})"
 
 
 def _inductor_line(carried: dict) -> str:
