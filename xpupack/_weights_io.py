@@ -24,8 +24,10 @@ import queue
 import struct
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ from .shards import SAFETENSORS_DTYPES, WEIGHTS, WEIGHTS_INDEX, index_json, plan
 _CODES = {getattr(torch, name): code for code, name in SAFETENSORS_DTYPES.items() if hasattr(torch, name)}
 #: shards written at once, at most (each by a thread, with a thread hashing it)
 _MAX_WRITERS = 4
+#: files a load hashes at once, at most: sha256 runs at one core's speed, and a load's copies want one too
+_HASHING_AT_ONCE = max(1, min((os.cpu_count() or 1) - 1, 8))
 #: tensors handed to the hashing thread and not yet hashed, at most (each is held on the host until then)
 _IN_FLIGHT = 4
 
@@ -129,51 +133,69 @@ def stored_tensors(root: Path, files: list[str], digests: Digests | None = None)
     data (sequential reads). Each tensor is on the CPU over safetensors' memory map of the file: copy it
     before taking the next.
 
-    A file ``digests`` needs is hashed on the way, in a worker thread, from the same memory: its header as
+    A file ``digests`` needs is hashed on the way by a worker thread, from the same memory: its header as
     read from the file, then each tensor's bytes in order — the whole file, as safetensors refuses a header
-    whose tensors leave a byte of the file out. The digest goes to ``digests`` once the file is read to its end.
+    whose tensors leave a byte of the file out. The copies never wait for the hashing: a file's memory map
+    stays open until its thread is done, the next file is read meanwhile (up to one file per core being
+    hashed at once), and each digest goes to ``digests`` once its file is hashed to its end.
     """
     from safetensors import safe_open
 
-    for file in files:
-        with safe_open(str(root / file), framework="pt", device="cpu") as stored:
-            hashing = _Hashing(root / file) if digests is not None and digests.needs(file) else None
-            try:
-                for name in stored.offset_keys():
-                    tensor = stored.get_tensor(name)
-                    if hashing is not None:
-                        hashing.feed(_memory(tensor))
-                    yield name, tensor
-                if hashing is not None:
-                    digests.hashed(file, hashing.finish())  # type: ignore[union-attr]
-            finally:
-                if hashing is not None:
-                    hashing.finish()  # before the memory map closes: the thread may still read it
+    hashing: deque[tuple[str, _Hashing, ExitStack]] = deque()  # files being hashed, oldest first
+    try:
+        for file in files:
+            opened = ExitStack()
+            stored = opened.enter_context(safe_open(str(root / file), framework="pt", device="cpu"))
+            if digests is None or not digests.needs(file):
+                with opened:
+                    for name in stored.offset_keys():
+                        yield name, stored.get_tensor(name)
+                continue
+            hashing.append((file, _Hashing(root / file), opened))
+            while len(hashing) > _HASHING_AT_ONCE:
+                _hashed(digests, *hashing.popleft())
+            for name in stored.offset_keys():
+                tensor = stored.get_tensor(name)
+                hashing[-1][1].feed(_memory(tensor))
+                yield name, tensor
+            hashing[-1][1].feed(None)
+        while hashing:
+            _hashed(digests, *hashing.popleft())  # type: ignore[arg-type]
+    finally:  # stopped early: the threads end before the memory maps they read close
+        for _file, hasher, opened in hashing:
+            hasher.feed(None)
+            hasher.finish()
+            opened.close()
+
+
+def _hashed(digests: Digests, file: str, hasher: _Hashing, opened: ExitStack) -> None:
+    """Waits for ``file``'s hashing, closes its memory map, hands its digest to ``digests``."""
+    with opened:
+        digests.hashed(file, hasher.finish())
 
 
 class _Hashing:
-    """The sha256 of one file, computed in a worker thread from what `feed` hands it, starting from its header."""
+    """The sha256 of one file, computed in a worker thread from what `feed` hands it (None: the end), starting
+    from its header."""
 
     def __init__(self, path: Path):
         self._digest = hashlib.sha256()
         with path.open("rb") as stream:
             (length,) = struct.unpack("<Q", stream.read(8))
             self._digest.update(struct.pack("<Q", length) + stream.read(length))  # safetensors checked the length
-        self._pending: queue.Queue = queue.Queue(maxsize=_IN_FLIGHT)
+        # unbounded: the chunks are views of the memory map (nothing is copied), and the copies must not wait
+        self._pending: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="xpupack-sha256", daemon=True)
         self._thread.start()
-        self._result: str | None = None
 
     def _run(self) -> None:
         while (chunk := self._pending.get()) is not None:
             self._digest.update(chunk)
 
-    def feed(self, chunk: memoryview) -> None:
+    def feed(self, chunk: memoryview | None) -> None:
         self._pending.put(chunk)
 
     def finish(self) -> str:
-        if self._result is None:
-            self._pending.put(None)
-            self._thread.join()
-            self._result = self._digest.hexdigest()
-        return self._result
+        """The digest, once everything fed is hashed (the end must have been fed)."""
+        self._thread.join()
+        return self._digest.hexdigest()
