@@ -111,6 +111,10 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
             for chunk in chunks:
                 pending.put(chunk)
                 stream.write(chunk)
+            # the save flushes every file to disk before the package is complete (`_fsutil.replace_dir`):
+            # done here, it runs while the hashing catches up
+            stream.flush()
+            os.fsync(stream.fileno())
     finally:
         pending.put(None)
         hasher.join()
