@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -564,9 +565,11 @@ def _place_tensors(edit: ModelEdit, model: nn.Module, verified: _Verified) -> No
     for alias, stored in manifest["model"]["aliases"].items():
         takers.setdefault(stored, []).append(alias)
     installed = _Installed(edit, placement, manifest, verified.source.root, type(model).__name__)
-    for stored, value in stored_tensors(verified.source.root, verified.weights, verified.digests):
-        for state_name in [stored, *takers.get(stored, ())]:
-            installed.put(state_name, *tensors[state_name], value, stored)
+    # closed at once on an error: its hashing threads end and its memory maps close before the rollback
+    with closing(stored_tensors(verified.source.root, verified.weights, verified.digests)) as stream:
+        for stored, value in stream:
+            for state_name in [stored, *takers.get(stored, ())]:
+                installed.put(state_name, *tensors[state_name], value, stored)
     for state_name, (module, name, tensor) in tensors.items():
         installed.move(state_name, module, name, tensor)
 
