@@ -605,7 +605,9 @@ class _Installed:
             self.done[id(tensor)] = (stored, new)
 
     def move(self, state_name: str, module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        """A tensor the package does not store (owned by a backend, or no weights): to its device, if it moves."""
+        """Every tensor of the model once the weights are in: one the package does not store (a backend owns it, or
+        there are no weights) moves to its device if it goes elsewhere; a buffer that another module's entry
+        shares, and that was replaced, is replaced by the same tensor here too."""
         if id(tensor) in self.done:
             new = self.done[id(tensor)][1]
             if name in module._buffers and module._buffers[name] is not new:  # a buffer another module shares
