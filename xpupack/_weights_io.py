@@ -25,7 +25,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from itertools import chain
@@ -132,7 +132,9 @@ def _memory(tensor: torch.Tensor) -> memoryview:
     return memoryview(array)
 
 
-def stored_tensors(root: Path, files: list[str], digests: Digests | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def stored_tensors(
+    root: Path, files: list[str], digests: Digests | None = None
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     """``(stored name, tensor)`` for every tensor of ``files``, a file at a time and in the order of the file's
     data (sequential reads). Each tensor is on the CPU over safetensors' memory map of the file: copy it
     before taking the next.
