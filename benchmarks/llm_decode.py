@@ -199,8 +199,9 @@ def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple
     return batch * new / seconds, tokens[0, :16].tolist(), served
 
 
-def greedy_generate(model, settings: Settings, batch: int):
-    """``generate()`` of ``settings.new_tokens`` greedy tokens with a static cache, as served and as tuned."""
+def greedy_generate(model, settings: Settings, batch: int, **options):
+    """``generate()`` of ``settings.new_tokens`` greedy tokens with a static cache, as served and as tuned;
+    ``options`` go to ``generate()`` too (``stopping_criteria=``, ``disable_compile=``)."""
     import torch
 
     with torch.no_grad():
@@ -210,6 +211,7 @@ def greedy_generate(model, settings: Settings, batch: int):
             min_new_tokens=settings.new_tokens,
             do_sample=False,
             cache_implementation="static",
+            **options,
         )
 
 
@@ -588,9 +590,10 @@ def step_profile(model, settings: Settings, batch: int, step_us: float | None = 
     return summary
 
 
-def hand_graph(model, settings: Settings, compiled: bool):
+def hand_graph(model, settings: Settings, compiled: bool, capture: bool = True):
     """A CUDA graph captured by hand around one decode step (Inductor-compiled or eager) on a fixed cache;
-    returns ``step(cache, batch)``, the decode loop through it."""
+    returns ``step(cache, batch)``, the decode loop through it. ``capture=False`` (a CPU, which has no
+    device graphs) runs the step itself for every token."""
     import torch
 
     from support.language_models import cache_argument
@@ -619,18 +622,22 @@ def hand_graph(model, settings: Settings, compiled: bool):
         tokens = []
         with torch.no_grad():
             ids = settings.ids(batch)
-            extra = {"cache_position": torch.arange(PROMPT, device=device)} if positions_too else {}
+            length = ids.shape[1]
+            extra = {"cache_position": torch.arange(length, device=device)} if positions_too else {}
             logits = model(
                 input_ids=ids,
                 **{name: cache},
                 use_cache=True,
-                position_ids=torch.arange(PROMPT, device=device)[None],
+                position_ids=torch.arange(length, device=device)[None],
                 **extra,
             ).logits
             for number in range(new_tokens):
                 token.copy_(logits[:, -1:].argmax(-1))
                 tokens.append(token.clone())
-                position.fill_(PROMPT + number)
+                position.fill_(length + number)
+                if not capture:
+                    logits = decode()
+                    continue
                 key = id(cache)
                 if key not in graphs:  # first step runs for real (warm-up, compile), then capture
                     logits = decode()

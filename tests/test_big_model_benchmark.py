@@ -1,0 +1,110 @@
+"""benchmarks/big_model.py on a CPU: when full speed starts, what a stopped process leaves, the budget, and
+(slow) a tiny end-to-end run whose JSON has every field. Its timings mean nothing here: the Llama-3-8B
+figures come from a GPU run (docs/benchmarks.md)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import big_model
+
+TINY = [
+    "--device",
+    "cpu",
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--intermediate",
+    "128",
+    "--vocab",
+    "256",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--new-tokens",
+    "8",
+    "--prompt",
+    "8",
+]
+#: figures that are positive whenever their phase ran
+POSITIVE = [
+    "tune_s",
+    "save_s",
+    "save_gb_s",
+    "package_gb",
+    "load_s",
+    "load_gb_s",
+    "load_to_first_token_s",
+    "slowest_generate_tokens_s",
+    "steady_tokens_s",
+    "decode_tokens_s",
+    "hand_decode_tokens_s",
+    "decode_vs_hand",
+    "ttft_s",
+    "hand_ttft_s",
+    "ttft_vs_hand",
+]
+
+
+def test_full_speed_starts_with_the_last_run_of_generates_at_nine_tenths_of_steady_or_never():
+    starts = [1.0, 2.0, 3.0, 4.0]
+    assert big_model.full_speed_at(starts, [10, 95, 100, 100], steady=100) == 2.0
+    assert big_model.full_speed_at(starts, [95, 50, 100, 100], steady=100) == 3.0  # a slow one after a fast one
+    assert big_model.full_speed_at(starts, [90, 95, 100, 100], steady=100) == 1.0  # 0.9× counts as full speed
+    assert big_model.full_speed_at(starts, [100, 100, 100, 50], steady=100) is None
+
+
+def test_a_stopped_process_names_the_phase_it_was_in_and_skips_the_rest():
+    found = {"phases": {"prepare": "ok", "load": "ok"}, "load_s": 1.0}
+    big_model.unfinished(found, "serve", "stopped by the --budget while it ran")
+    assert found["errors"] == {"series": "stopped by the --budget while it ran"}
+    after = big_model.PHASES["serve"][3:]
+    assert found["skipped"] == dict.fromkeys(after, "series did not finish")
+    assert list(found["phases"]) == big_model.PHASES["serve"] and found["load_s"] == 1.0
+
+
+def test_the_processes_get_the_runs_settings():
+    args = big_model.parser().parse_args([*TINY, "--batch", "2", "--seconds", "5"])
+    again = big_model.parser().parse_args(big_model.child_arguments(args))
+    assert big_model.Shape.of(again) == big_model.Shape.of(args) and again.seconds == 5
+
+
+@pytest.mark.slow  # a fresh process, stopped by the budget
+def test_a_spent_budget_stops_the_build_and_still_prints_every_field(tmp_path, capsys):
+    report = big_model.main([*TINY, "--budget", "1", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert json.loads(capsys.readouterr().out) == report == json.loads((tmp_path / "r.json").read_text())
+    assert set(big_model.FIELDS) <= set(report) and report["tune_s"] is None
+    assert report["errors"] == {"tune": "stopped by the --budget while it ran"}
+    assert report["skipped"] == {"save": "tune did not finish", "serve": "no package: the build did not finish"}
+
+
+@pytest.mark.slow  # two fresh processes: a tune and a load on empty compiler caches, with Inductor
+def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, capsys):
+    report = big_model.main([*TINY, "--seconds", "2", "--workdir", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out) == report
+    assert report["errors"] == {} and report["skipped"] == {}, report
+    assert set(report["phases"]) == {name for names in big_model.PHASES.values() for name in names}
+    assert set(report["phases"].values()) == {"ok"}
+    for field in POSITIVE:
+        assert isinstance(report[field], (int, float)) and report[field] > 0, field
+    assert report["extra_device_memory_gb"] >= 0
+    series = report["time_series"]
+    assert series and all(tokens_s > 0 for _, tokens_s in series)
+    assert [t for t, _ in series] == sorted(t for t, _ in series) and series[-1][0] >= 2
+    assert report["load_to_first_token_s"] < series[0][0]
+    full_speed = report["time_to_full_speed_s"]
+    assert full_speed is None or 0 < full_speed <= series[-1][0]
+    assert all(isinstance(name, str) for name in report["threads_alive_after_load"])
+    stats = report["stats"]
+    assert stats["calls"] > 0 and set(stats["backends"]) == set(report["tuned_backends"]) == {"<model>"}
+    assert 0 <= report["prefill_fallbacks"] <= stats["fallbacks"]
+    assert isinstance(report["tokens_equal"], bool)
+    assert (report["first_differing_position"] is None) == report["tokens_equal"]
+    assert report["hand"] == "the torch.compile'd step (no graphs on a CPU)" and report["device_name"] == "cpu"
+    assert isinstance(report["torch"], str) and isinstance(report["transformers"], str)
