@@ -410,3 +410,27 @@ def test_inspect_never_unpickles_a_mega_cache_it_cannot_read(built, tmp_path):
     table = CliRunner().invoke(main, ["inspect", str(package)]).output
     assert "mega-cache not read" in re.sub(r"\s+", " ", table)
     assert not marker.exists()
+
+
+def test_inspect_reads_a_large_mega_cache_a_block_at_a_time(built, tmp_path):
+    """A hostile package's cache.bin may be a sparse file of 64 GiB (a MemoryError when read whole): inspect
+    reads it a block at a time, so a cache of 256 MiB costs it no more than a few MiB."""
+    import tracemalloc
+
+    from xpupack.report import package_report
+
+    package = _with_mega_cache(built[0], tmp_path / "pkg", b"")
+    cache = package / "backends" / "inductor" / "cache.bin"
+    with cache.open("wb") as stream:
+        stream.truncate(256 * 2**20)  # sparse: costs no disk
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["files"]["backends/inductor/cache.bin"]["size"] = cache.stat().st_size  # inspect checks no digest
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    tracemalloc.start()
+    try:
+        carried = package_report(package)["inductor_artifacts"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "its CRC-32 does not match" in carried["unreadable"] and carried["bytes"] == 256 * 2**20
+    assert peak < 16 * 2**20, f"inspect held {peak / 2**20:.0f} MiB"

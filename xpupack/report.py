@@ -196,8 +196,8 @@ def inductor_artifacts(manifest: dict, root: Path) -> dict | None:
     unreadable = {}
     if CACHE in config:
         try:
-            cache = artifact_file(root / folder, config[CACHE])
-            counts = artifact_counts(cache.read_bytes(), f"{folder}/{config[CACHE]}")
+            with artifact_file(root / folder, config[CACHE]).open("rb") as cache:
+                counts = artifact_counts(cache, f"{folder}/{config[CACHE]}")
         except (XpupackError, OSError) as exc:
             counts, unreadable = None, {"unreadable": str(exc)}
     kernels = config.get(KERNELS, [])
