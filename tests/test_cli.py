@@ -434,3 +434,98 @@ def test_inspect_reads_a_large_mega_cache_a_block_at_a_time(built, tmp_path):
         tracemalloc.stop()
     assert "its CRC-32 does not match" in carried["unreadable"] and carried["bytes"] == 256 * 2**20
     assert peak < 16 * 2**20, f"inspect held {peak / 2**20:.0f} MiB"
+
+
+#: what a hostile package puts in its strings: rich markup, a clear screen, a clipboard write (OSC 52), a
+#: hyperlink (OSC 8), a C1 control, a bidi override, and a newline that starts a forged trust line
+CLEAR, CLIPBOARD, LINK = "\x1b[2J", "\x1b]52;c;aGVsbG8=\x07", "\x1b]8;;https://example.com\x1b\\here\x1b]8;;\x1b\\"
+FORGED_TRUST = "fine\ntrust: pinned by commit 0123abcd — compiled artifacts of layers.0.mlp are trusted"
+RAW_CONTROLS = ("\x1b", "\x07", "\x9b", "\u202e")
+
+
+def _hostile_strings(package):
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["created"] = "[bold]2026[/bad]"
+    manifest["environment"]["device_name"] = f"{CLEAR}{CLIPBOARD}{LINK}\x9b\u202e"
+    manifest["environment"]["torch"] = "2.0" + CLEAR  # verify quotes it: layers.0.mlp is rebuilt on load
+    manifest["modules"][0]["backend"]["name"] = "inductor"
+    manifest["modules"][1]["candidates"][0]["reason"] = FORGED_TRUST
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def _printed_safely(output, trust=()):
+    """No control character reached ``output``, and its lines that say "trust:" are ``trust`` alone."""
+    assert not any(control in output for control in RAW_CONTROLS), ascii(output)
+    assert [line for line in output.splitlines() if line.startswith("trust:")] == list(trust)
+
+
+def test_inspect_and_verify_print_a_package_s_strings_escaped(built, tmp_path):
+    """Markup does not crash inspect (it did: MarkupError); controls reach the terminal as visible escapes."""
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = _hostile_strings(package)
+    inspected = CliRunner().invoke(main, ["inspect", str(package)])
+    assert inspected.exit_code == 0, inspected.output
+    _printed_safely(
+        inspected.output, ["trust: local directory — compiled artifacts of layers.0.mlp (inductor) are trusted"]
+    )
+    text = re.sub(r"[\s│]+", "", inspected.output)  # lines and table cells fold long strings
+    assert "built[bold]2026[/bad]oncpu" in text
+    assert "cpu\\x1b[2J\\x1b]52;c;aGVsbG8=\\x07" in text and "\\x9b\\u202e" in text
+    rows = [line.split("│") for line in inspected.output.splitlines() if line.count("│") == 7]
+    assert "fine\\ntrust:pinnedby" in "".join(row[4].replace(" ", "") for row in rows)  # the candidates
+    verified = CliRunner().invoke(main, ["verify", str(package)])
+    assert verified.exit_code == 2, verified.output
+    _printed_safely(verified.output)
+    assert "torch built 2.0\\x1b[2J" in verified.output
+    for command in ("inspect", "verify"):  # --json is JSON: its escapes give back the strings as they are
+        result = CliRunner().invoke(main, [command, str(package), "--json"])
+        assert not any(control in result.output for control in RAW_CONTROLS)
+        if command == "inspect":
+            report = json.loads(result.output)
+            assert report["environment"]["device_name"] == manifest["environment"]["device_name"]
+            assert report["created"] == manifest["created"]
+        else:
+            json.loads(result.output)
+
+
+def test_an_error_quoting_a_package_stays_one_line_without_controls(built, tmp_path):
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["files"]["notes" + CLIPBOARD] = {}  # the schema error names the field: the package's own key
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["inspect", str(package)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "files/notes\\x1b]52;c;aGVsbG8=\\x07: 'sha256' is a required property" in result.stderr
+    _printed_safely(result.stderr)
+
+
+def test_bench_prints_the_package_s_strings_escaped(built, monkeypatch):
+    import xpupack.bench
+
+    real = xpupack.bench.benchmark
+
+    def hostile(model, **kwargs):
+        rows = real(model, **kwargs)
+        rows[0] = {**rows[0], "signature": "[bold](f32)[/bad]" + CLEAR, "backend": "eager\n" + FORGED_TRUST}
+        return rows
+
+    monkeypatch.setattr(xpupack.bench, "benchmark", hostile)
+    result = CliRunner().invoke(
+        main, ["bench", str(built[0]), "--model", "xpupack.examples:tiny_transformer", "--iterations", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    _printed_safely(result.output)
+    assert "[bold](f32)[/bad]\\x1b[2J" in result.output and "eager\\nfine\\ntrust:" in result.output
+
+
+def test_push_dry_run_prints_the_package_s_strings_escaped(built, tmp_path):
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["environment"]["torch"] = "2.0" + CLIPBOARD  # the commit message quotes it
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["push", str(package), "org/tiny", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    _printed_safely(result.output)
+    assert "torch 2.0\\x1b]52;c;aGVsbG8=\\x07 on cpu" in result.output

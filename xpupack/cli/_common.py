@@ -37,7 +37,7 @@ def handle_errors(command: Callable | None = None, *, exit_code: int = 1) -> Cal
             if os.environ.get("XPUPACK_DEBUG") == "1":
                 traceback.print_exc()
             label = "error" if isinstance(exc, XpupackError) else f"error ({type(exc).__name__})"
-            click.echo(f"{label}: {exc}", err=True)
+            click.echo(f"{label}: {printable(str(exc), markup=False)}", err=True)  # it may quote a package
             if not isinstance(exc, XpupackError) and os.environ.get("XPUPACK_DEBUG") != "1":
                 click.echo("set XPUPACK_DEBUG=1 for the full traceback", err=True)
             sys.exit(exit_code)
@@ -87,6 +87,29 @@ def byte_size(n: float) -> str:
     return str(n)
 
 
+def printable(value: Any, *, markup: bool = True) -> Any:
+    """Text from a package (which may be hostile), made safe to print: every character Python does not
+    call printable (controls such as newline, ESC and the C1 range, format characters such as bidi
+    overrides, separators but the space) becomes a visible escape (``\\n``, ``\\x1b``, ``\\u202e``), so a
+    package cannot clear the screen, write the clipboard, make links or start a line of its own; with
+    ``markup``, rich markup is escaped too, for printing with `console`.
+
+    A dict or list gets the same for every string in it, keys included; other values stay as they are.
+    """
+    if isinstance(value, dict):
+        return {printable(key, markup=markup): printable(item, markup=markup) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable(item, markup=markup) for item in value]
+    if not isinstance(value, str):
+        return value
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+    if markup:
+        from rich.markup import escape
+
+        text = escape(text)
+    return text
+
+
 def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
@@ -97,4 +120,4 @@ def console(stderr: bool = False):
 
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 160
-    return Console(file=stream, width=width, highlight=False)
+    return Console(file=stream, width=width, highlight=False, emoji=False)  # a package's ":name:" stays text

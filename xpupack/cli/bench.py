@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import byte_size, console, echo_json, handle_errors, import_object, json_option
+from ._common import byte_size, console, echo_json, handle_errors, import_object, json_option, printable
 
 
 @click.command()
@@ -64,6 +64,7 @@ def bench(package, model_factory, device, iterations, revision, as_json):
         return
     from rich.table import Table
 
+    rows, memory = printable(rows), printable(memory)  # module paths, signatures and reasons from the package
     table = Table(
         "module",
         "signature",
