@@ -529,3 +529,29 @@ def test_push_dry_run_prints_the_package_s_strings_escaped(built, tmp_path):
     assert result.exit_code == 0, result.output
     _printed_safely(result.output)
     assert "torch 2.0\\x1b]52;c;aGVsbG8=\\x07 on cpu" in result.output
+
+
+@pytest.mark.parametrize("linked", ["xpupack.json", "modules/layers.0.mlp/spec.json", "modules"])
+def test_inspect_refuses_a_symbolic_link_as_verify_does(built, tmp_path, linked):
+    """A link may point anywhere (another package, a huge or a private file): inspect never reads through
+    one, and says which it is, in verify's words."""
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    outside = tmp_path / "outside"
+    (package / linked).rename(outside)
+    (package / linked).symlink_to(outside, target_is_directory=outside.is_dir())
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(main, [command, str(package)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        message = re.sub(r"\s+", " ", result.output)
+        assert f"{package / linked} is a symbolic link" in message, message
+        assert "refuses to follow it" in message
+
+
+def test_inspect_does_not_read_a_mega_cache_through_a_symbolic_link(built, tmp_path):
+    package = _with_mega_cache(built[0], tmp_path / "pkg", b"")
+    cache = package / "backends" / "inductor" / "cache.bin"
+    cache.unlink()
+    cache.symlink_to(tmp_path / "elsewhere.bin")
+    (tmp_path / "elsewhere.bin").write_bytes(b"\0" * 64)
+    carried = _inspect_json(package)["inductor_artifacts"]
+    assert carried["artifacts"] is None and f"{cache} is a symbolic link" in carried["unreadable"]

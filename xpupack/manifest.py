@@ -224,6 +224,7 @@ def check_package(root: Path, *, links_within: Path | None = None, ignore_unlist
 
     Raises `PackageFormatError` or `IntegrityError` naming the first problem.
     """
+    refuse_link(root / MANIFEST, root, links_within)
     manifest = read_manifest(root)
     check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
     check_named_files(root, manifest)
@@ -617,7 +618,7 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
     listed = manifest["files"]
     for relative, expected in listed.items():
         path = root / relative
-        _refuse_link(path, root, links_within)
+        refuse_link(path, root, links_within)
         if not path.is_file():
             raise IntegrityError(
                 f"{path} is listed in the manifest but missing; the package is incomplete — rebuild or re-download it",
@@ -648,7 +649,7 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
         if relative.parts[0] in UNLISTED_DIRS_OK:
             continue
         if path.is_symlink() and relative.as_posix() not in listed:
-            _refuse_link(path, root, links_within)
+            refuse_link(path, root, links_within)
         # anything but a folder counts: a FIFO or socket has no business in a package either
         if not path.is_dir() and relative.as_posix() not in listed and relative.as_posix() not in UNLISTED_OK:
             raise IntegrityError(
@@ -658,7 +659,10 @@ def check_files(root: Path, manifest: dict, *, links_within: Path | None = None,
             )
 
 
-def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
+def refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
+    """Raises `IntegrityError` if ``path`` or a folder on its way from the package ``root`` is a symbolic
+    link, unless it resolves inside ``links_within`` (the Hub cache's blob store): a package's files are
+    read only where they are, never through a link out of it."""
     current = root
     for part in path.relative_to(root).parts:
         current = current / part

@@ -36,6 +36,7 @@ from .manifest import (
     package_slots,
     read_manifest,
     read_spec,
+    refuse_link,
 )
 from .source import Source
 
@@ -179,14 +180,15 @@ def _recorded(entry: dict) -> dict | None:
     return recorded
 
 
-def inductor_artifacts(manifest: dict, root: Path) -> dict | None:
+def inductor_artifacts(manifest: dict, root: Path, links_within: Path | None = None) -> dict | None:
     """What the package carries for Inductor (None: nothing), read without unpickling any of it.
 
     ``graphs`` and ``tuning_results`` count the mega-cache's ``inductor`` and ``autotune`` artifacts (the
     autotuned and coordinate-descent configs of Triton kernels, which a load would otherwise tune again),
     ``artifacts`` counts every type; all three are None where the mega-cache cannot be read
-    (``unreadable`` says why). ``kernel_sources`` counts the C++ sources carried with the libraries built
-    from them; ``bytes`` is everything in the backend's folder.
+    (``unreadable`` says why; a symbolic link is not followed, unless into ``links_within``, the Hub
+    cache). ``kernel_sources`` counts the C++ sources carried with the libraries built from them;
+    ``bytes`` is everything in the backend's folder.
     """
     shared = manifest["backends"].get("inductor")
     if not isinstance(shared, dict):
@@ -196,7 +198,9 @@ def inductor_artifacts(manifest: dict, root: Path) -> dict | None:
     unreadable = {}
     if CACHE in config:
         try:
-            with artifact_file(root / folder, config[CACHE]).open("rb") as cache:
+            path = artifact_file(root / folder, config[CACHE])
+            refuse_link(path, root, links_within)
+            with path.open("rb") as cache:
                 counts = artifact_counts(cache, f"{folder}/{config[CACHE]}")
         except (XpupackError, OSError) as exc:
             counts, unreadable = None, {"unreadable": str(exc)}
@@ -228,11 +232,13 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
     _check_on_mismatch(on_mismatch)
     source = source if isinstance(source, Source) else _local(source)
     root = source.root
+    refuse_link(root / MANIFEST, root, source.links_within)  # as `verify` does: no file read through a link
     manifest = read_manifest(root)
     compiled = compiled_backends(manifest)
     here = plans_here(manifest, source, device, on_mismatch)
     modules = []
     for entry in manifest["modules"]:
+        refuse_link(root / entry["spec"], root, source.links_within)
         spec = read_spec(root, entry)
         prefix = entry["folder"] + "/"
         modules.append(
@@ -272,7 +278,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         },
         "modules": modules,
         "recording_memory_bytes": sum(m["recorded"]["memory_bytes"] for m in modules if m["recorded"]),
-        "inductor_artifacts": inductor_artifacts(manifest, root),
+        "inductor_artifacts": inductor_artifacts(manifest, root, source.links_within),
         "files": {name: f["size"] for name, f in manifest["files"].items()},
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "trusted": source.trusted,
