@@ -555,3 +555,32 @@ def test_inspect_does_not_read_a_mega_cache_through_a_symbolic_link(built, tmp_p
     (tmp_path / "elsewhere.bin").write_bytes(b"\0" * 64)
     carried = _inspect_json(package)["inductor_artifacts"]
     assert carried["artifacts"] is None and f"{cache} is a symbolic link" in carried["unreadable"]
+
+
+@pytest.mark.parametrize(
+    "change, number",
+    [
+        (
+            lambda m: m["files"]["model.safetensors"].update(size=10**400),
+            "the integer 1" + "0" * 23 + "… is out of range",
+        ),
+        (lambda m: m["model"]["tensors"]["embed.weight"].update(shape=[2**63, 64]), "the integer 9223372036854775808"),
+        (lambda m: m["modules"][0]["candidates"][0].update(median_us=float("nan")), "NaN is not a JSON number"),
+        (lambda m: m["modules"][0]["candidates"][0].update(speedup=float("inf")), "Infinity is not a JSON number"),
+    ],
+)
+def test_numbers_out_of_range_are_a_format_error_not_an_overflow(built, tmp_path, change, number):
+    """10**400 as a file's size ended inspect in an OverflowError; NaN made its --json output invalid JSON."""
+    import xpupack
+    from xpupack.errors import PackageFormatError
+
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = json.loads((package / "xpupack.json").read_text())
+    change(manifest)
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    for command in (["inspect"], ["inspect", "--json"], ["verify"]):
+        result = CliRunner().invoke(main, [*command, str(package)])
+        assert result.exit_code == 1 and "error (" not in result.output and "NaN," not in result.output
+        assert f"xpupack.json is not valid JSON ({number}" in result.output.replace("\n", ""), result.output
+    with pytest.raises(PackageFormatError, match="is out of range|is not a JSON number"):
+        xpupack.load(xpupack.examples.tiny_transformer(), package)

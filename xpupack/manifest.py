@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -71,8 +72,8 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
             f"cannot read {where} ({exc}); the package is damaged — rebuild or re-download it", path=where
         ) from None
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # also integers too long to convert, nesting too deep
+        data = json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_not_json)
+    except (ValueError, RecursionError) as exc:  # also numbers out of range (below), nesting too deep
         raise PackageFormatError(
             f"{where} is not valid JSON ({str(exc)[:200]}); the package is damaged — rebuild it with `xpupack build`",
             path=where,
@@ -93,6 +94,31 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
         )
     validate(data, schema_name, where)
     return data
+
+
+#: the largest integer a package holds: sizes, shapes and counts are 64-bit wherever they are used, and
+#: Python's would reach code that does not expect ``10**400`` (a float of it overflows)
+_MAX_INT = 2**63 - 1
+
+
+def _bounded_int(text: str) -> int:
+    """An integer of a package's JSON, refused (``ValueError``) beyond 64 bits."""
+    if len(text.lstrip("-")) > len(str(_MAX_INT)) or abs(value := int(text)) > _MAX_INT:
+        raise ValueError(f"the integer {text[:24]}{'…' if len(text) > 24 else ''} is out of range (over 2**63 - 1)")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    """A number of a package's JSON, refused (``ValueError``) where it overflows to infinity (``1e400``)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:24]} is out of range")
+    return value
+
+
+def _not_json(name: str) -> float:
+    """``NaN`` and ``Infinity``, which Python's reader takes but JSON has not (``--json`` would print them)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def write_json(path: Path, data: dict) -> None:
