@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._fsutil import interrupted_save_of, moved_aside
+from .backends._megacache import artifact_counts
 from .errors import DestinationExistsError, IntegrityError, PackageFormatError, SaveError, XpupackError
 
 FORMAT_VERSION = 1
@@ -254,6 +255,7 @@ def check_package(root: Path, *, links_within: Path | None = None, ignore_unlist
     manifest = read_manifest(root)
     check_files(root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted)
     check_named_files(root, manifest)
+    check_mega_caches(root, manifest)
     check_weights(root, manifest)
     for entry in manifest["modules"]:
         read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
@@ -316,7 +318,19 @@ def check_named_files(root: Path, manifest: dict) -> None:
             )
 
 
-#: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is not compared
+def check_mega_caches(root: Path, manifest: dict) -> None:
+    """Every shared ``cache`` a backend config names (Inductor's mega-cache) is PyTorch's cache-artifact
+    container, as `inspect` reads it (a block at a time, no pickle): PyTorch's own loader, which a trusted
+    load runs, would only log that it cannot read one and leave the modules to compile here."""
+    for shared in manifest["backends"].values():
+        if CACHE in shared["config"]:
+            relative = f"{shared['folder']}/{shared['config'][CACHE]}"
+            with (root / relative).open("rb") as stream:
+                artifact_counts(stream, relative)
+
+
+#: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is refused: torch's
+#: reader either cannot read it or gives a dtype the manifest does not name
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -334,6 +348,9 @@ _SAFETENSORS_DTYPES = {
     "C64": "complex64",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
 }
 
 
@@ -367,11 +384,7 @@ def check_weights(root: Path, manifest: dict) -> None:
     expected = manifest["model"]["tensors"]
     for name, (shape, dtype) in header.items():
         spec = expected.get(name)
-        if (
-            spec is None
-            or list(shape) != spec["shape"]
-            or _SAFETENSORS_DTYPES.get(dtype, spec["dtype"]) != spec["dtype"]
-        ):
+        if spec is None or list(shape) != spec["shape"] or _SAFETENSORS_DTYPES.get(dtype) != spec["dtype"]:
             raise PackageFormatError(
                 f"{path}: tensor {name!r} does not match the manifest; rebuild the package", path=relative
             )

@@ -102,7 +102,8 @@ class _Reader:
     def damaged(self, what: str) -> PackageFormatError:
         return PackageFormatError(
             f"{self.where} is not PyTorch's cache-artifact container version {CONTAINER_VERSION}: {what}; "
-            "it was written by another torch, or is damaged — `xpupack verify` checks its digest",
+            "it was written by another torch, or is damaged — rebuild the package (`xpupack verify` checks "
+            "its digest)",
             path=self.where,
         )
 
