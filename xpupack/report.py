@@ -292,11 +292,13 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
 
     Raises:
         DeviceUnavailableError: ``device`` is not a device of this machine (nothing was checked).
+        LimitSettingError: an ``XPUPACK_MAX_*`` variable is not a positive whole number (nothing was checked).
     """
     from .environment import device_here, environment
 
     _check_on_mismatch(on_mismatch)
     here_device = device_here(device)
+    limits = LoadLimits.from_environment()  # a bad setting here is not the package's damage
     source = source if isinstance(source, Source) else _local(source)
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [], "compatibility": {}}
     try:
@@ -313,7 +315,7 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
         result["ok"] = False
         result["problems"].append(str(exc))
     try:  # what `xpupack.load` refuses before it reads a signature (with this environment's limits)
-        check_limits(source.root, manifest, LoadLimits.from_environment())
+        check_limits(source.root, manifest, limits)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
