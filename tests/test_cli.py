@@ -584,3 +584,29 @@ def test_numbers_out_of_range_are_a_format_error_not_an_overflow(built, tmp_path
         assert f"xpupack.json is not valid JSON ({number}" in result.output.replace("\n", ""), result.output
     with pytest.raises(PackageFormatError, match="is out of range|is not a JSON number"):
         xpupack.load(xpupack.examples.tiny_transformer(), package)
+
+
+@pytest.mark.parametrize(
+    "factory, words",
+    [
+        ("os:system", "os:system cannot be called without arguments (missing a required argument: 'command')"),
+        ("os:getcwd", "os:getcwd returned a str, not a torch.nn.Module"),
+        ("os:sep", "os:sep is not a function"),
+    ],
+)
+@pytest.mark.parametrize("command", ["bench", "build"])
+def test_a_model_factory_that_gives_no_model_is_refused_in_one_line(
+    built, tmp_path, monkeypatch, command, factory, words
+):
+    """``bench --model os:system`` printed a raw TypeError."""
+    monkeypatch.chdir(tmp_path)
+    args = (
+        ["bench", str(built[0]), "--model", factory]
+        if command == "bench"
+        else ["build", factory, "--samples", "xpupack.examples:tiny_transformer_samples", "--out", "out"]
+    )
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    *progress, line = result.stderr.splitlines()  # build says what it is doing first
+    assert line.startswith("error: ") and words in line and "such as xpupack.examples:tiny_transformer" in line
+    assert not any(other.startswith("error") for other in progress) and "TypeError" not in result.output

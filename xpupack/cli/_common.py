@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 import click
 
-from ..errors import XpupackError
+from ..errors import NotAModelError, XpupackError
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
@@ -76,6 +77,28 @@ def import_object(reference: str, what: str, *, package: str | Path | None = Non
     except AttributeError:
         raise click.BadParameter(f"{module_name!r} has no attribute {attribute!r}", param_hint=what) from None
     return value
+
+
+def build_model(factory: Any, reference: str) -> Any:
+    """The model that ``factory`` (imported from ``reference``, ``module:function``) builds, called with no
+    arguments; `NotAModelError` in one line where it is not a function of none or gives no
+    ``torch.nn.Module`` (``os:system`` ended ``bench`` in a raw ``TypeError``)."""
+    from torch import nn
+
+    fix = "give a function that takes no arguments and returns the model, such as xpupack.examples:tiny_transformer"
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:  # not callable, or arguments it requires
+        why = f"cannot be called without arguments ({exc})" if callable(factory) else "is not a function"
+        raise NotAModelError(f"{reference} {why}; {fix}", actual=type(factory).__name__) from None
+    except ValueError:  # a builtin without a signature: its call says
+        pass
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise NotAModelError(
+            f"{reference} returned a {type(model).__name__}, not a torch.nn.Module; {fix}", actual=type(model).__name__
+        )
+    return model
 
 
 def byte_size(n: float) -> str:
