@@ -730,8 +730,15 @@ def check_destination(root: Path) -> None:
 
     Raises:
         DestinationExistsError: something `save` would delete is in the way; nothing was changed.
-        SaveError: the folder above cannot hold the package.
+        SaveError: ``root`` names no folder of its own (``"."``, ``".."``, ``"/"``), or the folder above
+            cannot hold the package.
     """
+    if root.name in ("", ".."):  # ".", "" and "/" have no name; ".." names a parent
+        raise SaveError(
+            f"cannot write a package at {str(root)!r}: it names the current directory, a parent or the root, "
+            "which a save would have to replace as a whole; nothing was changed — save into a folder of its "
+            "own, such as xpupack.save(model, 'pkg') (--out pkg)"
+        )
     _check_replaceable(root)
     parent = root.absolute().parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
