@@ -80,8 +80,10 @@ def test_a_spent_budget_stops_the_build_and_still_prints_every_field(tmp_path, c
     report = big_model.main([*TINY, "--budget", "1", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
     assert json.loads(capsys.readouterr().out) == report == json.loads((tmp_path / "r.json").read_text())
     assert set(big_model.FIELDS) <= set(report) and report["tune_s"] is None
-    assert report["errors"] == {"tune": "stopped by the --budget while it ran"}
-    assert report["skipped"] == {"save": "tune did not finish", "serve": "no package: the build did not finish"}
+    # on a slow machine the process is stopped on its way out, after skipping what the deadline left no time for
+    assert report["phases"]["tune"] in ("error", "skipped") and report["phases"]["save"] == "skipped"
+    assert "stopped by the --budget while it ran" in report["errors"].values()
+    assert report["skipped"]["serve"] == "no package: the build did not finish"
 
 
 @pytest.mark.slow  # two fresh processes: a tune and a load on empty compiler caches, with Inductor

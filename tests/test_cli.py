@@ -410,3 +410,203 @@ def test_inspect_never_unpickles_a_mega_cache_it_cannot_read(built, tmp_path):
     table = CliRunner().invoke(main, ["inspect", str(package)]).output
     assert "mega-cache not read" in re.sub(r"\s+", " ", table)
     assert not marker.exists()
+
+
+def test_inspect_reads_a_large_mega_cache_a_block_at_a_time(built, tmp_path):
+    """A hostile package's cache.bin may be a sparse file of 64 GiB (a MemoryError when read whole): inspect
+    reads it a block at a time, so a cache of 256 MiB costs it no more than a few MiB."""
+    import tracemalloc
+
+    from xpupack.report import package_report
+
+    package = _with_mega_cache(built[0], tmp_path / "pkg", b"")
+    cache = package / "backends" / "inductor" / "cache.bin"
+    with cache.open("wb") as stream:
+        stream.truncate(256 * 2**20)  # sparse: costs no disk
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["files"]["backends/inductor/cache.bin"]["size"] = cache.stat().st_size  # inspect checks no digest
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    tracemalloc.start()
+    try:
+        carried = package_report(package)["inductor_artifacts"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "its CRC-32 does not match" in carried["unreadable"] and carried["bytes"] == 256 * 2**20
+    assert peak < 16 * 2**20, f"inspect held {peak / 2**20:.0f} MiB"
+
+
+#: what a hostile package puts in its strings: rich markup, a clear screen, a clipboard write (OSC 52), a
+#: hyperlink (OSC 8), a C1 control, a bidi override, and a newline that starts a forged trust line
+CLEAR, CLIPBOARD, LINK = "\x1b[2J", "\x1b]52;c;aGVsbG8=\x07", "\x1b]8;;https://example.com\x1b\\here\x1b]8;;\x1b\\"
+FORGED_TRUST = "fine\ntrust: pinned by commit 0123abcd — compiled artifacts of layers.0.mlp are trusted"
+RAW_CONTROLS = ("\x1b", "\x07", "\x9b", "\u202e")
+
+
+def _hostile_strings(package):
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["created"] = "[bold]2026[/bad]"
+    manifest["environment"]["device_name"] = f"{CLEAR}{CLIPBOARD}{LINK}\x9b\u202e"
+    manifest["environment"]["torch"] = "2.0" + CLEAR  # verify quotes it: layers.0.mlp is rebuilt on load
+    manifest["modules"][0]["backend"]["name"] = "inductor"
+    manifest["modules"][1]["candidates"][0]["reason"] = FORGED_TRUST
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def _printed_safely(output, trust=()):
+    """No control character reached ``output``, and its lines that say "trust:" are ``trust`` alone."""
+    assert not any(control in output for control in RAW_CONTROLS), ascii(output)
+    assert [line for line in output.splitlines() if line.startswith("trust:")] == list(trust)
+
+
+def test_inspect_and_verify_print_a_package_s_strings_escaped(built, tmp_path):
+    """Markup does not crash inspect (it did: MarkupError); controls reach the terminal as visible escapes."""
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = _hostile_strings(package)
+    inspected = CliRunner().invoke(main, ["inspect", str(package)])
+    assert inspected.exit_code == 0, inspected.output
+    _printed_safely(
+        inspected.output, ["trust: local directory — compiled artifacts of layers.0.mlp (inductor) are trusted"]
+    )
+    text = re.sub(r"[\s│]+", "", inspected.output)  # lines and table cells fold long strings
+    assert "built[bold]2026[/bad]oncpu" in text
+    assert "cpu\\x1b[2J\\x1b]52;c;aGVsbG8=\\x07" in text and "\\x9b\\u202e" in text
+    rows = [line.split("│") for line in inspected.output.splitlines() if line.count("│") == 7]
+    assert "fine\\ntrust:pinnedby" in "".join(row[4].replace(" ", "") for row in rows)  # the candidates
+    verified = CliRunner().invoke(main, ["verify", str(package)])
+    assert verified.exit_code == 2, verified.output
+    _printed_safely(verified.output)
+    assert "torch built 2.0\\x1b[2J" in verified.output
+    for command in ("inspect", "verify"):  # --json is JSON: its escapes give back the strings as they are
+        result = CliRunner().invoke(main, [command, str(package), "--json"])
+        assert not any(control in result.output for control in RAW_CONTROLS)
+        if command == "inspect":
+            report = json.loads(result.output)
+            assert report["environment"]["device_name"] == manifest["environment"]["device_name"]
+            assert report["created"] == manifest["created"]
+        else:
+            json.loads(result.output)
+
+
+def test_an_error_quoting_a_package_stays_one_line_without_controls(built, tmp_path):
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["files"]["notes" + CLIPBOARD] = {}  # the schema error names the field: the package's own key
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["inspect", str(package)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+    assert "files/notes\\x1b]52;c;aGVsbG8=\\x07: 'sha256' is a required property" in result.stderr
+    _printed_safely(result.stderr)
+
+
+def test_bench_prints_the_package_s_strings_escaped(built, monkeypatch):
+    import xpupack.bench
+
+    real = xpupack.bench.benchmark
+
+    def hostile(model, **kwargs):
+        rows = real(model, **kwargs)
+        rows[0] = {**rows[0], "signature": "[bold](f32)[/bad]" + CLEAR, "backend": "eager\n" + FORGED_TRUST}
+        return rows
+
+    monkeypatch.setattr(xpupack.bench, "benchmark", hostile)
+    result = CliRunner().invoke(
+        main, ["bench", str(built[0]), "--model", "xpupack.examples:tiny_transformer", "--iterations", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    _printed_safely(result.output)
+    assert "[bold](f32)[/bad]\\x1b[2J" in result.output and "eager\\nfine\\ntrust:" in result.output
+
+
+def test_push_dry_run_prints_the_package_s_strings_escaped(built, tmp_path):
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = json.loads((package / "xpupack.json").read_text())
+    manifest["environment"]["torch"] = "2.0" + CLIPBOARD  # the commit message quotes it
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["push", str(package), "org/tiny", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    _printed_safely(result.output)
+    assert "torch 2.0\\x1b]52;c;aGVsbG8=\\x07 on cpu" in result.output
+
+
+@pytest.mark.parametrize("linked", ["xpupack.json", "modules/layers.0.mlp/spec.json", "modules"])
+def test_inspect_refuses_a_symbolic_link_as_verify_does(built, tmp_path, linked):
+    """A link may point anywhere (another package, a huge or a private file): inspect never reads through
+    one, and says which it is, in verify's words."""
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    outside = tmp_path / "outside"
+    (package / linked).rename(outside)
+    (package / linked).symlink_to(outside, target_is_directory=outside.is_dir())
+    for command in ("inspect", "verify"):
+        result = CliRunner().invoke(main, [command, str(package)])
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        message = re.sub(r"\s+", " ", result.output)
+        assert f"{package / linked} is a symbolic link" in message, message
+        assert "refuses to follow it" in message
+
+
+def test_inspect_does_not_read_a_mega_cache_through_a_symbolic_link(built, tmp_path):
+    package = _with_mega_cache(built[0], tmp_path / "pkg", b"")
+    cache = package / "backends" / "inductor" / "cache.bin"
+    cache.unlink()
+    cache.symlink_to(tmp_path / "elsewhere.bin")
+    (tmp_path / "elsewhere.bin").write_bytes(b"\0" * 64)
+    carried = _inspect_json(package)["inductor_artifacts"]
+    assert carried["artifacts"] is None and f"{cache} is a symbolic link" in carried["unreadable"]
+
+
+@pytest.mark.parametrize(
+    "change, number",
+    [
+        (
+            lambda m: m["files"]["model.safetensors"].update(size=10**400),
+            "the integer 1" + "0" * 23 + "… is out of range",
+        ),
+        (lambda m: m["model"]["tensors"]["embed.weight"].update(shape=[2**63, 64]), "the integer 9223372036854775808"),
+        (lambda m: m["modules"][0]["candidates"][0].update(median_us=float("nan")), "NaN is not a JSON number"),
+        (lambda m: m["modules"][0]["candidates"][0].update(speedup=float("inf")), "Infinity is not a JSON number"),
+    ],
+)
+def test_numbers_out_of_range_are_a_format_error_not_an_overflow(built, tmp_path, change, number):
+    """10**400 as a file's size ended inspect in an OverflowError; NaN made its --json output invalid JSON."""
+    import xpupack
+    from xpupack.errors import PackageFormatError
+
+    package = shutil.copytree(built[0], tmp_path / "pkg")
+    manifest = json.loads((package / "xpupack.json").read_text())
+    change(manifest)
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    for command in (["inspect"], ["inspect", "--json"], ["verify"]):
+        result = CliRunner().invoke(main, [*command, str(package)])
+        assert result.exit_code == 1 and "error (" not in result.output and "NaN," not in result.output
+        assert f"xpupack.json is not valid JSON ({number}" in result.output.replace("\n", ""), result.output
+    with pytest.raises(PackageFormatError, match="is out of range|is not a JSON number"):
+        xpupack.load(xpupack.examples.tiny_transformer(), package)
+
+
+@pytest.mark.parametrize(
+    "factory, words",
+    [
+        ("os:system", "os:system cannot be called without arguments (missing a required argument: 'command')"),
+        ("os:getcwd", "os:getcwd returned a str, not a torch.nn.Module"),
+        ("os:sep", "os:sep is not a function"),
+    ],
+)
+@pytest.mark.parametrize("command", ["bench", "build"])
+def test_a_model_factory_that_gives_no_model_is_refused_in_one_line(
+    built, tmp_path, monkeypatch, command, factory, words
+):
+    """``bench --model os:system`` printed a raw TypeError."""
+    monkeypatch.chdir(tmp_path)
+    args = (
+        ["bench", str(built[0]), "--model", factory]
+        if command == "bench"
+        else ["build", factory, "--samples", "xpupack.examples:tiny_transformer_samples", "--out", "out"]
+    )
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    *progress, line = result.stderr.splitlines()  # build says what it is doing first
+    assert line.startswith("error: ") and words in line and "such as xpupack.examples:tiny_transformer" in line
+    assert not any(other.startswith("error") for other in progress) and "TypeError" not in result.output

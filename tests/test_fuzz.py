@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -180,7 +181,7 @@ def test_mega_cache_reader_takes_any_bytes_behind_a_valid_checksum_and_version(d
     """What `xpupack inspect` reads of an Inductor package's mega-cache: counts, or a PackageFormatError."""
     body = (1).to_bytes(8, "big") + data
     try:
-        counts = artifact_counts(zlib.crc32(body).to_bytes(4, "big") + body, "cache.bin")
+        counts = artifact_counts(io.BytesIO(zlib.crc32(body).to_bytes(4, "big") + body), "cache.bin")
     except PackageFormatError:
         event("refused")
     else:

@@ -521,3 +521,28 @@ def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, demo_
         torch.testing.assert_close(logits(model), reference(0))
     verified = CliRunner().invoke(main, ["verify", repo, "--revision", commit])
     assert verified.exit_code == 0, verified.output
+
+
+@pytest.mark.parametrize(
+    "revision", ["", "../main", "/main", "main/", "a b", "new\nline", "a..b", "x\x1b[2J", "a:b", ".hidden", "a.lock"]
+)
+def test_push_refuses_a_revision_that_is_no_branch_name_before_anything(demo_eager_package, monkeypatch, revision):
+    """``--revision ""`` and ``--revision ../main`` made a dry run report success (and a push would send them
+    to the Hub): a branch name git refuses is a SourceError, in the dry run too."""
+    fake = FakeHfApi().install(monkeypatch)
+    with pytest.raises(xpupack.SourceError, match="is not a branch name git takes") as caught:
+        xpupack.push(demo_eager_package, "org/tiny", revision=revision)
+    assert caught.value.source == revision and fake.commits == []
+    result = CliRunner().invoke(
+        main, ["push", str(demo_eager_package), "org/tiny", "--revision", revision, "--dry-run"]
+    )
+    assert result.exit_code == 1 and result.stderr.startswith("error: revision=") and "dry run" not in result.output
+    assert "\x1b" not in result.output
+
+
+@pytest.mark.parametrize("revision", ["candidate", "release/v2", "v1.0"])
+def test_push_takes_a_branch_name(demo_eager_package, revision):
+    result = CliRunner().invoke(
+        main, ["push", str(demo_eager_package), "org/tiny", "--revision", revision, "--dry-run"]
+    )
+    assert result.exit_code == 0 and f"branch {revision}," in result.output

@@ -150,6 +150,31 @@ def test_a_package_moved_aside_by_a_dead_saver_is_put_back_then_replaced(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["pkg"]
 
 
+@pytest.mark.parametrize("planted", ["a link", "a file"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_link_or_file_named_like_a_moved_aside_package_is_none_of_save_s_business(tmp_path, planted, existing):
+    """A link at ``.pkg.xpupack-old-PID`` was put in the package's place and the save then failed after
+    writing (rmtree of a link); now save leaves it alone, and writes the package as ever."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("mine")
+    aside = tmp_path / ".pkg.xpupack-old-999999999"
+    if planted == "a link":
+        aside.symlink_to(elsewhere, target_is_directory=True)
+    else:
+        aside.write_text("not a package")
+    if existing:
+        xpupack.save(_tuned(seed=1), tmp_path / "pkg")
+    root = xpupack.save(_tuned(seed=2), tmp_path / "pkg")
+    assert root.is_dir() and not root.is_symlink()
+    model = xpupack.load(make_stack(), root)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), make_stack(seed=2)(x))
+    assert sorted(os.listdir(tmp_path)) == sorted([aside.name, "elsewhere", "pkg"])
+    assert os.listdir(elsewhere) == ["mine.txt"] and aside.is_symlink() == (planted == "a link")
+
+
 def test_saving_through_a_symlink_replaces_the_package_it_points_to(tmp_path):
     real = xpupack.save(_tuned(seed=1), tmp_path / "real")
     link = tmp_path / "link"

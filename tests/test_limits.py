@@ -3,10 +3,12 @@
 import json
 
 import pytest
+from click.testing import CliRunner
 
 import xpupack
 from support.models import make_stack, stack_samples
 from support.package_tools import assert_unchanged, copy_package, rewrite_json, rewrite_manifest, snapshot
+from xpupack.cli import main
 from xpupack.errors import PackageLimitError
 from xpupack.limits import LoadLimits, synthesized_bytes
 from xpupack.report import verify_package
@@ -121,6 +123,31 @@ def test_a_bad_environment_value_names_the_variable(package, monkeypatch):
     monkeypatch.setenv("XPUPACK_MAX_RECORDINGS", "lots")
     with pytest.raises(ValueError, match="XPUPACK_MAX_RECORDINGS='lots'"):
         xpupack.load(make_stack(), package)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0", "-1", "\u0663\u0662", "\uff13", "1__0", "1" * 5000],
+    ids=["0", "-1", "arabic", "fullwidth", "1__0", "long"],
+)
+def test_an_environment_value_other_than_ascii_digits_or_below_one_names_the_variable(package, monkeypatch, text):
+    """``int()`` takes Arabic-Indic digits (and 0 passed on to `LoadLimits`, whose message did not say where it
+    came from): every refusal names the variable, in xpupack's error, which the CLI prints in one line."""
+    monkeypatch.setenv("XPUPACK_MAX_SIGNATURES", text)
+    with pytest.raises(xpupack.LimitSettingError, match="XPUPACK_MAX_SIGNATURES=.* is not a positive whole") as error:
+        xpupack.load(make_stack(), package)
+    assert (error.value.variable, error.value.field, error.value.value) == (
+        "XPUPACK_MAX_SIGNATURES",
+        "max_signatures",
+        text,
+    )
+    result = CliRunner().invoke(main, ["verify", str(package)])
+    assert result.exit_code == 3 and result.stderr.startswith("error: XPUPACK_MAX_SIGNATURES=")  # not "damaged"
+
+
+def test_an_environment_value_may_group_ascii_digits(package, monkeypatch):
+    monkeypatch.setenv("XPUPACK_MAX_INPUT_BYTES", " 2_000 ")
+    assert LoadLimits.from_environment().max_input_bytes == 2000
 
 
 def test_limit_errors_name_the_field_in_the_message_and_fields(package):

@@ -107,6 +107,18 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_package(tuned_stack, 
     assert (precious / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("path", [".", "", "./", "..", "sub/..", "/"])
+def test_save_to_the_current_directory_says_to_name_a_folder(tuned_stack, tmp_path, monkeypatch, path):
+    """``save(model, ".")`` said "PosixPath('.') has an empty name"; a package replaces its folder as a whole,
+    so it needs a folder of its own."""
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SaveError, match="names the current directory, a parent or the root") as error:
+        xpupack.save(tuned_stack, path)
+    assert "xpupack.save(model, 'pkg')" in str(error.value) and "nothing was changed" in str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["sub"] and not os.listdir(tmp_path / "sub")
+
+
 def _tree(root):
     """Every file, link and folder under ``root`` with its content: what a refused save must leave as it was."""
     return {

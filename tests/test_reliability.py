@@ -564,9 +564,9 @@ def test_loading_a_package_never_unpickles(kind, tmp_path, request):
     assert {s["backend"] for s in xpupack.stats(loaded).values()} == {kind.split()[0]}
 
 
-def test_untrusted_compiled_artifacts_are_only_hashed(inductor_package, tmp_path, monkeypatch):
-    """From an unpinned Hub revision, Inductor compiles here: the package's artifacts are read once, for
-    their digest, and never handed to the loader that unpickles them."""
+def test_untrusted_compiled_artifacts_are_only_checked(inductor_package, tmp_path, monkeypatch):
+    """From an unpinned Hub revision, Inductor compiles here: the package's artifacts are read for their
+    digest and (the mega-cache) their container's fields, and never handed to the loader that unpickles them."""
     root = copy_package(inductor_package[1], tmp_path / "pkg")
     monkeypatch.setattr(
         importlib.import_module("xpupack.loading"),
@@ -584,7 +584,8 @@ def test_untrusted_compiled_artifacts_are_only_hashed(inductor_package, tmp_path
     finally:
         _AUDIT["active"] = False
     cache = str((root / "backends/inductor/cache.bin").resolve())
-    assert [str(Path(p).resolve()) for p in _AUDIT["opened"]].count(cache) == 1  # check_files's sha256
+    # check_files's sha256, check_mega_caches's fields
+    assert [str(Path(p).resolve()) for p in _AUDIT["opened"]].count(cache) == 2
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
 
 
@@ -816,6 +817,24 @@ def _defaultdict_tree(root):
     rewrite_json(root, "modules/layers.0.mlp/spec.json", lambda s: s["signatures"][0].update(tree=node))
 
 
+def _zeroed_mega_cache(root):
+    """64 zero bytes: no CRC-32 of PyTorch's container (whose loader then only logs a warning)."""
+    (root / "backends/inductor/cache.bin").write_bytes(b"\0" * 64)
+    redigest(root)
+
+
+def _weight_of_another_dtype(root):
+    """A weight safetensors stores as F8_E8M0, a code the header check did not compare, where the manifest
+    says float32."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(root / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name].to(torch.float8_e8m0fnu)
+    save_file(weights, root / "model.safetensors", metadata={"format": "pt"})
+    redigest(root)
+
+
 def _unlisted_kernel(root):
     rewrite_manifest(root, lambda m: m["backends"]["inductor"]["config"]["kernels"].append("zz/absent.so"))
 
@@ -826,6 +845,8 @@ def _unlisted_kernel(root):
         (_bad_weights_header, "eager", PackageFormatError, "not a readable safetensors file"),
         (_defaultdict_tree, "eager", PackageFormatError, "tree node type 'collections.defaultdict' is not allowed"),
         (_unlisted_kernel, "inductor", IntegrityError, "names backends/inductor/kernels/zz/absent.so, which"),
+        (_zeroed_mega_cache, "inductor", PackageFormatError, "cache.bin is not PyTorch's cache-artifact container"),
+        (_weight_of_another_dtype, "eager", PackageFormatError, "does not match the manifest"),
     ],
 )
 def test_verify_reports_as_damaged_what_load_refuses(damage, kind, error, words, tmp_path, request):

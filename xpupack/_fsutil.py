@@ -57,11 +57,12 @@ def temporary_sibling(destination: Path) -> Path:
 
     Leftovers of dead savers are cleared first: their temporary directories
     are removed, and a package one of them had moved aside is put back at
-    ``destination`` if nothing took its place.
+    ``destination`` if nothing took its place. Only directories are leftovers:
+    a link or file of such a name is none of a saver's (it is left alone, never
+    put in the package's place nor followed).
     """
-    for stale in destination.parent.glob(f".{destination.name}.xpupack-*"):
-        match = _TEMPORARY.match(stale.name)
-        if match is None or match["name"] != destination.name or _alive(int(match["pid"])):
+    for stale, match in _leftovers(destination):
+        if _alive(int(match["pid"])):
             continue
         if match["kind"] == "old" and not destination.exists() and not destination.is_symlink():
             os.rename(stale, destination)
@@ -74,11 +75,20 @@ def temporary_sibling(destination: Path) -> Path:
 
 def moved_aside(destination: Path) -> list[Path]:
     """Packages that interrupted saves moved aside from ``destination`` (see `replace_dir`)."""
-    return sorted(
-        p
-        for p in destination.parent.glob(f".{destination.name}.xpupack-old-*")
-        if (m := _TEMPORARY.match(p.name)) and m["name"] == destination.name
-    )
+    return sorted(path for path, match in _leftovers(destination) if match["kind"] == "old")
+
+
+def _leftovers(destination: Path) -> list[tuple[Path, re.Match[str]]]:
+    """The temporary directories of saves to ``destination``, with their names parsed (`_TEMPORARY`); links
+    and files named alike are none of them."""
+    return [
+        (path, match)
+        for path in destination.parent.glob(f".{destination.name}.xpupack-*")
+        if (match := _TEMPORARY.match(path.name))
+        and match["name"] == destination.name
+        and path.is_dir()
+        and not path.is_symlink()
+    ]
 
 
 def _sync_tree(root: Path) -> None:

@@ -289,6 +289,27 @@ class PackageLimitError(XpupackError, ValueError):
         self.actual = actual
 
 
+class LimitSettingError(XpupackError, ValueError):
+    """A limit of `xpupack.LoadLimits`, or the ``XPUPACK_MAX_*`` environment variable it is read from, is not
+    a positive whole number.
+
+    Raised by ``LoadLimits(...)``, and by `xpupack.load` and ``xpupack verify`` while reading the
+    environment variables.
+
+    Args:
+        message: the limit or the variable, its value, and the fix.
+        field: the limit (``"max_signatures"``...).
+        value: the value given (a variable's text as it is set).
+        variable: the environment variable it came from, or None for ``LoadLimits(...)``.
+    """
+
+    def __init__(self, message: str, *, field: str, value: object, variable: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.value = value
+        self.variable = variable
+
+
 class UnknownConfigError(XpupackError, ValueError):
     """A backend config names a type xpupack does not know (the message lists the known ones).
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import PackageLimitError
+from .errors import LimitSettingError, PackageLimitError
 from .manifest import read_spec
 
 #: bytes per element of the dtypes a signature can name (``spec.json`` stores ``torch.<name>`` without the
@@ -61,6 +62,9 @@ _ITEMSIZE = {
 }
 _UNKNOWN_ITEMSIZE = 16
 
+#: what an environment variable of a limit may hold: up to 40 digits 0-9 and single underscores between them
+_WHOLE_NUMBER = re.compile(r"(?=[0-9_]{1,40}$)[0-9]+(?:_[0-9]+)*")
+
 #: environment variable of each limit, read when a load is not given ``limits=``
 ENVIRONMENT = {
     "max_input_bytes": "XPUPACK_MAX_INPUT_BYTES",
@@ -89,7 +93,7 @@ class LoadLimits:
             recording holds device memory; the default of the graph backend is 16). Default 256.
 
     Raises:
-        ValueError: a limit that is not a positive integer.
+        LimitSettingError: a limit that is not a positive integer (a ``ValueError``).
 
     Examples:
         >>> xpupack.load(model, "org/name", limits=xpupack.LoadLimits(max_input_bytes=2 * 2**30))
@@ -104,23 +108,35 @@ class LoadLimits:
         for item in fields(self):
             value = getattr(self, item.name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LoadLimits({item.name}={value!r}): give a positive integer")
+                raise LimitSettingError(
+                    f"LoadLimits({item.name}={value!r}): give a positive integer", field=item.name, value=value
+                )
 
     @classmethod
     def from_environment(cls) -> LoadLimits:
-        """The defaults, each replaced by its environment variable where set (`ENVIRONMENT`)."""
+        """The defaults, each replaced by its environment variable where set (`ENVIRONMENT`).
+
+        Raises:
+            LimitSettingError: a variable that is not a positive whole number in ASCII digits (``_``
+                may group them), naming the variable.
+        """
         values = {}
         for name, variable in ENVIRONMENT.items():
             text = os.environ.get(variable)
             if text is None or not text.strip():
                 continue
-            try:
-                values[name] = int(text.replace("_", ""))
-            except ValueError:
-                raise ValueError(
-                    f"{variable}={text!r} is not a whole number (of "
-                    f"{'bytes' if 'bytes' in name else name.removeprefix('max_')})"
-                ) from None
+            # ASCII digits alone: int() also takes other scripts' digits ("٣٢"), which no one means here
+            if not _WHOLE_NUMBER.fullmatch(text.strip()) or int(text) < 1:  # the pattern bounds the length
+                unit = "bytes" if "bytes" in name else name.removeprefix("max_")
+                shown = text if len(text) <= 40 else text[:40] + "…"
+                raise LimitSettingError(
+                    f"{variable}={shown!r} is not a positive whole number (of {unit}) in the digits 0-9; set it "
+                    f"to one, such as {variable}={getattr(cls, name)}, or unset it for that default",
+                    field=name,
+                    value=text,
+                    variable=variable,
+                )
+            values[name] = int(text)
         return cls(**values)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._fsutil import interrupted_save_of, moved_aside
+from .backends._megacache import artifact_counts
 from .digests import Digests, Remembered, remembering, sha256_of
 from .errors import DestinationExistsError, IntegrityError, PackageFormatError, SaveError, XpupackError
 from .shards import check_weights, is_weights_file
@@ -70,8 +72,8 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
             f"cannot read {where} ({exc}); the package is damaged — rebuild or re-download it", path=where
         ) from None
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # also integers too long to convert, nesting too deep
+        data = json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_not_json)
+    except (ValueError, RecursionError) as exc:  # also numbers out of range (below), nesting too deep
         raise PackageFormatError(
             f"{where} is not valid JSON ({str(exc)[:200]}); the package is damaged — rebuild it with `xpupack build`",
             path=where,
@@ -92,6 +94,31 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
         )
     validate(data, schema_name, where)
     return data
+
+
+#: the largest integer a package holds: sizes, shapes and counts are 64-bit wherever they are used, and
+#: Python's would reach code that does not expect ``10**400`` (a float of it overflows)
+_MAX_INT = 2**63 - 1
+
+
+def _bounded_int(text: str) -> int:
+    """An integer of a package's JSON, refused (``ValueError``) beyond 64 bits."""
+    if len(text.lstrip("-")) > len(str(_MAX_INT)) or abs(value := int(text)) > _MAX_INT:
+        raise ValueError(f"the integer {text[:24]}{'…' if len(text) > 24 else ''} is out of range (over 2**63 - 1)")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    """A number of a package's JSON, refused (``ValueError``) where it overflows to infinity (``1e400``)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:24]} is out of range")
+    return value
+
+
+def _not_json(name: str) -> float:
+    """``NaN`` and ``Infinity``, which Python's reader takes but JSON has not (``--json`` would print them)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -236,12 +263,14 @@ def open_package(
     digests are in; `Digests.wait` raises if one is damaged. With ``trusted``, a
     weights file this machine remembers as verified and unchanged is not hashed again (`xpupack.digests`).
     An error raised before the digests are in gives way to a failed digest."""
+    refuse_link(root / MANIFEST, root, links_within)
     manifest = read_manifest(root)
     digests = check_files(
         root, manifest, links_within=links_within, ignore_unlisted=ignore_unlisted, pending=True, trusted=trusted
     )
     with digests.reported_first():
         check_named_files(root, manifest)
+        check_mega_caches(root, manifest)
         check_weights(root, manifest)
         for entry in manifest["modules"]:
             read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
@@ -302,6 +331,17 @@ def check_named_files(root: Path, manifest: dict) -> None:
                 "it); the package is damaged or incomplete — rebuild or re-download it",
                 path=relative,
             )
+
+
+def check_mega_caches(root: Path, manifest: dict) -> None:
+    """Every shared ``cache`` a backend config names (Inductor's mega-cache) is PyTorch's cache-artifact
+    container, as `inspect` reads it (a block at a time, no pickle): PyTorch's own loader, which a trusted
+    load runs, would only log that it cannot read one and leave the modules to compile here."""
+    for shared in manifest["backends"].values():
+        if CACHE in shared["config"]:
+            relative = f"{shared['folder']}/{shared['config'][CACHE]}"
+            with (root / relative).open("rb") as stream:
+                artifact_counts(stream, relative)
 
 
 def read_spec(root: Path, entry: dict) -> dict:
@@ -573,7 +613,7 @@ def check_files(
     listed = manifest["files"]
     for relative, expected in listed.items():
         path = root / relative
-        _refuse_link(path, root, links_within)
+        refuse_link(path, root, links_within)
         if not path.is_file():
             raise IntegrityError(
                 f"{path} is listed in the manifest but missing; the package is incomplete — rebuild or re-download it",
@@ -612,7 +652,7 @@ def _refuse_unlisted(root: Path, listed: dict, links_within: Path | None) -> Non
         if relative.parts[0] in UNLISTED_DIRS_OK:
             continue
         if path.is_symlink() and relative.as_posix() not in listed:
-            _refuse_link(path, root, links_within)
+            refuse_link(path, root, links_within)
         # anything but a folder counts: a FIFO or socket has no business in a package either
         if not path.is_dir() and relative.as_posix() not in listed and relative.as_posix() not in UNLISTED_OK:
             raise IntegrityError(
@@ -622,7 +662,10 @@ def _refuse_unlisted(root: Path, listed: dict, links_within: Path | None) -> Non
             )
 
 
-def _refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
+def refuse_link(path: Path, root: Path, links_within: Path | None) -> None:
+    """Raises `IntegrityError` if ``path`` or a folder on its way from the package ``root`` is a symbolic
+    link, unless it resolves inside ``links_within`` (the Hub cache's blob store): a package's files are
+    read only where they are, never through a link out of it."""
     current = root
     for part in path.relative_to(root).parts:
         current = current / part
@@ -651,8 +694,15 @@ def check_destination(root: Path) -> None:
 
     Raises:
         DestinationExistsError: something `save` would delete is in the way; nothing was changed.
-        SaveError: the folder above cannot hold the package.
+        SaveError: ``root`` names no folder of its own (``"."``, ``".."``, ``"/"``), or the folder above
+            cannot hold the package.
     """
+    if root.name in ("", ".."):  # ".", "" and "/" have no name; ".." names a parent
+        raise SaveError(
+            f"cannot write a package at {str(root)!r}: it names the current directory, a parent or the root, "
+            "which a save would have to replace as a whole; nothing was changed — save into a folder of its "
+            "own, such as xpupack.save(model, 'pkg') (--out pkg)"
+        )
     _check_replaceable(root)
     parent = root.absolute().parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,7 +64,8 @@ def plan_push(path: str | os.PathLike[str], repo_id: str, *, revision: str | Non
 
     Raises:
         SourceError: ``path`` names a Hub repo rather than a folder, ``repo_id`` is not ``"org/name"``,
-            or ``revision`` is a commit hash (push commits to a branch).
+            or ``revision`` is a commit hash (push commits to a branch) or not a name git takes for a
+            branch (empty, ``..``, a leading ``/``, whitespace or control characters...).
         PackageFormatError, IntegrityError: the package is damaged.
 
     Examples:
@@ -74,12 +76,8 @@ def plan_push(path: str | os.PathLike[str], repo_id: str, *, revision: str | Non
     root = local_folder(path)
     repo_id = _repo_id(repo_id)
     manifest = check_package(root)  # a damaged package never reaches the Hub
-    if revision is not None and COMMIT_HASH.fullmatch(revision):
-        raise SourceError(
-            f"revision={revision!r} is a commit hash; push commits to a branch — pass a branch "
-            "name or leave revision=None for main",
-            source=revision,
-        )
+    if revision is not None:
+        _check_branch(revision)
     card = package_card(root, manifest, repo_id, revision=revision).encode("utf-8")
     files = tuple((name, (root / name).stat().st_size) for name in [MANIFEST, *manifest["files"]])
     return PushPlan(
@@ -218,6 +216,31 @@ def _repo_id(repo_id: str) -> str:
             source=str(repo_id),
         )
     return text
+
+
+#: what git refuses in a branch name (``git check-ref-format``): a component starting with ``.`` or ending in
+#: ``.lock``, ``..``, ``//``, ``@{``, a space or control character, ``~^:?*[\``, a leading or trailing ``/``,
+#: a trailing ``.``, or ``@`` alone
+_NOT_A_BRANCH = re.compile(r"(^|/)\.|\.lock(/|$)|\.\.|//|@\{|[\x00-\x20\x7f~^:?*\[\\]|^/|/$|\.$|^@$")
+
+
+def _check_branch(revision: str) -> None:
+    """Raises `SourceError` unless ``revision`` is a branch push can commit to: a name git takes for one
+    (a revision ``../main`` or ``""`` would otherwise reach the Hub, or pass a dry run), not a commit hash."""
+    if COMMIT_HASH.fullmatch(revision):
+        why = "is a commit hash; push commits to a branch"
+    elif not revision or _NOT_A_BRANCH.search(revision) or not revision.isprintable() or revision != revision.strip():
+        why = (
+            "is not a branch name git takes (one is not empty and has no '..', '//', leading or trailing '/', "
+            "whitespace, control character, any of ~^:?*[\\ or part starting with '.')"
+        )
+    else:
+        return
+    raise SourceError(
+        f"revision={revision!r} {why} — pass a branch name such as 'candidate' or 'release/v2', or leave "
+        "revision=None (no --revision) for main",
+        source=revision,
+    )
 
 
 def _package_owned(name: str) -> bool:

@@ -36,6 +36,7 @@ from .manifest import (
     package_slots,
     read_manifest,
     read_spec,
+    refuse_link,
 )
 from .shards import weights_data
 from .source import Source
@@ -180,14 +181,15 @@ def _recorded(entry: dict) -> dict | None:
     return recorded
 
 
-def inductor_artifacts(manifest: dict, root: Path) -> dict | None:
+def inductor_artifacts(manifest: dict, root: Path, links_within: Path | None = None) -> dict | None:
     """What the package carries for Inductor (None: nothing), read without unpickling any of it.
 
     ``graphs`` and ``tuning_results`` count the mega-cache's ``inductor`` and ``autotune`` artifacts (the
     autotuned and coordinate-descent configs of Triton kernels, which a load would otherwise tune again),
     ``artifacts`` counts every type; all three are None where the mega-cache cannot be read
-    (``unreadable`` says why). ``kernel_sources`` counts the C++ sources carried with the libraries built
-    from them; ``bytes`` is everything in the backend's folder.
+    (``unreadable`` says why; a symbolic link is not followed, unless into ``links_within``, the Hub
+    cache). ``kernel_sources`` counts the C++ sources carried with the libraries built from them;
+    ``bytes`` is everything in the backend's folder.
     """
     shared = manifest["backends"].get("inductor")
     if not isinstance(shared, dict):
@@ -197,8 +199,10 @@ def inductor_artifacts(manifest: dict, root: Path) -> dict | None:
     unreadable = {}
     if CACHE in config:
         try:
-            cache = artifact_file(root / folder, config[CACHE])
-            counts = artifact_counts(cache.read_bytes(), f"{folder}/{config[CACHE]}")
+            path = artifact_file(root / folder, config[CACHE])
+            refuse_link(path, root, links_within)
+            with path.open("rb") as cache:
+                counts = artifact_counts(cache, f"{folder}/{config[CACHE]}")
         except (XpupackError, OSError) as exc:
             counts, unreadable = None, {"unreadable": str(exc)}
     kernels = config.get(KERNELS, [])
@@ -229,11 +233,13 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
     _check_on_mismatch(on_mismatch)
     source = source if isinstance(source, Source) else _local(source)
     root = source.root
+    refuse_link(root / MANIFEST, root, source.links_within)  # as `verify` does: no file read through a link
     manifest = read_manifest(root)
     compiled = compiled_backends(manifest)
     here = plans_here(manifest, source, device, on_mismatch)
     modules = []
     for entry in manifest["modules"]:
+        refuse_link(root / entry["spec"], root, source.links_within)
         spec = read_spec(root, entry)
         prefix = entry["folder"] + "/"
         modules.append(
@@ -276,7 +282,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         },
         "modules": modules,
         "recording_memory_bytes": sum(m["recorded"]["memory_bytes"] for m in modules if m["recorded"]),
-        "inductor_artifacts": inductor_artifacts(manifest, root),
+        "inductor_artifacts": inductor_artifacts(manifest, root, source.links_within),
         "files": {name: f["size"] for name, f in manifest["files"].items()},
         "total_bytes": sum(f["size"] for f in manifest["files"].values()),
         "trusted": source.trusted,
@@ -290,11 +296,13 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
 
     Raises:
         DeviceUnavailableError: ``device`` is not a device of this machine (nothing was checked).
+        LimitSettingError: an ``XPUPACK_MAX_*`` variable is not a positive whole number (nothing was checked).
     """
     from .environment import device_here, environment
 
     _check_on_mismatch(on_mismatch)
     here_device = device_here(device)
+    limits = LoadLimits.from_environment()  # a bad setting here is not the package's damage
     source = source if isinstance(source, Source) else _local(source)
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [], "compatibility": {}}
     try:
@@ -311,7 +319,7 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
         result["ok"] = False
         result["problems"].append(str(exc))
     try:  # what `xpupack.load` refuses before it reads a signature (with this environment's limits)
-        check_limits(source.root, manifest, LoadLimits.from_environment())
+        check_limits(source.root, manifest, limits)
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))

@@ -147,7 +147,8 @@ def _read_index(root: Path) -> dict:
     return index
 
 
-#: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is not compared
+#: safetensors' dtype codes -> the names the manifest uses (torch's); a code not here is refused: torch's
+#: reader either cannot read it or gives a dtype the manifest does not name
 SAFETENSORS_DTYPES = {
     "F64": "float64",
     "F32": "float32",
@@ -256,11 +257,7 @@ def _check_tensors(root: Path, manifest: dict, header: dict[str, tuple[list[int]
     expected: dict[str, Any] = manifest["model"]["tensors"]
     for name, (shape, dtype) in header.items():
         spec = expected.get(name)
-        if (
-            spec is None
-            or list(shape) != spec["shape"]
-            or SAFETENSORS_DTYPES.get(dtype, spec["dtype"]) != spec["dtype"]
-        ):
+        if spec is None or list(shape) != spec["shape"] or SAFETENSORS_DTYPES.get(dtype) != spec["dtype"]:
             raise PackageFormatError(
                 f"{root / relative}: tensor {name!r} does not match the manifest; rebuild the package", path=relative
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 import click
 
-from ..errors import XpupackError
+from ..errors import NotAModelError, XpupackError
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 
@@ -37,7 +38,7 @@ def handle_errors(command: Callable | None = None, *, exit_code: int = 1) -> Cal
             if os.environ.get("XPUPACK_DEBUG") == "1":
                 traceback.print_exc()
             label = "error" if isinstance(exc, XpupackError) else f"error ({type(exc).__name__})"
-            click.echo(f"{label}: {exc}", err=True)
+            click.echo(f"{label}: {printable(str(exc), markup=False)}", err=True)  # it may quote a package
             if not isinstance(exc, XpupackError) and os.environ.get("XPUPACK_DEBUG") != "1":
                 click.echo("set XPUPACK_DEBUG=1 for the full traceback", err=True)
             sys.exit(exit_code)
@@ -78,6 +79,28 @@ def import_object(reference: str, what: str, *, package: str | Path | None = Non
     return value
 
 
+def build_model(factory: Any, reference: str) -> Any:
+    """The model that ``factory`` (imported from ``reference``, ``module:function``) builds, called with no
+    arguments; `NotAModelError` in one line where it is not a function of none or gives no
+    ``torch.nn.Module`` (``os:system`` ended ``bench`` in a raw ``TypeError``)."""
+    from torch import nn
+
+    fix = "give a function that takes no arguments and returns the model, such as xpupack.examples:tiny_transformer"
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as exc:  # not callable, or arguments it requires
+        why = f"cannot be called without arguments ({exc})" if callable(factory) else "is not a function"
+        raise NotAModelError(f"{reference} {why}; {fix}", actual=type(factory).__name__) from None
+    except ValueError:  # a builtin without a signature: its call says
+        pass
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise NotAModelError(
+            f"{reference} returned a {type(model).__name__}, not a torch.nn.Module; {fix}", actual=type(model).__name__
+        )
+    return model
+
+
 def byte_size(n: float) -> str:
     """``1.5 MiB``: a byte count for people."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -85,6 +108,29 @@ def byte_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def printable(value: Any, *, markup: bool = True) -> Any:
+    """Text from a package (which may be hostile), made safe to print: every character Python does not
+    call printable (controls such as newline, ESC and the C1 range, format characters such as bidi
+    overrides, separators but the space) becomes a visible escape (``\\n``, ``\\x1b``, ``\\u202e``), so a
+    package cannot clear the screen, write the clipboard, make links or start a line of its own; with
+    ``markup``, rich markup is escaped too, for printing with `console`.
+
+    A dict or list gets the same for every string in it, keys included; other values stay as they are.
+    """
+    if isinstance(value, dict):
+        return {printable(key, markup=markup): printable(item, markup=markup) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable(item, markup=markup) for item in value]
+    if not isinstance(value, str):
+        return value
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+    if markup:
+        from rich.markup import escape
+
+        text = escape(text)
+    return text
 
 
 def echo_json(data: Any) -> None:
@@ -97,4 +143,4 @@ def console(stderr: bool = False):
 
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 160
-    return Console(file=stream, width=width, highlight=False)
+    return Console(file=stream, width=width, highlight=False, emoji=False)  # a package's ":name:" stays text

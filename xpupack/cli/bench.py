@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import byte_size, console, echo_json, handle_errors, import_object, json_option
+from ._common import build_model, byte_size, console, echo_json, handle_errors, import_object, json_option, printable
 
 
 @click.command()
@@ -43,7 +43,7 @@ def bench(package, model_factory, device, iterations, revision, as_json):
     from xpupack.environment import resolve_device
 
     device = resolve_device(device)
-    model = import_object(model_factory, "--model", package=package)()
+    model = build_model(import_object(model_factory, "--model", package=package), f"--model {model_factory}")
     model = xpupack.load(model, package, device=device, revision=revision)
     stats = xpupack.stats(model, totals=True)  # before timing: eager's turn releases the recordings
     memory = {
@@ -64,6 +64,7 @@ def bench(package, model_factory, device, iterations, revision, as_json):
         return
     from rich.table import Table
 
+    rows, memory = printable(rows), printable(memory)  # module paths, signatures and reasons from the package
     table = Table(
         "module",
         "signature",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..source import read_name
-from ._common import console, handle_errors, import_object
+from ._common import build_model, console, handle_errors, import_object
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -312,7 +312,7 @@ def build(
                 candidates, min_speedup=_ratio(min_speedup), startup_margin=_ratio(startup_margin, "--startup-margin")
             )
         progress("building the model")
-        model = make_model()
+        model = build_model(make_model, model_factory)
         samples = make_samples()
         xpupack.tune(
             model,

@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..candidate import Candidate
-from ._common import byte_size, console, echo_json, handle_errors, json_option
+from ._common import byte_size, console, echo_json, handle_errors, json_option, printable
 
 _revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
 _on_mismatch = click.option(
@@ -27,10 +27,10 @@ def _source(package: str, revision: str | None):
 
 
 def print_report(report: dict, out) -> None:
-    """Renders `package_report` as tables."""
-    from rich.markup import escape
+    """Renders `package_report` as tables, every string in it escaped (`printable`): it comes from the package."""
     from rich.table import Table
 
+    report = printable(report)
     env = report["environment"]
     out.print(
         f"[bold]{report['package']}[/bold]  format {report['format_version']}, "
@@ -62,7 +62,7 @@ def print_report(report: dict, out) -> None:
     for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
         column.overflow = "fold"
     for module in report["modules"]:
-        candidates = "\n".join(escape(Candidate.from_json(entry).summary()) for entry in module["candidates"])
+        candidates = "\n".join(Candidate.from_json(entry).summary() for entry in module["candidates"])
         signatures = "\n".join(module["signatures"]) or "—"
         if module.get("padding"):
             signatures += "\n" + module["padding"]
@@ -77,7 +77,7 @@ def print_report(report: dict, out) -> None:
         name = module["path"] or "<model>"
         if len(report["devices"]) > 1:
             name += f"\nslot {module['device_slot']}"
-        backend = "\n".join([module["backend"], *map(escape, module.get("settings", []))])
+        backend = "\n".join([module["backend"], *module.get("settings", [])])
         table.add_row(name, backend, signatures, candidates, module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
 
@@ -94,11 +94,9 @@ def _weights(model: dict) -> str:
 def _inductor_line(carried: dict) -> str:
     """``inductor artifacts: 2 graphs, 0 tuning results, 10 kernel sources, 654.7 KiB (mega-cache: inductor 2,
     aot_autograd 2)``: `report.inductor_artifacts` in a line."""
-    from rich.markup import escape
-
     rest = f"{carried['kernel_sources']} kernel sources, {byte_size(carried['bytes'])}"
     if carried["artifacts"] is None:
-        return f"inductor artifacts: {rest}; mega-cache not read: {escape(carried['unreadable'])}"
+        return f"inductor artifacts: {rest}; mega-cache not read: {carried['unreadable']}"
     by_type = ", ".join(f"{name} {n}" for name, n in carried["artifacts"].items())
     return f"inductor artifacts: {carried['graphs']} graphs, {carried['tuning_results']} tuning results, {rest}" + (
         f" (mega-cache: {by_type})" if by_type else ""
@@ -192,14 +190,13 @@ def verify(package, revision, device, on_mismatch, as_json):
     if as_json:
         echo_json(result)
     else:
-        from rich.markup import escape
-
         out = console()
+        result = printable(result)  # problems and statuses quote the package
         for problem in result["problems"]:
             out.print(f"[red]problem:[/red] {problem}")
         for path, entry in result["compatibility"].items():
             colour = "green" if entry["compatible"] else "yellow"
-            settings = f", {escape(', '.join(entry['settings']))}" if entry.get("settings") else ""
+            settings = f", {', '.join(entry['settings'])}" if entry.get("settings") else ""
             out.print(f"[{colour}]{path}[/{colour}] ({entry['backend']}{settings}): {entry['status']}")
         if result["ok"]:
             out.print(

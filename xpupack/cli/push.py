@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import byte_size, handle_errors
+from ._common import byte_size, handle_errors, printable
 
 
 @click.command()
@@ -46,12 +46,14 @@ def push(package, repo_id, revision, private, token, dry_run):
 def _print_plan(plan) -> None:
     from ..manifest import MODEL_CARD
 
-    click.echo(f"repo: {plan.repo_id}, branch {plan.revision or 'main'}, on {plan.endpoint} (created if missing)")
+    branch = printable(plan.revision or "main", markup=False)
+    click.echo(f"repo: {plan.repo_id}, branch {branch}, on {plan.endpoint} (created if missing)")
     click.echo(f"files ({len(plan.files)}, {byte_size(sum(size for _, size in plan.files))} in all):")
-    width = max(len(name) for name, _ in plan.files)
-    for name, size in plan.files:
-        card = "  (model card)" if name == MODEL_CARD else ""
+    names = [printable(name, markup=False) for name, _ in plan.files]  # the package's own file names
+    width = max(map(len, names))
+    for name, (listed, size) in zip(names, plan.files):
+        card = "  (model card)" if listed == MODEL_CARD else ""
         click.echo(f"  {name:<{width}}  {size:>10}  {byte_size(size)}{card}")
-    click.echo(f"commit message: {plan.commit_message}")
+    click.echo(f"commit message: {printable(plan.commit_message, markup=False)}")
     click.echo("files of an earlier package in the repo that this one lacks are deleted in the same commit")
     click.echo("dry run: nothing was uploaded, and the Hub was not contacted")
