@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
 
     from huggingface_hub import CommitInfo
 
+    from .backends.aoti import AOTIBackend
     from .backends.eager import EagerBackend
     from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
@@ -71,6 +72,7 @@ _LAZY = {
     "EagerBackend": ".backends.eager",
     "GraphBackend": ".backends.graph",
     "InductorBackend": ".backends.inductor",
+    "AOTIBackend": ".backends.aoti",
     "TorchAOBackend": ".backends.torchao",
     "LoadLimits": ".limits",
     "load": ".loading",
@@ -159,6 +161,7 @@ __all__ = [
     "Strategy",
     "GraphBackend",
     "InductorBackend",
+    "AOTIBackend",
     "TorchAOBackend",
     "EagerBackend",
     "XpupackError",

@@ -203,6 +203,31 @@ def _layer_tensor_names(layer: Any) -> tuple[str, ...]:
     return names
 
 
+@contextmanager
+def tensors_replaced(obj: Any, tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``obj`` (a state object) holds ``tensors`` in place of its own state tensors (in
+    `StateType.tensors` order): how an exported program takes a KV cache's tensors as inputs. Only where
+    xpupack knows where the tensors live and the object keeps no other state: transformers' StaticCache
+    without sliding-window layers. Raises `StateNotReady` otherwise."""
+    kind = state_type(obj)
+    if kind is None or kind.tensors is not _static_cache_tensors:
+        raise StateNotReady("xpupack cannot hand its tensors in as inputs (only a StaticCache's)")
+    if _sliding_layers(obj):
+        raise StateNotReady("its sliding-window layers keep a Python-side count beside their tensors")
+    _static_cache_tensors(obj)  # raises while its tensors are not allocated; learns the layers' names
+    slots = [(layer, name) for layer in obj.layers for name in _LAYER_TENSORS[type(layer)]]
+    if len(slots) != len(tensors):
+        raise StateNotReady(f"it holds {len(slots)} state tensors, not {len(tensors)}")
+    saved = [getattr(layer, name) for layer, name in slots]
+    for (layer, name), tensor in zip(slots, tensors):
+        setattr(layer, name, tensor)
+    try:
+        yield
+    finally:
+        for (layer, name), tensor in zip(slots, saved):
+            setattr(layer, name, tensor)
+
+
 def unrecordable_hint(obj: Any) -> str:
     """Advice for an argument that is not a state type, where there is some (a DynamicCache)."""
     cls = type(obj)

@@ -744,7 +744,7 @@ def changes_module(backend: Backend | None) -> bool:
 BACKENDS: dict[str, type[Backend]] = {}
 
 #: the modules of xpupack's own backends; `import xpupack` no longer imports them (it imports no torch)
-_BUILTIN = ("eager", "graph", "inductor", "torchao")
+_BUILTIN = ("eager", "graph", "inductor", "aoti", "torchao")
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:

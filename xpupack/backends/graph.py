@@ -44,21 +44,20 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
-from operator import is_
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import _background, _device
 from .._inference import own_copy
-from ..distributed import is_dtensor, is_sharded
+from ..distributed import is_sharded
 from ..errors import TuningError, error_line
 from ..padding import check_output_axes, signature_batch
 from ..signature import BatchAxes, Signature, flatten, unflatten
 from ..state import state_type
 from ._facts import GRAPH_MAX_RECORDINGS, no_graphs_on
+from ._storage_watch import StorageWatch
 from .base import (
     Backend,
     ComposedBackend,
@@ -163,54 +162,6 @@ class _Capture:
         return unflatten(results, self.output_spec)[0][0]
 
 
-class _StorageWatch:
-    """Tells, in microseconds, whether a module still holds the storage a recording reads.
-
-    Two kinds of change make a recording stale: a parameter, buffer or submodule
-    object replaced (``module.weight = nn.Parameter(...)``,
-    ``load_state_dict(assign=True)``), caught by an identity check of every
-    entry, and a tensor's storage swapped (``.to()``, ``.half()``,
-    ``param.data = ...``), caught by comparing storage addresses. The watch
-    keeps the recorded storages alive, so no new tensor can ever reuse one of
-    those addresses: an unchanged address really is the recorded memory, with
-    the recorded dtype and shape. It installs no hook anywhere: a process-wide
-    module hook is traced by anyone's ``torch.compile`` and makes it recompile.
-    """
-
-    def __init__(self, module: nn.Module):
-        entries = []
-        for submodule in module.modules():
-            for table in (submodule._parameters, submodule._buffers, submodule._modules):
-                entries += [(table, name, value) for name, value in table.items() if value is not None]
-        # three parallel lists, so that `changed` runs its loops in C (map) on every call
-        self.tables = [table for table, _, _ in entries]
-        self.names = [name for _, name, _ in entries]
-        self.values = [value for _, _, value in entries]
-        self.tensors = [value for value in self.values if isinstance(value, torch.Tensor)]
-        self.pinned = [tensor.detach() for tensor in self.tensors]
-        self.addresses = [tensor.data_ptr() for tensor in self.tensors]
-        self.indices = list(range(len(self.tensors)))
-        # a DTensor's own address is 0 and ``.to()`` swaps its shard in place: its local shard is watched
-        self.shards = [
-            (tensor, tensor._local_tensor, tensor._local_tensor.data_ptr())
-            for tensor in self.tensors
-            if is_dtensor(tensor)
-        ]
-        self.pinned += [shard for _, shard, _ in self.shards]
-
-    def changed(self) -> bool:
-        if not all(map(is_, map(dict.get, self.tables, self.names), self.values)):
-            return True
-        for tensor, shard, address in self.shards:
-            if tensor._local_tensor is not shard or shard.data_ptr() != address:
-                return True
-        if _ptrs_equal is not None:
-            return not _ptrs_equal(self.tensors, self.addresses, self.indices)
-        return list(map(_data_ptr, self.tensors)) != self.addresses
-
-
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-_data_ptr = torch.Tensor.data_ptr
 #: state addresses remembered as run once (the next call there is recorded)
 _WARM_RUNS_KEPT = 64
 
@@ -274,7 +225,7 @@ class GraphRunner(Runner):
         self.skipped: dict[int, str] = {}
         self.rerecordings = 0
         self.warm_runs = 0
-        self._watch: _StorageWatch | None = None
+        self._watch: StorageWatch | None = None
         # one call at a time: a replay fills shared static buffers, and two threads interleaving
         # there would hand each other's results back
         self._lock = threading.Lock()
@@ -355,7 +306,7 @@ class GraphRunner(Runner):
                 continue
             spent += recording.memory
             self._keep_recording(index, recording)
-        self._watch = _StorageWatch(self.target.module)
+        self._watch = StorageWatch(self.target.module)
 
     def _left_out(self, rank: int, index: int) -> bool:
         """Whether signature ``index``, ``rank``-th in the recording order, goes unrecorded before it is
