@@ -239,6 +239,9 @@ def _options_to_try():
         ("inductor", {"base": {"name": "torchao", "options": {"config": "int8-weight-only"}}}),
         ("inductor", {"base": base_eager}),
         ("torchao", {"config": "int8-weight-only"}),
+        ("aoti", {}),
+        ("aoti", {"mode": "default"}),
+        ("graph", {"base": {"name": "aoti", "options": {}}}),
         ("nope", {}),
         (None, {}),
         ("eager", None),
@@ -255,7 +258,7 @@ def test_backend_facts_agree_with_the_backends(name, options):
         assert facts is None, "facts for options the real backend refuses"
         return
     if facts is None:
-        assert name not in ("eager", "graph", "inductor") or "torchao" in json.dumps(options)
+        assert name not in ("eager", "graph", "inductor", "aoti") or "torchao" in json.dumps(options)
         return
     cpu = torch.device("cpu")
     assert (
@@ -276,7 +279,7 @@ def test_backend_facts_agree_with_the_backends(name, options):
     assert facts.available(CPU()) == real.available(cpu)
     if not real.available(cpu):
         assert facts.why_unavailable(CPU()) == real.why_unavailable(cpu)
-    assert set(BACKENDS) >= {"eager", "graph", "inductor"}
+    assert set(BACKENDS) >= {"eager", "graph", "inductor", "aoti"}
 
 
 def test_a_composed_backend_states_its_own_part_and_is_combined_with_its_base_by_one_rule():

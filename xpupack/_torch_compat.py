@@ -8,8 +8,9 @@ Each item, what xpupack uses it for, and the torch releases it was checked on (`
   loader (which first compiles a vector-ISA probe: ~7 s on a CPU with an empty cache).
 - its ``get_constant_fqns`` / ``load_constants``: hands the live model's tensors to the package as
   user-managed constants (no copy of the weights).
-- ``torch._inductor.aoti_compile_and_package`` with ``aot_inductor.package_constants_in_so=False``:
-  compiles without copying the weights into the library.
+- ``torch._inductor.aoti_compile_and_package`` with ``aot_inductor.package_constants_in_so=False`` and
+  ``always_keep_tensor_constants=True``: compiles without copying the weights into the library, small
+  ones included.
 - ``torch._C._tensors_data_ptrs_at_indices_equal``: a storage watch's check of every weight's address in
   one C loop (absent: a Python loop does it).
 """
@@ -36,7 +37,9 @@ def aoti_compile(exported: Any, path: Path) -> Path:
     result = torch._inductor.aoti_compile_and_package(
         exported,
         package_path=str(path),
-        inductor_configs={"aot_inductor.package_constants_in_so": False},
+        # every parameter and buffer stays a constant the loader hands in: Inductor otherwise inlines small
+        # ones (1-d with up to 8 values, scalars) into the code, where a changed model would never reach them
+        inductor_configs={"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True},
     )
     return Path(result)
 

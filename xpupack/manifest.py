@@ -308,6 +308,11 @@ def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
             folder = f"{folder}/{backend.get('name')}"
             if backend.get("name") == "torchao":
                 named.append((f"{where} {entry['path'] or '<model>'}", config.get("weights", _TORCHAO_WEIGHTS), folder))
+            if backend.get("name") == "aoti":  # one compiled library per signature
+                programs = config.get("programs")
+                for program in programs.values() if isinstance(programs, dict) else [None]:
+                    name = program.get("file") if isinstance(program, dict) else program
+                    named.append((f"{where} {entry['path'] or '<model>'}", name, folder))
             backend = backend.get("options", {}).get("base") if isinstance(backend.get("options"), dict) else None
             config = config.get("base", {})
     return named

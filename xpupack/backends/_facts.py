@@ -131,6 +131,10 @@ def no_graphs_on(device: Any) -> str:
 EAGER = BackendFacts("eager")
 
 
+#: the AOTInductor backend's facts (it takes no options)
+AOTI = BackendFacts("aoti", own_depends_on=INDUCTOR_DEPENDS_ON, own_compiled_artifacts=True, pads_calls=True)
+
+
 def settings_tag(options: dict) -> str:
     """The Inductor settings a backend's label shows, from its options: ``[max-autotune-no-cudagraphs]``,
     ``[coordinate_descent_tuning]`` (a setting turned on), ``[max_fusion_size=32]``; "" for the defaults."""
@@ -154,6 +158,8 @@ def describe(name: Any, options: Any, device: Any) -> BackendFacts | None:
         return _describe_graph(options, device)
     if name == "inductor":
         return _describe_inductor(options)
+    if name == "aoti":
+        return AOTI if not options else None
     return None
 
 

@@ -355,7 +355,14 @@ class AOTIBackend(Backend):
         layout = wrapper.learnt()
         if layout is None:
             raise NotExportable("its forward was never traced")
-        return _Program(path, wrapper.tensor_slots, layout, runner.constants())
+        program = _Program(path, wrapper.tensor_slots, layout, runner.constants())
+        # a weight compiled into the code would never see the model change: each must be one handed in
+        handed_in = set(_torch_compat.aoti_constant_names(program.loader))
+        weights = {**exported.graph_signature.inputs_to_parameters, **exported.graph_signature.inputs_to_buffers}
+        baked = {weights[node.name] for node in exported.graph.nodes if node.name in weights and node.users}
+        if baked - handed_in:
+            raise NotExportable(f"the library holds {sorted(baked - handed_in)[0]} in its code, not as a weight")
+        return program
 
     def save(self, runner: Runner, folder: Path) -> dict:
         """Copies each library into ``folder`` (``signature-<i>.pt2``); the config says which signature each
