@@ -50,7 +50,7 @@ def test_on_a_gpu_the_default_weighs_graph_over_inductor_against_the_plain_graph
     from xpupack.strategies import DEFAULT_STARTUP_MARGIN, default_strategy
 
     strategy = default_strategy(torch.device("cuda"))
-    assert [b.label for b in strategy.backends] == ["graph+inductor", "graph", "inductor", "eager"]
+    assert [b.label for b in strategy.backends] == ["graph+aoti", "graph+inductor", "graph", "inductor", "eager"]
     assert strategy.startup_margin == DEFAULT_STARTUP_MARGIN == 1.05
     assert "startup_margin=1.05" in repr(strategy)
 

@@ -759,9 +759,11 @@ def _explain(target: Target, report: list[Candidate]) -> str:
 
 
 def default_backends(device: torch.device | None = None) -> list[Backend]:
-    """The default candidates: on a GPU the Inductor-compiled module recorded as a device graph
-    first (what ``torch.compile(mode="reduce-overhead")`` does, shipped), then the plain device graph,
-    Inductor and eager; elsewhere graph, Inductor, eager (no device graphs on CPU).
+    """The default candidates: on a GPU the module compiled ahead of time (AOTInductor) recorded as a
+    device graph first (what ``torch.compile(mode="reduce-overhead")`` does, shipped, and live when a load
+    returns), then the same over Inductor's just-in-time compile (for a module `torch.export` cannot
+    take), the plain device graph, Inductor and eager; elsewhere graph, Inductor, eager (no device
+    graphs on CPU).
 
     Args:
         device: the device tuned on; None gives the list for a CPU.
@@ -769,13 +771,14 @@ def default_backends(device: torch.device | None = None) -> list[Backend]:
     Returns:
         New backend objects, in the order they are tried.
     """
+    from .backends.aoti import AOTIBackend
     from .backends.eager import EagerBackend
     from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
 
     backends: list[Backend] = [GraphBackend(), InductorBackend(), EagerBackend()]
     if device is not None and device.type in ("cuda", "xpu"):
-        backends.insert(0, GraphBackend(base=InductorBackend()))
+        backends[:0] = [GraphBackend(base=AOTIBackend()), GraphBackend(base=InductorBackend())]
     return backends
 
 
@@ -797,7 +800,8 @@ def default_strategy(device: torch.device | None = None) -> Strategy:
 
     Examples:
         >>> default_strategy(torch.device("cuda")).backends
-        [GraphBackend(base={'name': 'inductor', 'options': {}}), GraphBackend(), InductorBackend(), EagerBackend()]
+        [GraphBackend(base={'name': 'aoti', 'options': {}}), GraphBackend(base={'name': 'inductor', 'options': {}}),
+         GraphBackend(), InductorBackend(), EagerBackend()]
     """
     return FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)
 
