@@ -57,7 +57,9 @@ def test_a_graph_over_compiled_code_serves_at_once_and_switches_once_the_compile
     emulated_graphs, gate, tmp_path
 ):
     root = package(tmp_path)
-    model = xpupack.load(make_stack(), root)  # returns although the compiled part is not restored yet
+    model = xpupack.load(
+        make_stack(), root, defer_compile=True
+    )  # returns although the compiled part is not restored yet
     actual, expected = serve(model)
     assert torch.allclose(actual, expected)
     stats = xpupack.stats(model)["layers.0.mlp"]
@@ -85,7 +87,7 @@ def test_a_graph_over_compiled_code_serves_at_once_and_switches_once_the_compile
 )
 def test_compiled_code_that_fails_or_answers_wrong_is_never_switched_in(emulated_graphs, gate, tmp_path, options, why):
     root = package(tmp_path, **options)
-    model = xpupack.load(make_stack(), root)
+    model = xpupack.load(make_stack(), root, defer_compile=True)
     gate.set()
     _background.wait(30)
     for batch in (4, 2):
@@ -111,7 +113,7 @@ def test_a_language_model_decodes_through_the_original_recordings_then_the_compi
 ):
     root = llm_package(tmp_path)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
-    served = xpupack.load(tiny_llama(), root)
+    served = xpupack.load(tiny_llama(), root, defer_compile=True)
     assert torch.equal(generate(served, prompt(seed=5), 8), expected)
     assert base_runs() == 0 and xpupack.stats(served)[""]["compiling"] > 0
     gate.set()
@@ -132,7 +134,7 @@ def test_a_language_models_first_generate_replays_recordings_of_the_original_whi
     # first decode step is recorded: while the worker compiles, a capture cannot be made
     root = llm_package(tmp_path)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
-    served = xpupack.load(tiny_llama(), root)
+    served = xpupack.load(tiny_llama(), root, defer_compile=True)
     assert not GatedCompileBackend.RESTORING.wait(0.5)  # nothing to compile for until a decode step came
     assert torch.equal(generate(served, prompt(seed=5), 8), expected)
     stats = xpupack.stats(served)[""]
@@ -153,7 +155,7 @@ def test_a_decode_length_met_while_the_compile_waits_is_handed_to_the_compiled_m
     (`Runner.add_signature`) when it takes over: the spec it was restored from does not list it."""
     root = llm_package(tmp_path)  # tuned on 6 new tokens: 8 makes a longer cache
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
-    served = xpupack.load(tiny_llama(), root)
+    served = xpupack.load(tiny_llama(), root, defer_compile=True)
     tuned = xpupack.tuned.session_of(served).modules[""]
     assert torch.equal(generate(served, prompt(seed=5), 8), expected)
     new = set(range(len(tuned.spec.signatures), len(tuned.signatures)))
@@ -171,7 +173,7 @@ def test_a_decode_step_whose_original_module_a_capture_refuses_runs_unrecorded_u
     original module at load; the signature was given up for good, so its compiled form never served it."""
     root = llm_package(tmp_path)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
-    served = xpupack.load(tiny_llama(), root)
+    served = xpupack.load(tiny_llama(), root, defer_compile=True)
     emulated_graphs.fail_capture = lambda: not gate.is_set()  # the original module refuses to be recorded
     with caplog.at_level("WARNING", logger="xpupack"):
         assert torch.equal(generate(served, prompt(seed=5), 8), expected)
@@ -192,7 +194,7 @@ def test_a_decode_step_the_compiled_module_cannot_take_stays_on_the_original_rec
 ):
     root = llm_package(tmp_path, prepare_fails=True)
     expected = generate(tiny_llama(), prompt(seed=5), 8, eager=True)
-    served = xpupack.load(tiny_llama(), root)
+    served = xpupack.load(tiny_llama(), root, defer_compile=True)
     gate.set()
     _background.wait(30)
     with caplog.at_level("WARNING", logger="xpupack"):
@@ -307,7 +309,7 @@ def test_an_inductor_package_serves_the_original_module_until_its_compile_off_th
     inductor_package, busy_worker
 ):
     _, root = inductor_package
-    model = xpupack.load(make_stack(), root)
+    model = xpupack.load(make_stack(), root, defer_compile=True)
     actual, expected = serve(model)
     assert torch.allclose(actual, expected)
     stats = xpupack.stats(model)["layers.0.mlp"]
@@ -338,7 +340,7 @@ def test_an_inductor_compile_off_the_callers_path_that_fails_or_answers_wrong_le
         return lambda *args, **kwargs: function(*args, **kwargs) + 1
 
     monkeypatch.setattr(torch, "compile", broken)
-    model = xpupack.load(make_stack(), root)
+    model = xpupack.load(make_stack(), root, defer_compile=True)
     busy_worker.set()
     _background.wait(60)
     actual, expected = serve(model)
@@ -385,7 +387,7 @@ def observed_first_call(*args):
 
 InductorRunner._first_call = observed_first_call
 with {mode}:  # the mode the caller serves in: Dynamo guards on inference tensors
-    model = xpupack.load(tiny_llama(), {root!r})
+    model = xpupack.load(tiny_llama(), {root!r}, defer_compile=True)
     {settle}
     for number in range(3):  # the decode step compiles off the caller's path, on a scratch copy of its cache
         started = time.monotonic()
@@ -484,7 +486,7 @@ from torch._dynamo.utils import counters
 from xpupack import _background, _device
 
 _device.GRAPH_APIS["cpu"] = EmulatedGraphs()
-model = xpupack.load(tiny_llama(), {root!r})
+model = xpupack.load(tiny_llama(), {root!r}, defer_compile=True)
 ids = torch.cat([prompt(seed=5)] * {rows})
 for _ in range(2):  # its decode step is the first this process compiles
     generate(model, ids, 6)

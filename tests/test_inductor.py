@@ -41,7 +41,7 @@ def _load_in_fresh_process(root, run_python, cache) -> dict:
         from torch._dynamo.utils import counters
         from support.models import make_stack
         from xpupack import _background
-        model = xpupack.load(make_stack(seed=4), {str(root)!r})
+        model = xpupack.load(make_stack(seed=4), {str(root)!r}, defer_compile=True)
         _background.wait(300)  # the compile a load defers (its hits count all the same)
         x = torch.randn(4, 8)
         with torch.no_grad():
@@ -338,7 +338,7 @@ def test_the_loader_overrides_the_package_compile_options(eager_package, tmp_pat
     xpupack.load(make_stack(), root, compile_options={"epilogue_fusion": False}, defer_compile=False)
     assert all(settings["options"] == {"epilogue_fusion": False, "compile_threads": 1} for settings in seen)
     with pytest.raises(ValueError, match="trace.enabled .*debugging"):
-        xpupack.load(make_stack(), root, compile_options={"trace.enabled": True})
+        xpupack.load(make_stack(), root, compile_options={"trace.enabled": True}, defer_compile=True)
 
 
 #: the README's batch ladder: more sizes than Dynamo's recompile limit (8) lets one function compile

@@ -105,7 +105,7 @@ def load(
     compile_options: dict | None = None,
     record_collectives: bool | None = None,
     limits: LoadLimits | None = None,
-    defer_compile: bool = True,
+    defer_compile: bool = False,
 ) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
@@ -146,12 +146,16 @@ def load(
             another source. A refused capture runs the module with the next backend.
         limits: the most the package may make this load allocate or do (`LoadLimits`). None:
             the defaults, or the ``XPUPACK_MAX_*`` environment variables where set.
-        defer_compile: a device graph over compiled code (``graph+inductor``) records the original
-            module now and serves those recordings while a background thread loads the compiled
-            code; each signature's next call after that records it again over the compiled code
-            (README: "Cold start"); a plain Inductor module runs the original meanwhile. ``stats()``
-            counts the calls served meanwhile as ``compiling``. False (and ``on_mismatch="error"``,
-            which must raise what fails): the load returns once everything is compiled and recorded.
+        defer_compile: False (the default): the load returns once everything is compiled and
+            recorded, and nothing of it runs on afterwards (no thread, no compiler in the background).
+            True (opt-in, for Inductor packages whose compile at load takes seconds): a device graph over
+            Inductor's compiled code (``graph+inductor``) records the original module now and serves
+            those recordings while a background thread loads the compiled code; each signature's next
+            call after that records it again over the compiled code (README: "Cold start"); a plain
+            Inductor module runs the original meanwhile. ``stats()`` counts the calls served meanwhile
+            as ``compiling``. Ignored with ``on_mismatch="error"``, which must raise what fails.
+            AOTInductor packages (``aoti``, the GPU default) need neither: their compiled code is live
+            when the load returns.
 
     Returns:
         The same model object, tuned modules active.

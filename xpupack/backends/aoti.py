@@ -298,6 +298,7 @@ class AOTIBackend(Backend):
     name = "aoti"
     depends_on = INDUCTOR_DEPENDS_ON
     compiled_artifacts = True
+    compiles_at_load = False
     pads_calls = True
     #: the SQNR floor the Inductor backend applies to low-precision outputs (same kernels, same rounding)
     LOW_PRECISION_SQNR_DB = 25.0

@@ -472,6 +472,9 @@ class Backend:
     #: True when build/restore change the module itself and the runner runs the module's own
     #: forward (TorchAO quantizes in place): another backend can then compile it (``base=``)
     transforms_module: ClassVar[bool] = False
+    #: True when restoring runs a compiler (Inductor loads its carried caches through Dynamo: seconds), which a
+    #: load's ``defer_compile`` may move off the caller's path; False where the compiled code maps in (AOTInductor)
+    compiles_at_load: ClassVar[bool] = True
     #: True when the runner takes only the recorded shapes (graph, Inductor): a smaller batch is
     #: then padded up to a recorded one where the module allows it (`xpupack.padding`)
     pads_calls: ClassVar[bool] = False

@@ -1074,6 +1074,7 @@ class GraphBackend(ComposedBackend):
             _background.deferred()
             and self.base is not None
             and self.base.compiled_artifacts
+            and self.base.compiles_at_load
             and not changes_module(self.base)
             and not spec.writes_buffers
         )
