@@ -36,9 +36,9 @@ from .errors import (
     XpupackError,
 )
 from .hub import resolve_source
-from .limits import LoadLimits
+from .limits import LoadLimits, early_check
 from .limits import check_package as check_limits
-from .manifest import listed_files, module_slot, open_package
+from .manifest import listed_files, module_slot, open_package, reading_once
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
 from .shards import read_weight_map
@@ -225,9 +225,29 @@ def _verify(
     """Everything that can be checked before the model is touched: the package, its limits, the model's
     architecture, where each module goes and what runs it here. The weights' digests are still being checked
     when it returns (`manifest.open_package`); an error raised meanwhile gives way to a failed digest."""
-    # the checks `xpupack verify` makes, so that the two never disagree on a damaged package
+    # the checks `xpupack verify` makes, so that the two never disagree on a damaged package; each spec is
+    # read once (`reading_once`), refused before its schema check where it has too many signatures or leaves
+    with reading_once():
+        return _verify_once(
+            model, source, limits, device=device, device_map=device_map, on_mismatch=on_mismatch, overrides=overrides
+        )
+
+
+def _verify_once(
+    model: nn.Module,
+    source: Source,
+    limits: LoadLimits,
+    *,
+    device: str | torch.device | None,
+    device_map: dict[int, str | torch.device] | list[str | torch.device] | None,
+    on_mismatch: str,
+    overrides: dict,
+) -> _Verified:
     manifest, digests = open_package(
-        source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted
+        source.root,
+        links_within=source.links_within,
+        ignore_unlisted=source.ignore_unlisted,
+        before_schema=early_check(limits),
     )
     with digests.reported_first():
         check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
