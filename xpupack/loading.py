@@ -51,6 +51,7 @@ from .tuned import (
     TunedModule,
     attach,
     check_model,
+    check_verify_padding,
     describe_architecture,
     detach,
     find_session,
@@ -106,6 +107,7 @@ def load(
     record_collectives: bool | None = None,
     limits: LoadLimits | None = None,
     defer_compile: bool = True,
+    verify_padding: str = "first",
 ) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
@@ -153,11 +155,18 @@ def load(
             counts the calls served meanwhile as ``compiling``. False (and ``on_mismatch="error"``,
             which must raise what fails): the load returns once everything is compiled and recorded.
 
+        verify_padding: ``"first"`` (default): the first padded call into each recording is run by the
+            original module too and compared; ``"always"``: every padded call is — one more eager run per
+            padded call, for a module whose rows may mix only for some inputs (README: "Calls, fit and
+            fallback"). A call that disagrees gets the original's answer, and its recording is no longer
+            padded into.
+
     Returns:
         The same model object, tuned modules active.
 
     Raises:
-        ValueError: ``on_mismatch`` is not one of ``"rebuild"``, ``"fallback"``, ``"error"``.
+        ValueError: ``on_mismatch`` is not one of ``"rebuild"``, ``"fallback"``, ``"error"``, or
+            ``verify_padding`` not ``"first"`` or ``"always"``.
         SourceError: no such folder, or ``revision`` for a folder (`AmbiguousSourceError`: see ``path``).
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
@@ -177,6 +186,7 @@ def load(
     """
     check_model(model, "load")
     _check_options(on_mismatch, compile_options, record_collectives)
+    check_verify_padding(verify_padding)
     limits = limits if limits is not None else LoadLimits.from_environment()
     clock = _Phases()
     verified = _verify(
@@ -189,7 +199,14 @@ def load(
         overrides={"compile_options": compile_options, "record_collectives": record_collectives},
     )
     clock.lap("verify")
-    previous = _install(model, verified, clock, progress=progress, defer=defer_compile and on_mismatch != "error")
+    previous = _install(
+        model,
+        verified,
+        clock,
+        progress=progress,
+        defer=defer_compile and on_mismatch != "error",
+        verify_padding=verify_padding,
+    )
     if previous is not None:
         previous.deactivate()  # its modules now run the new session: this only frees its recordings
     _log_loaded(verified.source, clock)
@@ -269,7 +286,13 @@ def _verify_once(
 
 
 def _install(
-    model: nn.Module, verified: _Verified, clock: _Phases, *, progress: Callable[[str], None] | None, defer: bool
+    model: nn.Module,
+    verified: _Verified,
+    clock: _Phases,
+    *,
+    progress: Callable[[str], None] | None,
+    defer: bool,
+    verify_padding: str,
 ) -> Session | None:
     """Puts the verified package into the model and activates it; returns the session it replaced, if any.
 
@@ -288,6 +311,8 @@ def _install(
         edit.set_eval(model)
         clock.lap("weights")
         modules = _restore_modules(verified, edit, clock, progress=progress, defer=defer)
+        for module in modules.values():
+            module.verify_every_padded_call = verify_padding == "always"
         _activate(model, verified, modules, clock)
     except BaseException:
         edit.rollback()
