@@ -271,9 +271,9 @@ def _family_and_pattern(signature: dict) -> tuple:
     return tuple(family), pattern
 
 
-def _backend_names(backend: Any) -> list[str]:
+def _backend_names(backend: Any) -> list[Any]:
     """The names of a manifest's backend entry and of its bases (``graph+inductor``: graph, inductor)."""
-    names = []
+    names: list[Any] = []
     while isinstance(backend, dict) and len(names) < 16:
         names.append(backend.get("name"))
         options = backend.get("options")
