@@ -40,3 +40,50 @@ def test_inductor_takes_low_precision_rounding_graph_and_eager_do_not():
     assert xpupack.InductorBackend().compare(actual, expected) is None
     assert xpupack.GraphBackend(base=xpupack.InductorBackend()).compare(actual, expected) is None
     assert xpupack.GraphBackend().compare(actual, expected) is not None
+
+
+def test_comparing_large_outputs_takes_memory_of_a_chunk_not_of_their_size(run_python):
+    """A load's checks of a 1 GiB input peaked at 6.2 GiB (issue 32): ``torch.allclose`` made temporaries of
+    several times its inputs' size; a check compares a chunk at a time. Measured in a fresh process as the
+    growth of its peak resident memory while two 256 MiB outputs are compared, agreeing and not."""
+    result = run_python(
+        """
+        import resource, torch
+        from xpupack._compare import mismatch
+
+        expected = torch.randn(64 * 2**20, generator=torch.Generator().manual_seed(0))
+        actual = expected + 1e-6
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert mismatch(actual, expected) is None
+        actual[12345] += 1
+        assert "max abs difference 1" in mismatch(actual, expected)
+        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+        """
+    )
+    assert int(result.stdout) < 100  # MiB, for 512 MiB of outputs (torch.allclose: 1,088 MiB)
+
+
+def test_the_chunked_comparison_agrees_with_torch_allclose(monkeypatch):
+    """Chunks of 7 elements over every pair of special values (NaN, infinities, huge, near) and random
+    tensors, contiguous or not, in each floating dtype."""
+    import itertools
+
+    from xpupack import _compare
+
+    monkeypatch.setattr(_compare, "CHUNK_ELEMENTS", 7)
+    values = [0.0, 1.0, -1.0, 1e-5, 1.00005, float("nan"), float("inf"), float("-inf"), 1e30, 3e38]
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64):
+        pairs = [
+            (torch.tensor([x] * 9, dtype=dtype).view(3, 3), torch.tensor([y] * 9, dtype=dtype).view(3, 3))
+            for x, y in itertools.product(values, repeat=2)
+        ]
+        for _ in range(20):
+            a = torch.randn(5, 11, generator=generator).to(dtype)
+            e = (
+                a.to(torch.complex128 if dtype.is_complex else torch.float64)
+                + 1e-4 * torch.randn(5, 11, generator=generator)
+            ).to(dtype)
+            pairs += [(a, e), (a.t(), e.t())]
+        for (a, e), (rtol, atol) in itertools.product(pairs, [(1e-4, 1e-4), (3e-2, 3e-2), (0.0, 0.0)]):
+            assert _compare._all_close(a, e, rtol, atol) == torch.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True)

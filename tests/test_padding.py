@@ -25,10 +25,10 @@ def ladder_samples():
     return [torch.randn(batch, 8, generator=generator) for batch in LADDER]
 
 
-def tune_ladder(strategy=GRAPH, model=None, modules=("layers.*.mlp",)):
+def tune_ladder(strategy=GRAPH, model=None, modules=("layers.*.mlp",), **options):
     model = model or make_stack()
     reference = copy.deepcopy(model)
-    xpupack.tune(model, ladder_samples(), modules=list(modules), strategy=strategy)
+    xpupack.tune(model, ladder_samples(), modules=list(modules), strategy=strategy, **options)
     return model, reference
 
 
@@ -672,3 +672,51 @@ def test_batch_axes_over_integer_inputs_alone_are_kept_only_from_a_trusted_sourc
         spec = xpupack.padding.check_loaded(copy.deepcopy(tuned), model[0].forward, trusted=trusted)
         assert bool(spec.batch_axes) == trusted
         assert trusted or "not trusted" in spec.padding_refused
+
+
+# -- verify_padding="always": every padded call checked (issue 32, item 13) ---------------------------------------
+
+
+class MixesWhenLarge(nn.Module):
+    """Rows mix only for large inputs (a data-dependent branch): every padding check on ordinary values
+    passes, and a padded call of large values comes back wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y + y.mean(dim=0, keepdim=True) if x.abs().amax() > 100 else y
+
+
+@pytest.mark.parametrize("how", ["tune", "load"])
+def test_verify_padding_always_checks_every_padded_call_against_the_original(
+    emulated_graphs, tmp_path, fallback_calls, how
+):
+    torch.manual_seed(0)
+    model, reference = tune_ladder(model=nn.Sequential(MixesWhenLarge()), modules=("0",))
+    assert spec_of(model, "0").batch_axes  # its rows passed every check
+    large = torch.randn(3, 8) * 1000
+    with torch.no_grad():
+        assert not torch.allclose(model(large), reference(large), atol=1e-3)  # documented: wrong when padded
+    root = xpupack.save(model, tmp_path / "pkg")
+    if how == "tune":
+        torch.manual_seed(0)
+        checked, _ = tune_ladder(model=nn.Sequential(MixesWhenLarge()), modules=("0",), verify_padding="always")
+    else:
+        checked = xpupack.load(nn.Sequential(MixesWhenLarge()), root, verify_padding="always")
+        checked.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        for x in (torch.randn(3, 8), torch.randn(3, 8), large, torch.randn(3, 8)):
+            assert torch.allclose(checked(x), reference(x), atol=1e-4)
+    stats = xpupack.stats(checked)["0"]
+    # each padded call ran the original too; the third disagreed, so 3 rows are now padded up to 8, not 4
+    assert stats["padding_checks"] == 4
+    assert (stats["padded"], stats["fallback_reasons"].get("padding check")) == (3, 1)
+
+
+@pytest.mark.parametrize("value", ["sometimes", True, None])
+def test_verify_padding_is_first_or_always(value):
+    with pytest.raises(ValueError, match="verify_padding=.*give 'first' .* or 'always'"):
+        xpupack.tune(make_stack(), ladder_samples(), modules=["layers.*.mlp"], verify_padding=value)

@@ -36,9 +36,9 @@ from .errors import (
     XpupackError,
 )
 from .hub import resolve_source
-from .limits import LoadLimits
+from .limits import LoadLimits, early_check
 from .limits import check_package as check_limits
-from .manifest import listed_files, module_slot, open_package
+from .manifest import listed_files, module_slot, open_package, reading_once
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
 from .shards import read_weight_map
@@ -51,6 +51,7 @@ from .tuned import (
     TunedModule,
     attach,
     check_model,
+    check_verify_padding,
     describe_architecture,
     detach,
     find_session,
@@ -106,6 +107,7 @@ def load(
     record_collectives: bool | None = None,
     limits: LoadLimits | None = None,
     defer_compile: bool = False,
+    verify_padding: str = "first",
 ) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
@@ -156,12 +158,18 @@ def load(
             as ``compiling``. Ignored with ``on_mismatch="error"``, which must raise what fails.
             AOTInductor packages (``aoti``, the GPU default) need neither: their compiled code is live
             when the load returns.
+        verify_padding: ``"first"`` (default): the first padded call into each recording is run by the
+            original module too and compared; ``"always"``: every padded call is — one more eager run per
+            padded call, for a module whose rows may mix only for some inputs (README: "Calls, fit and
+            fallback"). A call that disagrees gets the original's answer, and its recording is no longer
+            padded into.
 
     Returns:
         The same model object, tuned modules active.
 
     Raises:
-        ValueError: ``on_mismatch`` is not one of ``"rebuild"``, ``"fallback"``, ``"error"``.
+        ValueError: ``on_mismatch`` is not one of ``"rebuild"``, ``"fallback"``, ``"error"``, or
+            ``verify_padding`` not ``"first"`` or ``"always"``.
         SourceError: no such folder, or ``revision`` for a folder (`AmbiguousSourceError`: see ``path``).
         PackageFormatError: not a package, bad JSON, schema violation, unsafe path.
         IntegrityError: a file is missing, changed or unlisted.
@@ -181,6 +189,7 @@ def load(
     """
     check_model(model, "load")
     _check_options(on_mismatch, compile_options, record_collectives)
+    check_verify_padding(verify_padding)
     limits = limits if limits is not None else LoadLimits.from_environment()
     clock = _Phases()
     verified = _verify(
@@ -193,7 +202,14 @@ def load(
         overrides={"compile_options": compile_options, "record_collectives": record_collectives},
     )
     clock.lap("verify")
-    previous = _install(model, verified, clock, progress=progress, defer=defer_compile and on_mismatch != "error")
+    previous = _install(
+        model,
+        verified,
+        clock,
+        progress=progress,
+        defer=defer_compile and on_mismatch != "error",
+        verify_padding=verify_padding,
+    )
     if previous is not None:
         previous.deactivate()  # its modules now run the new session: this only frees its recordings
     _log_loaded(verified.source, clock)
@@ -229,9 +245,29 @@ def _verify(
     """Everything that can be checked before the model is touched: the package, its limits, the model's
     architecture, where each module goes and what runs it here. The weights' digests are still being checked
     when it returns (`manifest.open_package`); an error raised meanwhile gives way to a failed digest."""
-    # the checks `xpupack verify` makes, so that the two never disagree on a damaged package
+    # the checks `xpupack verify` makes, so that the two never disagree on a damaged package; each spec is
+    # read once (`reading_once`), refused before its schema check where it has too many signatures or leaves
+    with reading_once():
+        return _verify_once(
+            model, source, limits, device=device, device_map=device_map, on_mismatch=on_mismatch, overrides=overrides
+        )
+
+
+def _verify_once(
+    model: nn.Module,
+    source: Source,
+    limits: LoadLimits,
+    *,
+    device: str | torch.device | None,
+    device_map: dict[int, str | torch.device] | list[str | torch.device] | None,
+    on_mismatch: str,
+    overrides: dict,
+) -> _Verified:
     manifest, digests = open_package(
-        source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted
+        source.root,
+        links_within=source.links_within,
+        ignore_unlisted=source.ignore_unlisted,
+        before_schema=early_check(limits),
     )
     with digests.reported_first():
         check_limits(source.root, manifest, limits)  # before a signature is parsed or an input synthesised
@@ -253,7 +289,13 @@ def _verify(
 
 
 def _install(
-    model: nn.Module, verified: _Verified, clock: _Phases, *, progress: Callable[[str], None] | None, defer: bool
+    model: nn.Module,
+    verified: _Verified,
+    clock: _Phases,
+    *,
+    progress: Callable[[str], None] | None,
+    defer: bool,
+    verify_padding: str,
 ) -> Session | None:
     """Puts the verified package into the model and activates it; returns the session it replaced, if any.
 
@@ -272,6 +314,8 @@ def _install(
         edit.set_eval(model)
         clock.lap("weights")
         modules = _restore_modules(verified, edit, clock, progress=progress, defer=defer)
+        for module in modules.values():
+            module.verify_every_padded_call = verify_padding == "always"
         _activate(model, verified, modules, clock)
     except BaseException:
         edit.rollback()

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
@@ -43,22 +43,108 @@ def schema(name: str) -> dict:
 
 
 def validate(data: Any, name: str, where: str) -> None:
-    """Raises `PackageFormatError` naming ``where`` and the failing field unless ``data`` fits schema ``name``."""
+    """Raises `PackageFormatError` naming ``where`` and the failing field unless ``data`` fits schema ``name``.
+
+    A spec's leaves are checked in Python (`_leaf_fits`, the schema's rule for a leaf): jsonschema tries each
+    leaf against every kind of its ``oneOf`` and took ~0.5 ms a leaf, minutes for a spec within the limits
+    (issue 32). It checks the rest of the spec, and a leaf that fails, to name the field."""
+    if name == "spec" and isinstance(data, dict) and isinstance(data.get("signatures"), list):
+        for index, signature in enumerate(data["signatures"]):
+            leaves = signature.get("leaves") if isinstance(signature, dict) else None
+            for number, leaf in enumerate(leaves if isinstance(leaves, list) else []):
+                if not _leaf_fits(leaf):
+                    _check_schema(leaf, _leaf_schema(), where, name, f"signatures/{index}/leaves/{number}/")
+        data = {**data, "signatures": [_without_leaves(signature) for signature in data["signatures"]]}
+    _check_schema(data, schema(name), where, name)
+
+
+def _check_schema(data: Any, rules: dict, where: str, name: str, prefix: str = "") -> None:
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(schema(name))
-    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(rules).iter_errors(data))
     if error is not None:
-        field = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        field = prefix + "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise PackageFormatError(
-            f"{where} does not match the {name} schema at {field}: {error.message}; "
+            f"{where} does not match the {name} schema at {field.rstrip('/')}: {error.message}; "
             "the package is damaged or was not written by xpupack — rebuild it",
             path=where,
         )
 
 
-def read_json(root: Path, relative: str, schema_name: str) -> dict:
-    """Reads and validates one JSON file of a package (manifest or spec)."""
+@cache
+def _leaf_schema() -> dict:
+    """The spec schema's rule for one leaf of a signature (tensor, state or constant)."""
+    return schema("spec")["properties"]["signatures"]["items"]["properties"]["leaves"]["items"]
+
+
+def _without_leaves(signature: Any) -> Any:
+    """A signature with its leaves left out (an empty list), for jsonschema to check the rest."""
+    if isinstance(signature, dict) and isinstance(signature.get("leaves"), list):
+        return {**signature, "leaves": []}
+    return signature
+
+
+#: the schema's ``pattern`` of a dtype name (jsonschema matches it with ``re.search``, as here)
+_DTYPE_NAME = re.compile(r"^[a-z0-9_]+$")
+_TENSOR_KEYS = frozenset({"kind", "shape", "dtype", "device"})
+_STATE_KEYS = frozenset({"kind", "type", "tensors"})
+_STATE_TENSOR_KEYS = frozenset({"shape", "stride", "dtype", "device"})
+_CONSTANT_KEYS = frozenset({"kind", "value"})
+
+
+def _leaf_fits(leaf: Any) -> bool:
+    """Whether a leaf's JSON fits the spec schema's rule for a leaf (`_leaf_schema`), exactly: the test
+    ``test_limits.py::test_the_python_leaf_check_agrees_with_the_schema`` holds the two together."""
+    if not isinstance(leaf, dict):
+        return False
+    kind, keys = leaf.get("kind"), leaf.keys()
+    if kind == "tensor":
+        return keys == _TENSOR_KEYS and _sizes_fit(leaf["shape"]) and _layout_fits(leaf)
+    if kind == "state":
+        tensors = leaf.get("tensors")
+        return (
+            keys == _STATE_KEYS
+            and type(leaf["type"]) is str
+            and type(tensors) is list
+            and len(tensors) > 0
+            and all(
+                isinstance(t, dict)
+                and t.keys() == _STATE_TENSOR_KEYS
+                and _sizes_fit(t["shape"])
+                and _sizes_fit(t["stride"])
+                and _layout_fits(t)
+                for t in tensors
+            )
+        )
+    if kind == "constant" and keys == _CONSTANT_KEYS:
+        value = leaf["value"]
+        if value is None or type(value) in (bool, int, float, str):
+            return True
+        if type(value) is dict and len(value) == 1:
+            ((key, item),) = value.items()
+            return (key == "float" and item in ("nan", "inf", "-inf") and type(item) is str) or (
+                key in ("dtype", "device") and type(item) is str
+            )
+    return False
+
+
+def _sizes_fit(sizes: Any) -> bool:
+    """A list of JSON Schema integers (``2.0`` is one) of at least 0."""
+    return type(sizes) is list and all(
+        (type(n) is int or (type(n) is float and n.is_integer())) and n >= 0 for n in sizes
+    )
+
+
+def _layout_fits(tensor: dict) -> bool:
+    dtype = tensor["dtype"]
+    return type(dtype) is str and _DTYPE_NAME.search(dtype) is not None and type(tensor["device"]) is str
+
+
+def read_json(
+    root: Path, relative: str, schema_name: str, *, before_schema: Callable[[str, dict], None] | None = None
+) -> dict:
+    """Reads and validates one JSON file of a package (manifest or spec); ``before_schema(where, data)`` runs
+    on the parsed JSON before the schema check (the loader's limits, which may refuse it at once)."""
     where = str(root / relative)
     if not (root / relative).is_file():  # never open a FIFO or device a hostile package put there
         raise IntegrityError(
@@ -82,6 +168,8 @@ def read_json(root: Path, relative: str, schema_name: str) -> dict:
         raise PackageFormatError(
             f"{where} must hold a JSON object; the package is damaged — rebuild it with `xpupack build`", path=where
         )
+    if before_schema is not None:  # it counts lists only: safe on JSON of any depth
+        before_schema(where, data)
     check_depth(data, where, fix="rebuild it with `xpupack build`")
     version = data.get("format_version")
     if isinstance(version, int) and not isinstance(version, bool) and version not in SUPPORTED_VERSIONS:
@@ -136,17 +224,20 @@ def check_depth(data: Any, where: str, *, fix: str = "rebuild the package") -> N
     Iterative, so it cannot itself run out of stack; run it before any recursive walk (a schema
     validator, a type check, torchao's decoder) sees the data.
     """
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise PackageFormatError(
-                f"{where} is nested deeper than {MAX_DEPTH} levels, which no package "
-                f"holds; the package is damaged — {fix}",
-                path=where,
-            )
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        stack.extend((child, depth + 1) for child in children)
+    # a level at a time, containers only: a spec of a million leaves took 10 s value by value
+    level, depth = [data] if isinstance(data, (dict, list)) else [], 1
+    while level:
+        below = []
+        for value in level:
+            children = value.values() if isinstance(value, dict) else value
+            if children and depth == MAX_DEPTH:  # its children, scalars too, are one level deeper
+                raise PackageFormatError(
+                    f"{where} is nested deeper than {MAX_DEPTH} levels, which no package "
+                    f"holds; the package is damaged — {fix}",
+                    path=where,
+                )
+            below += [child for child in children if isinstance(child, (dict, list))]
+        level, depth = below, depth + 1
 
 
 def read_manifest(root: Path) -> dict:
@@ -245,24 +336,69 @@ def _check_module_paths(modules: list[dict], where: str) -> None:
             )
 
 
-def check_package(root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False) -> dict:
+#: the specs of one look at a package (`reading_once`): each file's validated JSON, and whether `read_spec`
+#: checked it too
+_SPECS_READ: ContextVar[dict[str, list] | None] = ContextVar("xpupack_specs_read", default=None)
+
+
+@contextmanager
+def reading_once() -> Iterator[None]:
+    """Within it, each spec of a package is parsed, schema-checked and checked by `read_spec` once, however
+    many checks read it (a load or a verify: the files, the limits, the signatures). A 100 MB spec read three
+    times took minutes (issue 32). Nested uses share the outer one's reading."""
+    if _SPECS_READ.get() is not None:
+        yield
+        return
+    token = _SPECS_READ.set({})
+    try:
+        yield
+    finally:
+        _SPECS_READ.reset(token)
+
+
+def _spec_json(root: Path, relative: str, before_schema: Callable[[str, dict], None] | None = None) -> list:
+    """``[the spec's validated JSON, whether read_spec checked it]``, read once within `reading_once`."""
+    specs, key = _SPECS_READ.get(), str(root / relative)
+    if specs is not None and key in specs:
+        return specs[key]
+    found = [read_json(root, relative, "spec", before_schema=before_schema), False]
+    if specs is not None:
+        specs[key] = found
+    return found
+
+
+def check_package(
+    root: Path,
+    *,
+    links_within: Path | None = None,
+    ignore_unlisted: bool = False,
+    before_schema: Callable[[str, dict], None] | None = None,
+) -> dict:
     """The manifest of an intact package: schema, paths, every file's size and sha256, the weights' headers,
     every spec. Every file is hashed (a remembered verification is not trusted here, only refreshed).
 
     Raises `PackageFormatError` or `IntegrityError` naming the first problem.
     """
-    manifest, digests = open_package(root, links_within=links_within, ignore_unlisted=ignore_unlisted, trusted=False)
+    manifest, digests = open_package(
+        root, links_within=links_within, ignore_unlisted=ignore_unlisted, trusted=False, before_schema=before_schema
+    )
     digests.wait()
     return manifest
 
 
 def open_package(
-    root: Path, *, links_within: Path | None = None, ignore_unlisted: bool = False, trusted: bool = True
+    root: Path,
+    *,
+    links_within: Path | None = None,
+    ignore_unlisted: bool = False,
+    trusted: bool = True,
+    before_schema: Callable[[str, dict], None] | None = None,
 ) -> tuple[dict, Digests]:
     """`check_package` for a load, which hashes the weights files as it streams them: returns before their
     digests are in; `Digests.wait` raises if one is damaged. With ``trusted``, a
     weights file this machine remembers as verified and unchanged is not hashed again (`xpupack.digests`).
-    An error raised before the digests are in gives way to a failed digest."""
+    An error raised before the digests are in gives way to a failed digest. ``before_schema(where, spec)``
+    sees each spec's JSON before its schema check (`limits.early_check`)."""
     refuse_link(root / MANIFEST, root, links_within)
     manifest = read_manifest(root)
     digests = check_files(
@@ -273,7 +409,7 @@ def open_package(
         check_mega_caches(root, manifest)
         check_weights(root, manifest)
         for entry in manifest["modules"]:
-            read_json(root, entry["spec"], "spec")  # that each spec describes its module is checked per module
+            _spec_json(root, entry["spec"], before_schema)  # that it describes its module: checked per module
     return manifest, digests
 
 
@@ -352,7 +488,10 @@ def check_mega_caches(root: Path, manifest: dict) -> None:
 def read_spec(root: Path, entry: dict) -> dict:
     """The validated ``spec.json`` of the manifest's module ``entry``, checked to describe that module
     (`xpupack.spec` turns it into a `ModuleSpec`)."""
-    data = read_json(root, entry["spec"], "spec")
+    found = _spec_json(root, entry["spec"])
+    data, checked = found
+    if checked:
+        return data
     if data["path"] != entry["path"]:
         raise PackageFormatError(
             f"{root / entry['spec']} describes the module {data['path']!r}, but "
@@ -361,13 +500,14 @@ def read_spec(root: Path, entry: dict) -> dict:
             path=entry["spec"],
         )
     try:
-        for signature in data["signatures"]:
-            check_tree(signature["tree"])
+        for tree in {signature["tree"] for signature in data["signatures"]}:  # a batch ladder's share one tree
+            check_tree(tree)
         _check_batch_axes(data)
     except ValueError as exc:
         raise PackageFormatError(
             f"{root / entry['spec']}: {exc}; the package is damaged — rebuild it", path=entry["spec"]
         ) from None
+    found[1] = True
     return data
 
 

@@ -15,6 +15,7 @@ against their schema only.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from .backends._facts import describe
 from .backends._megacache import artifact_counts
 from .candidate import Candidate
 from .errors import PackageFormatError, XpupackError
-from .limits import LoadLimits
+from .limits import LoadLimits, early_check, load_work
 from .limits import check_package as check_limits
 from .manifest import (
     CACHE,
@@ -36,6 +37,7 @@ from .manifest import (
     package_slots,
     read_manifest,
     read_spec,
+    reading_once,
     refuse_link,
 )
 from .shards import weights_data
@@ -298,15 +300,27 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
         DeviceUnavailableError: ``device`` is not a device of this machine (nothing was checked).
         LimitSettingError: an ``XPUPACK_MAX_*`` variable is not a positive whole number (nothing was checked).
     """
-    from .environment import device_here, environment
+    from .environment import device_here
 
     _check_on_mismatch(on_mismatch)
     here_device = device_here(device)
     limits = LoadLimits.from_environment()  # a bad setting here is not the package's damage
     source = source if isinstance(source, Source) else _local(source)
+    with reading_once():  # each spec read once, as `load` reads it
+        return _verify(source, here_device, on_mismatch, limits)
+
+
+def _verify(source: Source, here_device: Any, on_mismatch: str, limits: LoadLimits) -> dict:
+    from .environment import environment
+
     result: dict = {"package": source.description or str(source.root), "ok": True, "problems": [], "compatibility": {}}
     try:
-        manifest = check_package(source.root, links_within=source.links_within, ignore_unlisted=source.ignore_unlisted)
+        manifest = check_package(
+            source.root,
+            links_within=source.links_within,
+            ignore_unlisted=source.ignore_unlisted,
+            before_schema=early_check(limits),
+        )
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
@@ -323,6 +337,8 @@ def verify_package(source: Source | str | Path, device: str | None = None, on_mi
     except XpupackError as exc:
         result["ok"] = False
         result["problems"].append(str(exc))
+    with contextlib.suppress(XpupackError):  # a spec that fails its checks: reported per module below
+        result["load_work"] = load_work(source.root, manifest)
     plans = plans_here(manifest, source, here_device, on_mismatch)
     for entry in manifest["modules"]:
         path = entry["path"] or "<model>"

@@ -50,7 +50,8 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
     where = root / entry["spec"]
     data = read_spec(root, entry)
     try:
-        signatures = [Signature.from_json(s) for s in data["signatures"]]
+        trees: dict = {}  # parsed once per spec, shared by the signatures
+        signatures = [Signature.from_json(s, trees) for s in data["signatures"]]
         counts = data.get("signature_calls", [])
         if counts and len(counts) != len(signatures):
             raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")

@@ -78,6 +78,23 @@ class DowngradeEvent:
     reason: str
 
 
+#: how often padded calls are checked against the original module: ``"first"``, the first padded call into
+#: each recording of a loaded package (a freshly tuned model was checked on its samples); ``"always"``,
+#: every padded call (one more run of the original module each: for modules whose rows may mix only for
+#: some inputs, which no check on data can rule out; docs/serving-shapes.md)
+VERIFY_PADDING = ("first", "always")
+
+
+def check_verify_padding(value: Any) -> str:
+    """``value`` if it is one of `VERIFY_PADDING`, else ``ValueError`` saying what to pass."""
+    if not isinstance(value, str) or value not in VERIFY_PADDING:
+        raise ValueError(
+            f"verify_padding={value!r}; give 'first' (check the first padded call into each recording of a "
+            "loaded package) or 'always' (check every padded call against the original module)"
+        )
+    return value
+
+
 class TunedModule:
     """The ``forward`` of a tuned module: fit check, then backend or fallback.
 
@@ -90,6 +107,8 @@ class TunedModule:
         padding_checked: padding into the recordings was checked against the original module already
             (at tune time); a loaded package's is checked on its first padded call.
         downgrade: set when a loaded module runs another backend than its package's.
+        verify_padding: ``"first"`` (checks as ``padding_checked`` says) or ``"always"``: every padded
+            call is also run by the original module and compared (`VERIFY_PADDING`).
     """
 
     def __init__(
@@ -102,6 +121,7 @@ class TunedModule:
         *,
         padding_checked: bool = False,
         downgrade: DowngradeEvent | None = None,
+        verify_padding: str = "first",
     ):
         self.target = target
         self.spec = spec
@@ -149,6 +169,10 @@ class TunedModule:
         #: tuning checked the batch axes on its samples; none after a load, whose axes are the package's
         #: claim (the first padded call into each is checked, `_check_first_padded_call`)
         self._padding_checked: set[int] = set(self._table.values()) if padding_checked else set()
+        #: every padded call checked against the original module (``verify_padding="always"``)
+        self.verify_every_padded_call = check_verify_padding(verify_padding) == "always"
+        #: padded calls checked against the original module (the first per recording after a load, or all)
+        self.padding_checks = 0
         #: set by `xpupack.load` when the package's backend does not run here; each call reports it
         #: to the downgrade listeners (the pytest plugin), as each fallback is reported
         self.downgrade = downgrade
@@ -222,7 +246,8 @@ class TunedModule:
         ``padded``). The first padded call into a loaded package's recording is checked against the
         original module, which must see the buffers as the caller left them (the padded run may have
         written them)."""
-        buffers = BufferWatch(self.target.module) if index not in self._padding_checked else None
+        check = self.verify_every_padded_call or index not in self._padding_checked
+        buffers = BufferWatch(self.target.module) if check else None
         try:
             outputs = self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
@@ -276,6 +301,7 @@ class TunedModule:
         its own (`xpupack.padding.check_loaded`); this sees the caller's. On a mismatch that signature is no
         longer padded into; if the original module wrote its buffers, no call of the module is. Returns the
         call's outputs."""
+        self.padding_checks += 1
         buffers.restore()
         with torch.no_grad():
             expected = self.target.forward(*args, **kwargs)
@@ -438,6 +464,7 @@ class TunedModule:
             "calls": self.calls,
             "fallbacks": self.fallbacks,
             "padded": self.padded,
+            "padding_checks": self.padding_checks,
             "compiling": compiling,
             "signatures": len(self.signatures),
             "active_signatures": len(self._table),

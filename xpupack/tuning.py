@@ -25,6 +25,7 @@ from .tuned import (
     TunedModule,
     attach,
     check_model,
+    check_verify_padding,
     describe_architecture,
     detach,
     find_session,
@@ -48,6 +49,7 @@ def tune(
     progress: Callable[[str], None] | None = None,
     search: str = "quick",
     quantize: bool | Iterable[str | Any] = False,
+    verify_padding: str = "first",
 ) -> nn.Module:
     """Tunes ``model`` in place and returns it, with the tuned modules active.
 
@@ -81,10 +83,17 @@ def tune(
             int8, float8 and int4 weight-only (each where the device has it), or a list of config
             names or ``TorchAOBackend`` instances. Quantization changes numerics: off by default.
 
+        verify_padding: ``"first"`` (default): padding is checked on the samples while tuning, and no
+            padded call runs the original module; ``"always"``: every padded call is also run by the
+            original module and compared on the caller's rows — one more eager run per padded call, for
+            a module whose rows may mix only for some inputs (README: "Calls, fit and fallback"). A call
+            that disagrees gets the original's answer, and its recording is no longer padded into.
+
     Returns:
         The same model object.
 
     Raises:
+        ValueError: ``verify_padding`` is not ``"first"`` or ``"always"``.
         DeviceUnavailableError: ``device`` names a device this machine lacks.
         TuningError: no samples, no module matches ``modules``, ``batch_sizes``/``batch_axis`` are not
             what they must be, or ``search``/``quantize`` are not, or come with a ``strategy``.
@@ -97,6 +106,7 @@ def tune(
     """
     check_model(model, "tune")
     quantize = _check_search(search, quantize, strategy)
+    check_verify_padding(verify_padding)
     # the samples run in the caller's mode; everything xpupack makes is made outside inference mode, so
     # that the tuned model serves in any mode (`xpupack._inference`)
     samples_mode = torch.inference_mode if torch.is_inference_mode_enabled() else torch.no_grad
@@ -114,6 +124,7 @@ def tune(
             samples_mode,
             search,
             quantize,
+            verify_padding,
         )
 
 
@@ -130,6 +141,7 @@ def _tune(
     samples_mode: Callable[[], Any],
     search: str,
     quantize: bool | Iterable[Any],
+    verify_padding: str,
 ) -> nn.Module:
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
@@ -149,6 +161,8 @@ def _tune(
     with generate_compile_off(model):
         specs = record(model, selected, samples, run, progress, mode=samples_mode)
     tuned = _tune_modules(selected, specs, placed, strategy, progress)
+    for module in tuned.values():
+        module.verify_every_padded_call = verify_padding == "always"
     _activate(model, tuned, device, strategy, architecture, placed)
     return model
 

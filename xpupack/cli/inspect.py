@@ -198,6 +198,12 @@ def verify(package, revision, device, on_mismatch, as_json):
             colour = "green" if entry["compatible"] else "yellow"
             settings = f", {', '.join(entry['settings'])}" if entry.get("settings") else ""
             out.print(f"[{colour}]{path}[/{colour}] ({entry['backend']}{settings}): {entry['status']}")
+        if "load_work" in result:
+            work = result["load_work"]
+            out.print(
+                f"load work: {work['signatures']} signatures, {work['compiles']} compiles, "
+                f"{work['recordings']} graph recordings, {work['input_bytes']} bytes of inputs synthesised"
+            )
         if result["ok"]:
             out.print(
                 "[green]intact[/green]: schema and every file's sha256 check out"
