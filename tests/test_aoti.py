@@ -36,6 +36,19 @@ def test_each_signature_is_one_library_listed_in_the_manifest(aoti_package):
     assert all(f"modules/layers.0.mlp/aoti/{p['file']}" in manifest["files"] for p in config["programs"].values())
 
 
+def test_inspect_says_the_libraries_are_mapped_in_without_a_compile(aoti_package):
+    from click.testing import CliRunner
+
+    from xpupack.cli import main
+
+    _, root = aoti_package
+    result = CliRunner().invoke(main, ["inspect", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "compiled code at load: layers.0.mlp, layers.1.mlp: AOTInductor libraries mapped in, no compile" in (
+        " ".join(result.output.split())
+    )
+
+
 def test_a_fresh_process_serves_at_once_with_no_compiler_and_no_thread(aoti_package, run_python, tmp_path):
     _, root = aoti_package
     cache = tmp_path / "inductor-cache"

@@ -58,6 +58,9 @@ def print_report(report: dict, out) -> None:
     if report.get("inductor_artifacts"):
         out.print(_inductor_line(report["inductor_artifacts"]))
     out.print(_trust_line(report))
+    compiled = _compiled_code_line(report)
+    if compiled:
+        out.print(compiled)
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
         column.overflow = "fold"
@@ -101,6 +104,27 @@ def _inductor_line(carried: dict) -> str:
     return f"inductor artifacts: {carried['graphs']} graphs, {carried['tuning_results']} tuning results, {rest}" + (
         f" (mega-cache: {by_type})" if by_type else ""
     )
+
+
+def _compiled_code_line(report: dict) -> str | None:
+    """How the compiled code that runs here comes alive at load: AOTInductor libraries are mapped in (no
+    compile), Inductor compiles from its carried caches; None where no module runs compiled code."""
+    paths: dict[str, list[str]] = {"aoti": [], "inductor": []}
+    for module in report["modules"]:
+        parts = str(module.get("runs_here") or "").replace(":", "+").split("+")
+        for kind in paths:
+            if kind in parts:
+                paths[kind].append(module["path"] or "<model>")
+                break
+    lines = []
+    if paths["aoti"]:
+        lines.append(f"{', '.join(paths['aoti'])}: AOTInductor libraries mapped in, no compile")
+    if paths["inductor"]:
+        lines.append(
+            f"{', '.join(paths['inductor'])}: Inductor compiles from the carried caches on the caller's path "
+            "(load(..., defer_compile=True): in the background)"
+        )
+    return "compiled code at load: " + "; ".join(lines) if lines else None
 
 
 def _trust_line(report: dict) -> str:
