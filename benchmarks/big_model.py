@@ -268,7 +268,7 @@ def save(model, package: Path) -> dict:
     xpupack.save(model, package)
     seconds = time.perf_counter() - started
     size = folder_bytes(package)
-    return {"save_s": round(seconds, 2), "package_gb": round(size / GB, 3), "save_gb_s": round(size / GB / seconds, 3)}
+    return {"save_s": round(seconds, 2), "package_gb": round(size / GB, 6), "save_gb_s": round(size / GB / seconds, 3)}
 
 
 def backends(model) -> dict:
