@@ -15,6 +15,7 @@ import xpupack
 from support.emulated_graph import TracedGraphs
 from support.language_models import (
     NEW_TOKENS,
+    cache_argument,
     decode_loop,
     generate,
     prompt,
@@ -201,6 +202,135 @@ def test_prefill_and_decode_are_separate_signatures(emulated_graphs):
     assert prefill.state_slots and decode.state_slots and not spec.unrecordable
     assert prefill.state_layout == decode.state_layout  # the prefill's state: the cache it allocates
     assert spec.signature_calls == (1, NEW_TOKENS - 1)
+
+
+# -- the prefill: a new StaticCache allocated ahead of its first call -------------------------------
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """The token count of the keys each StaticCache layer's allocation is handed: 0 where xpupack allocates
+    the cache ahead of the prefill (as transformers' own early_initialization does), the prompt's length
+    where the call allocates it itself."""
+    from transformers.cache_utils import StaticLayer
+
+    seen: list[int] = []
+    allocate = StaticLayer.lazy_initialization
+
+    def spy(layer, keys, values):
+        seen.append(keys.shape[-2])
+        return allocate(layer, keys, values)
+
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", spy)
+    return seen
+
+
+def test_allocating_ahead_is_transformers_own_allocation_and_undoes_exactly():
+    from xpupack.state import allocate_ahead, unallocated
+
+    model = tiny_llama()
+    ahead, own = static_cache(model, 16), static_cache(model, 16)
+    with torch.no_grad():
+        model(input_ids=prompt(), **{cache_argument(model): own}, use_cache=True)  # transformers allocates
+    layouts = Signature.of_call((own,), {}).leaves[0].tensors
+    assert unallocated(ahead) and not unallocated(own)
+    assert allocate_ahead(static_cache(model, 24), layouts) is None  # another cache length: nothing done
+    before = [dict(vars(layer)) for layer in ahead.layers]
+    undo = allocate_ahead(ahead, layouts)
+    assert undo is not None and Signature.of_call((ahead,), {}).leaves[0].tensors == layouts
+    for mine, theirs in zip(ahead.layers, own.layers, strict=True):
+        assert mine.is_initialized and vars(mine).keys() == vars(theirs).keys()
+        for name, value in vars(theirs).items():
+            if isinstance(value, torch.Tensor):  # zeros, static addresses as transformers marks them
+                assert not getattr(mine, name).any()
+                assert vars(getattr(mine, name)) == vars(value), name
+            else:
+                assert getattr(mine, name) == value, name
+    undo()
+    for layer, attributes in zip(ahead.layers, before, strict=True):
+        assert vars(layer).keys() == attributes.keys()
+        assert all(vars(layer)[name] is value for name, value in attributes.items())
+        assert not layer.is_initialized and vars(layer.cumulative_length) == {}
+    assert unallocated(ahead)
+
+
+def test_a_prefill_is_served_into_a_cache_allocated_ahead_also_after_load(
+    emulated_graphs, allocations, fallback_calls, tmp_path
+):
+    model, reference = tune_llm()
+    ids = prompt(seed=7)
+    expected = generate(reference, ids, NEW_TOKENS)
+    for served in (model, xpupack.load(tiny_llama(seed=3), xpupack.save(model, tmp_path / "pkg"))):
+        allocations.clear()
+        assert torch.equal(generate(served, ids, NEW_TOKENS), expected)
+        assert allocations == [0, 0]  # both layers allocated ahead by xpupack, none by the prefill itself
+        stats = whole(served)
+        assert stats["fallbacks"] == 0 and stats["calls"] == NEW_TOKENS and fallback_calls == []
+
+
+@pytest.mark.slow
+def test_compiled_prefills_serve_generate_and_a_reused_cache_also_after_load(fallback_calls, tmp_path):
+    def both(model, ids):  # generate()'s own cache, and one the caller holds
+        generate(model, ids, NEW_TOKENS)
+        with_own_cache(16)(model, ids)
+
+    model, reference = tune_llm(xpupack.Only(xpupack.InductorBackend()), run=both)
+    ids = prompt(seed=7)
+    expected = generate(reference, ids, NEW_TOKENS)
+    root = xpupack.save(model, tmp_path / "pkg")
+    for served in (model, xpupack.load(tiny_llama(seed=3), root, defer_compile=False)):
+        assert torch.equal(generate(served, ids, NEW_TOKENS), expected)
+        cache = static_cache(served, 16)
+        for _ in range(2):  # the second prefill into the cache the first generate() allocated
+            cache.reset()
+            assert torch.equal(generate(served, ids, NEW_TOKENS, cache=cache), expected)
+        stats = whole(served)
+        assert stats["calls"] == 3 * NEW_TOKENS and stats["fallbacks"] == stats["compiling"] == 0, stats
+    assert fallback_calls == []
+
+
+@pytest.mark.expects_fallbacks
+def test_a_prefill_of_another_batch_leaves_the_cache_to_transformers(emulated_graphs, allocations, fallback_calls):
+    model, reference = tune_llm()
+    ids = torch.cat([prompt(seed=3), prompt(seed=4)])  # batch 2: tuned with batch 1
+    allocations.clear()
+    assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
+    assert allocations == [8, 8, 8, 8]  # the prefill allocated its own cache, as the reference's did
+    prefills = [event.reason for event in fallback_calls if "StaticCache not ready" in event.reason]
+    assert len(prefills) == 1 and "int64[2, 8]" in prefills[0]
+
+
+@pytest.mark.expects_fallbacks
+def test_a_prefill_the_backend_fails_gets_its_cache_back_unallocated(emulated_graphs, allocations, fallback_calls):
+    model, reference = tune_llm()
+    tuned = xpupack.tuned.session_of(model).modules[""]
+    run = tuned.runner.run
+
+    def broken_prefill(index, args, kwargs, leaves):
+        if (1, 8) in [leaf.shape for leaf in tuned.signatures[index].tensor_leaves]:  # the prompt: a prefill
+            raise RuntimeError("broken prefill")
+        return run(index, args, kwargs, leaves)
+
+    tuned.runner.run = broken_prefill
+    ids = prompt(seed=8)
+    allocations.clear()
+    assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
+    # allocated ahead, put back when the backend failed, allocated by the original module's prefill
+    assert allocations == [0, 0, 8, 8, 8, 8]
+    assert [event.reason for event in fallback_calls] == ["backend error"]
+    assert whole(model)["fallback_reasons"] == {"backend error": 1}
+
+
+@pytest.mark.slow
+def test_an_aoti_package_serves_every_call_of_a_generate_also_after_load(fallback_calls, tmp_path):
+    model, reference = tune_llm(xpupack.Only(xpupack.AOTIBackend()))
+    ids = prompt(seed=9)
+    expected = generate(reference, ids, NEW_TOKENS)
+    for served in (model, xpupack.load(tiny_llama(seed=3), xpupack.save(model, tmp_path / "pkg"))):
+        assert torch.equal(generate(served, ids, NEW_TOKENS), expected)
+        stats = whole(served)
+        assert stats["backend"] == "aoti" and stats["programs"] == 2  # the prefill's and the decode step's
+        assert stats["fallbacks"] == stats["compiling"] == 0 and fallback_calls == []
 
 
 def test_a_dynamic_cache_stays_eager_and_says_how_to_tune_it(emulated_graphs, fallback_calls):
@@ -443,11 +573,11 @@ def test_compiled_decode_steps_give_eager_tokens(emulated_graphs, strategy, tmp_
     ids = prompt(seed=13)
     expected = generate(reference, ids, NEW_TOKENS)
     assert torch.equal(generate(model, ids, NEW_TOKENS), expected)
-    assert whole(model)["fallbacks"] == 1  # the prefill
+    assert whole(model)["fallbacks"] == 0  # the prefill included
     root = xpupack.save(model, tmp_path / "pkg")
     loaded = xpupack.load(tiny_llama(seed=3), root)
     assert torch.equal(generate(loaded, ids, NEW_TOKENS), expected)
-    assert whole(loaded)["fallbacks"] == 1
+    assert whole(loaded)["fallbacks"] == 0
 
 
 # -- one tuned module, many threads -------------------------------------------------------------
