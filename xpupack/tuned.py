@@ -31,7 +31,7 @@ from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .recorder import BufferWatch
-from .signature import BatchAxes, Signature, Unrecordable, dtype_name, fit_key
+from .signature import BatchAxes, Signature, StateLeaf, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, allocate_ahead, state_type, unrecordable_hint
 
 log = logging.getLogger("xpupack")
@@ -245,9 +245,11 @@ class TunedModule:
     def _allocate(signature: Signature, leaves: list) -> Callable[[], None] | None:
         """Allocates each state object of a call as ``signature`` records it (`xpupack.state.allocate_ahead`);
         returns the undo of them all, or None (nothing done) where one cannot be."""
-        undos = []
+        undos: list[Callable[[], None]] = []
         for slot in signature.state_slots:
-            undo = allocate_ahead(leaves[slot], signature.leaves[slot].tensors)
+            leaf = signature.leaves[slot]
+            assert isinstance(leaf, StateLeaf)  # a state slot holds a state leaf
+            undo = allocate_ahead(leaves[slot], leaf.tensors)
             if undo is None:
                 for done in reversed(undos):
                     done()
