@@ -55,9 +55,9 @@ def test_a_language_model_tunes_saves_loads_and_serves_in_every_mode(
         ids = prompt(seed=7)
         assert torch.equal(generate(loaded, ids, serve_mode), generate(reference, ids, serve_mode)), serve_mode
         stats = xpupack.stats(loaded)[""]
-        assert stats["fallbacks"] == 1, (serve_mode, stats)  # the prefill: its cache is allocated by that call
+        assert stats["fallbacks"] == 0, (serve_mode, stats)  # the prefill too: its cache is allocated ahead
         assert emulated_graphs.replays - replays == TOKENS - 3, serve_mode  # a run, a recording, then replays
-    assert all("prefill" in event.reason for event in fallback_calls)
+    assert fallback_calls == []
 
 
 def plain_model():
@@ -161,5 +161,5 @@ def test_real_graphs_of_a_language_model_tuned_under_inference_mode_replay_in_ev
         for _ in range(2):  # the second generate() replays the recording the first one made
             assert torch.equal(generate(loaded, ids, serve_mode), generate(reference, ids, serve_mode)), serve_mode
         stats = xpupack.stats(loaded)[""]
-        assert stats["fallbacks"] == 2 and stats["recordings"] >= 1, (serve_mode, stats)  # the two prefills
-    assert all("prefill" in event.reason for event in fallback_calls)
+        assert stats["fallbacks"] == 0 and stats["recordings"] >= 1, (serve_mode, stats)  # prefills included
+    assert fallback_calls == []

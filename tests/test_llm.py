@@ -15,6 +15,7 @@ import xpupack
 from support.emulated_graph import TracedGraphs
 from support.language_models import (
     NEW_TOKENS,
+    cache_argument,
     decode_loop,
     generate,
     prompt,
@@ -112,7 +113,7 @@ def test_decode_steps_replay_and_tokens_equal_eager(emulated_graphs, make):
     assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
     stats = whole(model)
     assert stats["calls"] - calls_before == NEW_TOKENS  # the prefill, then one call per decode step
-    assert stats["fallbacks"] - fallbacks_before == 1  # only the prefill: a new cache is not allocated yet
+    assert stats["fallbacks"] - fallbacks_before == 0  # the prefill too: its new cache is allocated ahead
     # a new cache: its first decode step runs for real, the second is recorded, the rest replay
     assert emulated_graphs.replays - replays == NEW_TOKENS - 3
 
@@ -168,17 +169,18 @@ def with_own_cache(length=16):
     return lambda m, ids: generate(m, ids, NEW_TOKENS, cache=static_cache(m, length))
 
 
-@pytest.mark.expects_fallbacks  # a prefill into a cache that is already allocated: a plain fallback
 def test_a_caller_held_cache_is_recorded_once(emulated_graphs, fallback_calls):
     model, reference = tune_llm(run=with_own_cache())
     ids = prompt(seed=5)
     cache = static_cache(model, 16)
     first = generate(model, ids, NEW_TOKENS, cache=cache)
-    captures, warm, fallbacks = emulated_graphs.captures, whole(model)["warm_runs"], whole(model)["fallbacks"]
+    captures, warm = emulated_graphs.captures, whole(model)["warm_runs"]
     cache.reset()
     assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), first)
-    assert emulated_graphs.captures == captures and whole(model)["warm_runs"] == warm
-    assert whole(model)["fallbacks"] == fallbacks + 1  # the prefill; every decode step replayed
+    # the prefill, which ran for real into the new cache, is recorded at its second call there; every
+    # decode step replayed
+    assert emulated_graphs.captures == captures + 1 and whole(model)["warm_runs"] == warm
+    assert whole(model)["fallbacks"] == 0 and fallback_calls == []
     assert torch.equal(first, generate(reference, ids, NEW_TOKENS))
 
 
@@ -189,15 +191,146 @@ def test_new_caches_record_again_up_to_the_cap(emulated_graphs):
         ids = prompt(seed=9)
         assert torch.equal(generate(model, ids, NEW_TOKENS, cache=cache), generate(reference, ids, NEW_TOKENS))
         assert whole(model)["recordings"] <= 2
-    assert whole(model)["fallbacks"] == len(caches)  # the prefills
+    assert whole(model)["fallbacks"] == 0  # the prefills too: each new cache is allocated ahead
     assert whole(model)["warm_runs"] >= len(caches)  # each new cache ran once for real, then recorded
 
 
 def test_prefill_and_decode_are_separate_signatures(emulated_graphs):
     model, _ = tune_llm()
     spec = xpupack.tuned.session_of(model).modules[""].spec
-    assert len(spec.signatures) == 1 and spec.signatures[0].state_slots
-    assert any("not ready" in reason and "prefill" in reason for reason in spec.unrecordable)
+    prefill, decode = spec.signatures
+    assert prefill.state_slots and decode.state_slots and not spec.unrecordable
+    assert prefill.state_layout == decode.state_layout  # the prefill's state: the cache it allocates
+    assert spec.signature_calls == (1, NEW_TOKENS - 1)
+
+
+# -- the prefill: a new StaticCache allocated ahead of its first call -------------------------------
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """The token count of the keys each StaticCache layer's allocation is handed: 0 where xpupack allocates
+    the cache ahead of the prefill (as transformers' own early_initialization does), the prompt's length
+    where the call allocates it itself."""
+    from transformers.cache_utils import StaticLayer
+
+    seen: list[int] = []
+    allocate = StaticLayer.lazy_initialization
+
+    def spy(layer, keys, values):
+        seen.append(keys.shape[-2])
+        return allocate(layer, keys, values)
+
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", spy)
+    return seen
+
+
+def test_allocating_ahead_is_transformers_own_allocation_and_undoes_exactly():
+    from xpupack.state import allocate_ahead, unallocated
+
+    model = tiny_llama()
+    ahead, own = static_cache(model, 16), static_cache(model, 16)
+    with torch.no_grad():
+        model(input_ids=prompt(), **{cache_argument(model): own}, use_cache=True)  # transformers allocates
+    layouts = Signature.of_call((own,), {}).leaves[0].tensors
+    assert unallocated(ahead) and not unallocated(own)
+    assert allocate_ahead(static_cache(model, 24), layouts) is None  # another cache length: nothing done
+    before = [dict(vars(layer)) for layer in ahead.layers]
+    undo = allocate_ahead(ahead, layouts)
+    assert undo is not None and Signature.of_call((ahead,), {}).leaves[0].tensors == layouts
+    for mine, theirs in zip(ahead.layers, own.layers, strict=True):
+        assert mine.is_initialized and vars(mine).keys() == vars(theirs).keys()
+        for name, value in vars(theirs).items():
+            if isinstance(value, torch.Tensor):  # zeros, static addresses as transformers marks them
+                assert not getattr(mine, name).any()
+                assert vars(getattr(mine, name)) == vars(value), name
+            else:
+                assert getattr(mine, name) == value, name
+    undo()
+    for layer, attributes in zip(ahead.layers, before, strict=True):
+        assert vars(layer).keys() == attributes.keys()
+        assert all(vars(layer)[name] is value for name, value in attributes.items())
+        assert not layer.is_initialized and vars(layer.cumulative_length) == {}
+    assert unallocated(ahead)
+
+
+def test_a_prefill_is_served_into_a_cache_allocated_ahead_also_after_load(
+    emulated_graphs, allocations, fallback_calls, tmp_path
+):
+    model, reference = tune_llm()
+    ids = prompt(seed=7)
+    expected = generate(reference, ids, NEW_TOKENS)
+    for served in (model, xpupack.load(tiny_llama(seed=3), xpupack.save(model, tmp_path / "pkg"))):
+        allocations.clear()
+        assert torch.equal(generate(served, ids, NEW_TOKENS), expected)
+        assert allocations == [0, 0]  # both layers allocated ahead by xpupack, none by the prefill itself
+        stats = whole(served)
+        assert stats["fallbacks"] == 0 and stats["calls"] == NEW_TOKENS and fallback_calls == []
+
+
+@pytest.mark.slow
+def test_compiled_prefills_serve_generate_and_a_reused_cache_also_after_load(fallback_calls, tmp_path):
+    def both(model, ids):  # generate()'s own cache, and one the caller holds
+        generate(model, ids, NEW_TOKENS)
+        with_own_cache(16)(model, ids)
+
+    model, reference = tune_llm(xpupack.Only(xpupack.InductorBackend()), run=both)
+    ids = prompt(seed=7)
+    expected = generate(reference, ids, NEW_TOKENS)
+    root = xpupack.save(model, tmp_path / "pkg")
+    for served in (model, xpupack.load(tiny_llama(seed=3), root, defer_compile=False)):
+        assert torch.equal(generate(served, ids, NEW_TOKENS), expected)
+        cache = static_cache(served, 16)
+        for _ in range(2):  # the second prefill into the cache the first generate() allocated
+            cache.reset()
+            assert torch.equal(generate(served, ids, NEW_TOKENS, cache=cache), expected)
+        stats = whole(served)
+        assert stats["calls"] == 3 * NEW_TOKENS and stats["fallbacks"] == stats["compiling"] == 0, stats
+    assert fallback_calls == []
+
+
+@pytest.mark.expects_fallbacks
+def test_a_prefill_of_another_batch_leaves_the_cache_to_transformers(emulated_graphs, allocations, fallback_calls):
+    model, reference = tune_llm()
+    ids = torch.cat([prompt(seed=3), prompt(seed=4)])  # batch 2: tuned with batch 1
+    allocations.clear()
+    assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
+    assert allocations == [8, 8, 8, 8]  # the prefill allocated its own cache, as the reference's did
+    prefills = [event.reason for event in fallback_calls if "StaticCache not ready" in event.reason]
+    assert len(prefills) == 1 and "int64[2, 8]" in prefills[0]
+
+
+@pytest.mark.expects_fallbacks
+def test_a_prefill_the_backend_fails_gets_its_cache_back_unallocated(emulated_graphs, allocations, fallback_calls):
+    model, reference = tune_llm()
+    tuned = xpupack.tuned.session_of(model).modules[""]
+    run = tuned.runner.run
+
+    def broken_prefill(index, args, kwargs, leaves):
+        if (1, 8) in [leaf.shape for leaf in tuned.signatures[index].tensor_leaves]:  # the prompt: a prefill
+            raise RuntimeError("broken prefill")
+        return run(index, args, kwargs, leaves)
+
+    tuned.runner.run = broken_prefill
+    ids = prompt(seed=8)
+    allocations.clear()
+    assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
+    # allocated ahead, put back when the backend failed, allocated by the original module's prefill
+    assert allocations == [0, 0, 8, 8, 8, 8]
+    assert [event.reason for event in fallback_calls] == ["backend error"]
+    assert whole(model)["fallback_reasons"] == {"backend error": 1}
+
+
+@pytest.mark.slow
+def test_an_aoti_package_serves_every_call_of_a_generate_also_after_load(fallback_calls, tmp_path):
+    model, reference = tune_llm(xpupack.Only(xpupack.AOTIBackend()))
+    ids = prompt(seed=9)
+    expected = generate(reference, ids, NEW_TOKENS)
+    for served in (model, xpupack.load(tiny_llama(seed=3), xpupack.save(model, tmp_path / "pkg"))):
+        assert torch.equal(generate(served, ids, NEW_TOKENS), expected)
+        stats = whole(served)
+        assert stats["backend"] == "aoti" and stats["programs"] == 2  # the prefill's and the decode step's
+        assert stats["fallbacks"] == stats["compiling"] == 0 and fallback_calls == []
 
 
 def test_a_dynamic_cache_stays_eager_and_says_how_to_tune_it(emulated_graphs, fallback_calls):
@@ -302,7 +435,7 @@ def test_generate_with_the_default_mistral_window_replays_decode_steps(traced_gr
     ids = prompt(seed=7)
     calls, fallbacks, replays = stats["calls"], stats["fallbacks"], traced_graphs.replays
     assert torch.equal(generate(model, ids, NEW_TOKENS), generate(reference, ids, NEW_TOKENS))
-    assert whole(model)["calls"] - calls == NEW_TOKENS and whole(model)["fallbacks"] - fallbacks == 1
+    assert whole(model)["calls"] - calls == NEW_TOKENS and whole(model)["fallbacks"] - fallbacks == 0
     assert traced_graphs.replays - replays == NEW_TOKENS - 3
 
 
@@ -352,17 +485,17 @@ def test_inspect_describes_a_language_model_package_in_text_and_json(emulated_gr
 
     model, _ = tune_llm()
     root = xpupack.save(model, tmp_path / "pkg")
-    described = xpupack.tuned.session_of(model).modules[""].spec.signatures[0].describe()
-    assert "StaticCache[" in described  # the KV cache: its type and how many state tensors
+    described = [s.describe() for s in xpupack.tuned.session_of(model).modules[""].spec.signatures]
+    assert all("StaticCache[" in text for text in described)  # the KV cache: its type and how many state tensors
     result = CliRunner().invoke(main, ["inspect", str(root), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["modules"][0]["signatures"] == [described]
+    assert json.loads(result.output)["modules"][0]["signatures"] == described
     result = CliRunner().invoke(main, ["inspect", str(root)])
     assert result.exit_code == 0, result.output
-    assert all(word in result.output for word in described.split())  # the table wraps it at spaces
+    assert all(word in result.output for text in described for word in text.split())  # wrapped at spaces
     from xpupack.card import package_card  # the Hub's model card lists the signatures too
 
-    assert described in package_card(root, read_manifest(root))
+    assert all(text in package_card(root, read_manifest(root)) for text in described)
 
 
 @pytest.mark.parametrize(
@@ -440,11 +573,11 @@ def test_compiled_decode_steps_give_eager_tokens(emulated_graphs, strategy, tmp_
     ids = prompt(seed=13)
     expected = generate(reference, ids, NEW_TOKENS)
     assert torch.equal(generate(model, ids, NEW_TOKENS), expected)
-    assert whole(model)["fallbacks"] == 1  # the prefill
+    assert whole(model)["fallbacks"] == 0  # the prefill included
     root = xpupack.save(model, tmp_path / "pkg")
     loaded = xpupack.load(tiny_llama(seed=3), root)
     assert torch.equal(generate(loaded, ids, NEW_TOKENS), expected)
-    assert whole(loaded)["fallbacks"] == 1
+    assert whole(loaded)["fallbacks"] == 0
 
 
 # -- one tuned module, many threads -------------------------------------------------------------

@@ -48,15 +48,23 @@ def uninstall(module: nn.Module, forward: Any, original: Callable[..., Any]) -> 
 
 
 class _Observer:
-    """Calls ``callback(args, kwargs)`` before each call of a hooked module's ``_old_forward``."""
+    """Calls ``callback(args, kwargs)`` before each call of a hooked module's ``_old_forward``, and
+    ``after(args, kwargs)`` once it returned or raised."""
 
-    def __init__(self, module: nn.Module, callback: Callable[[tuple, dict], None]):
+    def __init__(
+        self, module: nn.Module, callback: Callable[[tuple, dict], None], after: Callable[[tuple, dict], None] | None
+    ):
         self.module = module
         self.original = getattr(module, _ACCELERATE_FORWARD)
 
         def observed(*args: Any, **kwargs: Any) -> Any:
             callback(args, kwargs)
-            return self.original(*args, **kwargs)
+            if after is None:
+                return self.original(*args, **kwargs)
+            try:
+                return self.original(*args, **kwargs)
+            finally:
+                after(args, kwargs)
 
         self.observed = observed
         setattr(module, _ACCELERATE_FORWARD, observed)
@@ -65,12 +73,32 @@ class _Observer:
         uninstall(self.module, self.observed, self.original)
 
 
-def observe(module: nn.Module, callback: Callable[[tuple, dict], None]) -> Any:
-    """Calls ``callback(args, kwargs)`` with the inputs the module's forward gets; ``.remove()`` stops it.
+class _Handles:
+    """Several hook handles removed as one."""
 
-    A forward pre-hook, except behind an accelerate hook, which has not moved the inputs yet when
+    def __init__(self, *handles: Any):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def observe(
+    module: nn.Module, callback: Callable[[tuple, dict], None], after: Callable[[tuple, dict], None] | None = None
+) -> Any:
+    """Calls ``callback(args, kwargs)`` with the inputs the module's forward gets, and ``after(args, kwargs)``
+    (if given) once the forward returned or raised; ``.remove()`` stops both.
+
+    Forward hooks, except behind an accelerate hook, which has not moved the inputs yet when
     pre-hooks run.
     """
     if _slot(module) == _ACCELERATE_FORWARD:
-        return _Observer(module, callback)
-    return module.register_forward_pre_hook(lambda _module, args, kwargs: callback(args, kwargs), with_kwargs=True)
+        return _Observer(module, callback, after)
+    before = module.register_forward_pre_hook(lambda _module, args, kwargs: callback(args, kwargs), with_kwargs=True)
+    if after is None:
+        return before
+    returned = module.register_forward_hook(
+        lambda _module, args, kwargs, _output: after(args, kwargs), with_kwargs=True, always_call=True
+    )
+    return _Handles(before, returned)

@@ -17,6 +17,7 @@ from ._inference import own_copy
 from .backends.base import ModuleSpec, Samples
 from .errors import SampleError, TuningError
 from .signature import Signature, Unrecordable, dtype_name, flatten, map_tensors
+from .state import state_type, unallocated
 
 #: recorded samples kept per signature (only for accuracy checks and timing at tune time)
 SAMPLES_PER_SIGNATURE = 2
@@ -219,15 +220,83 @@ class _SampledCalls:
         self.inputs: list[list[tuple[tuple, dict]]] = []
         self.states: list[list[list[torch.Tensor]]] = []
         self.counts: list[list[list[tuple]]] = []
+        #: per call under way, innermost last: None, or what `done` needs of a call that allocates its state
+        self._open: list[tuple | None] = []
 
     def add(self, args: tuple, kwargs: dict) -> None:
+        """Before a call: its signature, with a copy of its inputs and state."""
         self.calls += 1
         try:
             signature = Signature.of_call(args, kwargs)
         except Unrecordable as exc:
-            reason = f"calls with {exc} cannot be recorded; they run the original module"
-            self.unrecordable[reason] = self.unrecordable.get(reason, 0) + 1
+            self._open.append(self._allocating(args, kwargs))
+            if self._open[-1] is None:
+                self._unrecordable(exc)
             return
+        self._open.append(None)
+        leaves = flatten(args, kwargs)[0]
+        # a state object is kept by reference; its tensors as they are before this call are copied,
+        # so that every candidate later runs this call on the state eager ran it on
+        self._keep(
+            signature,
+            args,
+            kwargs,
+            lambda: [own_copy(tensor) for tensor in signature.state_tensors(leaves)],
+            [counters.read(obj) for counters, obj in signature.state_counters(leaves)],
+        )
+
+    def _allocating(self, args: tuple, kwargs: dict) -> tuple | None:
+        """What `done` records of a call whose state objects are all StaticCaches that allocate their tensors
+        in this call (a prefill into a new cache, `xpupack.state.unallocated`), or None for another call."""
+        leaves = flatten(args, kwargs)[0]
+        kinds = [(leaf, kind) for leaf in leaves if (kind := state_type(leaf)) is not None]
+        if not kinds or not all(unallocated(leaf) for leaf, _ in kinds):
+            return None
+        counts = [kind.counters.read(leaf) for leaf, kind in kinds if kind.counters is not None]
+        return args, kwargs, snapshot(args), snapshot(kwargs), counts
+
+    def done(self, args: tuple, kwargs: dict) -> None:
+        """After a call: one that allocated its state (`_allocating`) is recorded now, its signature that of
+        the allocated state, the state it started from that state zeroed (as `xpupack.state.allocate_ahead`
+        gives it before a served call)."""
+        if not self._open:
+            return
+        opened = self._open.pop()
+        if opened is None:
+            return
+        args, kwargs, args_copy, kwargs_copy, counts = opened
+        try:
+            signature = Signature.of_call(args, kwargs)
+        except Unrecordable as exc:  # an unallocated cache is not all the call holds that is not recordable
+            self._unrecordable(exc)
+            return
+        leaves = flatten(args, kwargs)[0]
+        self._keep(
+            signature,
+            args_copy,
+            kwargs_copy,
+            lambda: [own_copy(tensor).zero_() for tensor in signature.state_tensors(leaves)],
+            counts,
+            copied=True,
+        )
+
+    def _unrecordable(self, exc: Unrecordable) -> None:
+        reason = f"calls with {exc} cannot be recorded; they run the original module"
+        self.unrecordable[reason] = self.unrecordable.get(reason, 0) + 1
+
+    def _keep(
+        self,
+        signature: Signature,
+        args: tuple,
+        kwargs: dict,
+        state: Callable[[], list[torch.Tensor]],
+        counts: list[tuple],
+        *,
+        copied: bool = False,
+    ) -> None:
+        """Counts a call of ``signature`` and keeps it as a sample (up to `SAMPLES_PER_SIGNATURE`): its
+        inputs (``copied`` already), the copies ``state()`` makes of its state tensors from before the
+        call, and the Python-side counters of its state objects from before the call."""
         index = self.index.get(signature)
         if index is None:
             index = self.index[signature] = len(self.signatures)
@@ -238,12 +307,9 @@ class _SampledCalls:
             self.signature_calls.append(0)
         self.signature_calls[index] += 1
         if len(self.inputs[index]) < SAMPLES_PER_SIGNATURE:
-            self.inputs[index].append((snapshot(args), snapshot(kwargs)))
-            # a state object is kept by reference; its tensors as they are before this call are copied,
-            # so that every candidate later runs this call on the state eager ran it on
-            leaves = flatten(args, kwargs)[0]
-            self.states[index].append([own_copy(tensor) for tensor in signature.state_tensors(leaves)])
-            self.counts[index].append([counters.read(obj) for counters, obj in signature.state_counters(leaves)])
+            self.inputs[index].append((args, kwargs) if copied else (snapshot(args), snapshot(kwargs)))
+            self.states[index].append(state())
+            self.counts[index].append(counts)
 
     def spec(self) -> ModuleSpec:
         """What was seen, with the samples attached (`ModuleSpec.samples`)."""
@@ -269,7 +335,7 @@ def record(
     """Runs ``samples`` through ``model`` under ``mode`` (`torch.no_grad`, or `torch.inference_mode` where the
     caller runs in it) and returns each selected module's recorded spec, its samples attached."""
     sampled = {path: _SampledCalls() for path in modules}
-    handles = [_hooks.observe(module, sampled[path].add) for path, module in modules.items()]
+    handles = [_hooks.observe(module, sampled[path].add, sampled[path].done) for path, module in modules.items()]
     count = 0
     try:
         with mode():

@@ -24,10 +24,12 @@ import torch.utils._cxx_pytree as pytree
 from ._signature_text import describe_leaves
 from .distributed import is_dtensor
 from .manifest import check_tree
-from .state import StateNotReady, StateType, state_type, unrecordable_hint
+from .state import STATIC_CACHE, StateNotReady, StateType, state_type, unrecordable_hint
 
 _Tensor = torch.Tensor
 _SIMPLE_CONSTANTS = (type(None), bool, int, float, str)
+#: how a fit key names a state object that is not ready (`_state_key`)
+NOT_READY = "state-not-ready"
 
 
 class Unrecordable(Exception):
@@ -106,7 +108,7 @@ def _state_key(value: Any, kind: StateType) -> tuple:
     try:
         tensors = kind.state_tensors(value)
     except StateNotReady:
-        return ("state-not-ready", kind.name)
+        return (NOT_READY, kind.name)
     return ("state", kind.name, tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
 
 
@@ -202,10 +204,25 @@ class Signature:
     def key(self) -> tuple:
         """The fit key of any call this signature describes: `flat_key`'s form for flat calls,
         `call_key`'s otherwise."""
+        return self._key(allocated=True)
+
+    @property
+    def key_before_allocation(self) -> tuple | None:
+        """The fit key of a call of this signature made before its state objects allocated their tensors
+        (a prefill into a new StaticCache: `_state_key` keys each as not ready), or None where a state
+        object of it is of a type xpupack cannot allocate ahead (`xpupack.state.allocate_ahead`) or it
+        has none."""
+        if not self.state_slots or any(
+            leaf.type_name != STATIC_CACHE for leaf in self.leaves if isinstance(leaf, StateLeaf)
+        ):
+            return None
+        return self._key(allocated=False)
+
+    def _key(self, *, allocated: bool) -> tuple:
         leaf_keys = [
             (leaf.shape, leaf.dtype, leaf.device)
             if isinstance(leaf, TensorLeaf)
-            else leaf.key
+            else (leaf.key if allocated else (NOT_READY, leaf.type_name))
             if isinstance(leaf, StateLeaf)
             else _constant_key(leaf.value)
             for leaf in self.leaves

@@ -203,6 +203,88 @@ def _layer_tensor_names(layer: Any) -> tuple[str, ...]:
     return names
 
 
+#: the name of the one state type whose objects xpupack can allocate ahead of their first call
+#: (`allocate_ahead`): transformers' StaticCache
+STATIC_CACHE = "transformers.cache_utils.StaticCache"
+
+
+def unallocated(obj: Any) -> bool:
+    """Whether ``obj`` is a StaticCache that has allocated none of its layers' tensors yet and counts no token:
+    its first call (the prefill) allocates them as zeros (``lazy_initialization``), which `allocate_ahead`
+    can do before the call, and which tuning records as the state that call started from."""
+    kind = state_type(obj)
+    if kind is None or kind.tensors is not _static_cache_tensors:
+        return False
+    layers = getattr(obj, "layers", None)
+    if not layers:
+        return False
+    for layer in layers:
+        if type(layer).__name__ not in _GRAPH_SAFE_LAYERS or layer.is_initialized:
+            return False
+        length = getattr(layer, "cumulative_length", None)
+        if not isinstance(length, torch.Tensor) or length.dim() != 0 or bool(length != 0):
+            return False
+        if getattr(layer, "cumulative_length_int", 0) != 0:
+            return False
+    return True
+
+
+def allocate_ahead(cache: Any, layouts: tuple) -> Callable[[], None] | None:
+    """Allocates the layers of ``cache`` (an `unallocated` StaticCache) before its first call, exactly as
+    transformers' own ``lazy_initialization`` would in that call (zeros, the running length moved to the
+    device, the tensors marked static addresses), in the layout ``layouts`` gives them: the tensors of a
+    recorded `xpupack.signature.StateLeaf`, per layer its keys then its values (their only 4-d tensors).
+
+    Args:
+        cache: a StaticCache none of whose layers is allocated.
+        layouts: ``(shape, stride, dtype, device)`` of each of its state tensors once allocated.
+
+    Returns:
+        The undo, which puts the layers back as they were (unallocated, their running length as it was), or
+        None, nothing done, where ``layouts`` cannot be this cache's (another layer count or cache length).
+    """
+    if not unallocated(cache) or not layouts or len(layouts) % len(cache.layers):
+        return None
+    per_layer = len(layouts) // len(cache.layers)
+    fakes = []
+    for number, layer in enumerate(cache.layers):
+        keys_values = [
+            (shape, dtype, device)
+            for shape, _, dtype, device in layouts[number * per_layer : (number + 1) * per_layer]
+            if len(shape) == 4
+        ]
+        if len(keys_values) != 2 or any(shape[2] != layer.max_cache_len for shape, _, _ in keys_values):
+            return None
+        fakes.append(keys_values)
+    saved = [(layer, dict(vars(layer))) for layer in cache.layers]
+    lengths = [
+        (length, length.clone(), "_dynamo_static_input_type" in vars(length))
+        for length in (layer.cumulative_length for layer in cache.layers)
+    ]
+
+    def undo() -> None:
+        for layer, attributes in saved:
+            vars(layer).clear()
+            vars(layer).update(attributes)
+        for length, value, marked in lengths:
+            if not marked:  # transformers marks the length it moved; here that was the same tensor
+                vars(length).pop("_dynamo_static_input_type", None)
+            if not torch.equal(length, value):  # a backend that failed amid the call may have counted
+                with torch.inference_mode(length.is_inference()):
+                    length.copy_(value)
+
+    try:
+        for layer, ((key_shape, key_dtype, device), (value_shape, value_dtype, _)) in zip(cache.layers, fakes):
+            # what transformers' own early_initialization hands in: tensors of the layout with no tokens
+            keys = torch.zeros((*key_shape[:2], 0, key_shape[3]), dtype=key_dtype, device=device)
+            values = torch.zeros((*value_shape[:2], 0, value_shape[3]), dtype=value_dtype, device=device)
+            layer.lazy_initialization(keys, values)
+    except Exception:  # a device or dtype this process cannot allocate: the call allocates as it would
+        undo()
+        return None
+    return undo
+
+
 @contextmanager
 def tensors_replaced(obj: Any, tensors: list[torch.Tensor]) -> Iterator[None]:
     """Within the block, ``obj`` (a state object) holds ``tensors`` in place of its own state tensors (in

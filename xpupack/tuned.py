@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import logging
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,8 +31,8 @@ from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .recorder import BufferWatch
-from .signature import BatchAxes, Signature, Unrecordable, dtype_name, fit_key
-from .state import StateNotReady, state_type, unrecordable_hint
+from .signature import BatchAxes, Signature, StateLeaf, Unrecordable, dtype_name, fit_key
+from .state import StateNotReady, allocate_ahead, state_type, unrecordable_hint
 
 log = logging.getLogger("xpupack")
 
@@ -153,6 +154,12 @@ class TunedModule:
         for index, signature in enumerate(spec.signatures):
             if signature.state_slots and index in runner.supported:
                 self._families.setdefault(signature.family, set()).add(signature.state_layout)
+        #: fit key of a call whose StaticCache has not allocated its tensors yet (a prefill into a new cache)
+        #: -> the signatures it may become once they are allocated ahead (`_call_allocating`)
+        self._unallocated: dict[tuple, list[int]] = {}
+        for index, signature in enumerate(spec.signatures):
+            if index in runner.supported:
+                self._note_unallocated(index, signature)
         self.new_sizes = 0
         #: seconds the load spent restoring this module (compiling, recording, checking); None when tuned here
         self.load_s: float | None = None
@@ -196,6 +203,8 @@ class TunedModule:
             index = None
         padding = None
         if index is None:
+            if self._unallocated and (served := self._call_allocating(key, args, kwargs, leaves)) is not _UNSERVED:
+                return served
             index, padding = self._fit_new_size_or_padded(key, args, kwargs, leaves)
             if index is None:
                 return self._fallback(args, kwargs, "signature", leaves, key)
@@ -213,6 +222,69 @@ class TunedModule:
             return self.runner.run(index, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
             return self._backend_failed(index, key, exc, args, kwargs, leaves)
+
+    def _note_unallocated(self, index: int, signature: Signature) -> None:
+        """Lets a call of ``signature`` made before its StaticCache allocated its tensors find it."""
+        key = signature.key_before_allocation
+        if key is not None:
+            self._unallocated.setdefault(key, []).append(index)
+
+    def _call_allocating(self, key: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
+        """A call whose StaticCache has not allocated its tensors yet (a prefill into a new cache, which
+        transformers allocates in that call) and whose inputs are those of a tuned signature: xpupack
+        allocates the cache ahead, exactly as the call would (`xpupack.state.allocate_ahead`), and the
+        backend runs the call, which then fits. Where it fits no signature after all, or is not served
+        (training mode, autograd, autocast, its compile pending, a backend error), the cache is put back
+        unallocated and the original module runs the call as it would untuned. Returns ``_UNSERVED`` where
+        no tuned signature has these inputs: the caller goes on as for any call that fits none."""
+        candidates = _lookup(self._unallocated, key)
+        if not candidates:
+            return _UNSERVED
+        if self.target.module.training:
+            return self._fallback(args, kwargs, "training mode", leaves)
+        if self._check_grad and torch.is_grad_enabled() and self._needs_grad(leaves):
+            return self._fallback(args, kwargs, "autograd needed", leaves)
+        if self._check_autocast and _autocast_enabled():
+            return self._fallback(args, kwargs, "autocast enabled", leaves)
+        for candidate in list(candidates):
+            undo = self._allocate(self.signatures[candidate], leaves)
+            if undo is None:
+                continue
+            allocated_key, _ = fit_key(args, kwargs)
+            index = _lookup(self._table, allocated_key)
+            if index is None:
+                undo()
+                continue
+            if self._pending and index in self._pending and not self._prepared(index, allocated_key):
+                undo()
+                return self._call_while_not_prepared(index, args, kwargs, leaves)
+            try:
+                return self.runner.run(index, args, kwargs, leaves)
+            except Exception as exc:  # a broken backend must never break the model: fall back
+                undo()
+                return self._backend_failed(index, allocated_key, exc, args, kwargs, leaves)
+        return _UNSERVED
+
+    @staticmethod
+    def _allocate(signature: Signature, leaves: list) -> Callable[[], None] | None:
+        """Allocates each state object of a call as ``signature`` records it (`xpupack.state.allocate_ahead`);
+        returns the undo of them all, or None (nothing done) where one cannot be."""
+        undos: list[Callable[[], None]] = []
+        for slot in signature.state_slots:
+            leaf = signature.leaves[slot]
+            assert isinstance(leaf, StateLeaf)  # a state slot holds a state leaf
+            undo = allocate_ahead(leaves[slot], leaf.tensors)
+            if undo is None:
+                for done in reversed(undos):
+                    done()
+                return None
+            undos.append(undo)
+
+        def undo_all() -> None:
+            for undo in reversed(undos):
+                undo()
+
+        return undo_all
 
     def _report_downgrade(self) -> None:
         """Tells the downgrade listeners (the pytest plugin) on each call that this module runs another
@@ -267,6 +339,7 @@ class TunedModule:
         """Signature ``index`` failed in the backend: its calls run the original module from now on."""
         self.backend_errors[index] = error
         self._table = {k: i for k, i in self._table.items() if i != index}
+        self._unallocated = {k: [i for i in v if i != index] for k, v in self._unallocated.items()}
         if self._padding:
             self._padding.retire(index)
         self._refused.add(key)
@@ -369,6 +442,7 @@ class TunedModule:
         if pending is not None:
             self._pending[index] = pending
         self._table[key] = index
+        self._note_unallocated(index, signature)
         tuned_layouts.add(signature.state_layout)
         self.new_sizes += 1
         log.info(
@@ -486,6 +560,10 @@ class TunedModule:
             "cannot deepcopy a model with active xpupack modules; "
             "call xpupack.deactivate(model) first, or copy it before tuning"
         )
+
+
+#: what `TunedModule._call_allocating` returns for a call it did not take
+_UNSERVED = object()
 
 
 def _lookup(table: dict, key: Any) -> Any:
