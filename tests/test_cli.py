@@ -132,9 +132,9 @@ def test_bench_json(built):
         (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
         (["inspect", "no/such/dir"], "there is no folder"),
         (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
-        (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
-        (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "startup_margin=0.5"),
-        (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.0, or none"),
+        (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "'0': give a number above 0 such as 1.0, or none"),
+        (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "'0.5': give a number of at least 1 such as 1.05"),
+        (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.05, or none"),
         (
             ["bench", "pkg", "--model", "xpupack.examples:tiny_transformer", "--iterations", "0"],
             "0 is not in the range x>=1",
@@ -160,6 +160,24 @@ def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypa
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_build_whose_candidates_are_all_refused_names_the_command_line_s_options(tmp_path):
+    """The speed gate's refusal says what to pass to build, not to the Python API (issue 31)."""
+    import support.backends  # noqa: F401  (registers "delay": eager's outputs, 5 ms late)
+
+    result = CliRunner().invoke(
+        main, ["build", *DEMO, "--modules", "layers.*.mlp", "--backends", "delay", "--out", str(tmp_path / "pkg")]
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: no backend could tune layers.0.mlp — delay: not faster than eager: ")
+    assert "the speed gate asks for more than 1.0x" in line
+    assert line.endswith(
+        "; add eager to --backends (--backends delay,eager) to keep such modules untuned, "
+        "or pass --min-speedup none to keep candidates slower than eager"
+    )
+    assert "EagerBackend" not in line and "min_speedup" not in line and "\\n" not in line
 
 
 @pytest.mark.parametrize("case", ["other files", "a file", "under a file"])

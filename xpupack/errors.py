@@ -193,7 +193,26 @@ class NoCandidateError(XpupackError):
     Raised by `xpupack.tune` (from `Strategy.choose`) when every candidate failed to build, differed
     from eager or was not faster than eager; add ``EagerBackend()`` to the strategy to keep such modules
     untuned. `Only` raises it with its backend's own reason.
+
+    Args:
+        message: the refusals and the fix.
+        path: the module's object path ("" for the whole model), where a strategy tried candidates.
+        refusals: ``(backend, reason)`` for each candidate refused, in the order tried (empty from `Only`).
+        too_slow: whether the speed gate refused one of them (a lower threshold would keep it).
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        refusals: tuple[tuple[str, str], ...] = (),
+        too_slow: bool = False,
+    ):
+        super().__init__(message)
+        self.path = path
+        self.refusals = tuple(refusals)
+        self.too_slow = too_slow
 
 
 class TuningError(XpupackError, ValueError):

@@ -226,7 +226,8 @@ def _too_slow(result: _timing.Comparison, verdict: str, min_speedup: float) -> s
     as slower: a tuned module must never be slower than eager)."""
     numbers = (
         f"{round(result.speedup, 3)}x eager's speed ({result.candidate.median_us:.1f} vs "
-        f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); min_speedup={min_speedup}"
+        f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); the speed gate asks for more "
+        f"than {min_speedup}x"
     )
     if verdict == "slower":
         return f"not faster than eager: {numbers}"
@@ -497,7 +498,7 @@ class FirstWins(Strategy):
                     return chosen[0], chosen[1], report
             report.append(entry)
             return backend, runner, report
-        raise NoCandidateError(_explain(target, report))
+        raise _no_candidate(target, report)
 
     def _lighter_candidate(
         self, later: Sequence[Backend], target, spec, references, device, report, gate
@@ -581,7 +582,7 @@ class Fastest(Strategy):
             for index in set(alive) - keep:
                 alive.pop(index)[1].release()
         if not alive:
-            raise NoCandidateError(_explain(target, report))
+            raise _no_candidate(target, report)
         best = _runoff(report, alive, gate)
         backend, runner = alive[best]
         runner.redo()
@@ -751,11 +752,22 @@ class Only(Strategy):
         )
 
 
-def _explain(target: Target, report: list[Candidate]) -> str:
+def _no_candidate(target: Target, report: list[Candidate]) -> NoCandidateError:
+    """The error of a strategy that tried ``report``'s candidates and kept none; it carries the refusals,
+    so that the command line can say the same in its own options' names."""
+    too_slow = any(entry.status == "rejected" and entry.speedup is not None for entry in report)  # timed: the gate
     lines = [f"no backend could tune {target.path or '<model>'}:"]
     lines += [f"  {entry.backend}: {entry.reason}" for entry in report]
-    lines.append("add EagerBackend() to the strategy to keep such modules untuned")
-    return "\n".join(lines)
+    lines.append(
+        "add EagerBackend() to the strategy to keep such modules untuned"
+        + (", or pass min_speedup=None to keep candidates slower than eager" if too_slow else "")
+    )
+    return NoCandidateError(
+        "\n".join(lines),
+        path=target.path,
+        refusals=tuple((entry.backend, entry.reason) for entry in report),
+        too_slow=too_slow,
+    )
 
 
 def default_backends(device: torch.device | None = None) -> list[Backend]:

@@ -64,12 +64,36 @@ def parse_backends(text: str):
 
 
 def _ratio(text: str, option: str = "--min-speedup") -> float | None:
+    """``--min-speedup`` (above 0) or ``--startup-margin`` (at least 1), checked here so that the error names
+    the option rather than the strategy's keyword."""
     if text.strip().lower() == "none":
         return None
+    example, low = ("1.0", 0.0) if option == "--min-speedup" else ("1.05", 1.0)
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: give a number such as 1.0, or none", param_hint=option) from None
+        raise click.BadParameter(f"{text!r}: give a number such as {example}, or none", param_hint=option) from None
+    if not (value > low if option == "--min-speedup" else value >= low):  # NaN fails both
+        bound = "above 0" if option == "--min-speedup" else "of at least 1"
+        raise click.BadParameter(f"{text!r}: give a number {bound} such as {example}, or none", param_hint=option)
+    return value
+
+
+def _in_options(error, backends: str | None):
+    """A strategy's `NoCandidateError` said in the command line's terms: one line, the fix named as options."""
+    from ..errors import NoCandidateError
+
+    refusals = "; ".join(f"{backend}: {reason}" for backend, reason in error.refusals)
+    listed = f"--backends {backends},eager" if backends else "--backends ...,eager"
+    fix = f"add eager to --backends ({listed}) to keep such modules untuned"
+    if error.too_slow:
+        fix += ", or pass --min-speedup none to keep candidates slower than eager"
+    return NoCandidateError(
+        f"no backend could tune {error.path or '<model>'} — {refusals}; {fix}",
+        path=error.path,
+        refusals=error.refusals,
+        too_slow=error.too_slow,
+    )
 
 
 def _sizes(text: str) -> list[int]:
@@ -281,6 +305,7 @@ def build(
         raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
     sizes = _sizes(batch_sizes) if batch_sizes is not None else None
     configs = _quantize(quantize, search, backends)
+    gate, margin = _ratio(min_speedup), _ratio(startup_margin, "--startup-margin")
     check_destination(destination(out))  # before minutes of tuning: save would refuse it after them
     out_console = console()
     started = time.perf_counter()
@@ -300,30 +325,33 @@ def build(
         if search == "thorough":
             chosen = xpupack.Fastest(
                 thorough_backends(device, configs),
-                min_speedup=_ratio(min_speedup),
-                startup_margin=_ratio(startup_margin, "--startup-margin"),
+                min_speedup=gate,
+                startup_margin=margin,
             )
         elif strategy == "fastest":
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
-            chosen = xpupack.Fastest(candidates, min_speedup=_ratio(min_speedup))
+            chosen = xpupack.Fastest(candidates, min_speedup=gate)
         else:
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
-            chosen = xpupack.FirstWins(
-                candidates, min_speedup=_ratio(min_speedup), startup_margin=_ratio(startup_margin, "--startup-margin")
-            )
+            chosen = xpupack.FirstWins(candidates, min_speedup=gate, startup_margin=margin)
         progress("building the model")
         model = build_model(make_model, model_factory)
         samples = make_samples()
-        xpupack.tune(
-            model,
-            samples,
-            modules=list(modules) or None,
-            device=device,
-            strategy=chosen,
-            batch_sizes=sizes,
-            batch_axis=batch_axis,
-            progress=progress,
-        )
+        try:
+            xpupack.tune(
+                model,
+                samples,
+                modules=list(modules) or None,
+                device=device,
+                strategy=chosen,
+                batch_sizes=sizes,
+                batch_axis=batch_axis,
+                progress=progress,
+            )
+        except xpupack.NoCandidateError as exc:
+            if not exc.refusals:  # `Only`'s own reason: nothing the options name
+                raise
+            raise _in_options(exc, backends) from exc
         progress(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights, max_shard_size=shard_bytes)
 
