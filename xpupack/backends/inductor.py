@@ -224,10 +224,12 @@ class InductorRunner(Runner):
         self.checked_where_compiled = True
 
         def settle(done: Future) -> None:
-            if not done.cancelled() and done.exception() is None:
+            if done.cancelled():  # the process exits (or the load failed): no call will come, nothing failed
+                return
+            if done.exception() is None:
                 self._compiled_checked = True  # only now may a call run the compiled code
                 return
-            why = "cancelled" if done.cancelled() else f"{type(done.exception()).__name__}: {done.exception()}"
+            why = f"{type(done.exception()).__name__}: {done.exception()}"
             self.upgrade_error = f"compiling off the caller's path failed: {why}"
             log.warning("%s: %s; the original module keeps serving", self.path or "<model>", self.upgrade_error)
 
