@@ -481,3 +481,30 @@ def test_fastest_keeps_the_highest_speedup_over_eager_timed_alongside_it(monkeyp
     )
     assert [(e["backend"], e["status"]) for e in entries] == [("metered", "accepted"), ("eager", "chosen")]
     assert entries[0]["speedup"] == pytest.approx(100 / 150, abs=1e-3) and "speedup" not in entries[1]
+
+
+# -- progress: a module's search can take minutes (a language model's: 50-130 s on a CPU) -------------------
+
+
+def test_tune_reports_each_candidate_it_builds_and_times():
+    messages: list[str] = []
+    strategy = xpupack.FirstWins([CpuOnlyNever(), DelayBackend(), xpupack.EagerBackend()], iterations=3)
+    xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=strategy, progress=messages.append)
+    head = "tuning layers.0.mlp (1/2, 2 signature(s))"
+    assert messages[messages.index(head) :][:3] == [
+        head,
+        f"{head}: building delay and checking it against eager",  # CpuOnlyNever is refused before it builds
+        f"{head}: timing delay against eager",
+    ]
+    assert "tuning layers.1.mlp (2/2, 2 signature(s)): timing delay against eager" in messages
+    assert not any("checking eager" in message for message in messages)  # eager is the reference
+
+
+def test_without_a_progress_function_tune_logs_its_progress(caplog):
+    with caplog.at_level("INFO", logger="xpupack"):
+        xpupack.tune(
+            make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(CountingBackend())
+        )
+    assert "tuning layers.0.mlp (1/2, 2 signature(s)): building counting and checking it against eager" in [
+        record.getMessage() for record in caplog.records
+    ]

@@ -7,8 +7,10 @@ as a report entry that `xpupack inspect` shows.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +23,30 @@ from .recorder import snapshot
 from .signature import flatten
 
 log = logging.getLogger("xpupack")
+
+
+#: where `check_candidate` and the speed gate say what they are doing for the module being tuned (`reporting`)
+_progress: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "xpupack_strategy_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def reporting(progress: Callable[[str], None] | None) -> Iterator[None]:
+    """Inside the block, each candidate's check and timing is announced to ``progress`` (`xpupack.tune`
+    sets it around `Strategy.choose`, so that a strategy of one's own reports through `check_candidate`
+    too: a module's search can take minutes)."""
+    token = _progress.set(progress)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
+
+
+def _say(message: str) -> None:
+    progress = _progress.get()
+    if progress is not None:
+        progress(message)
 
 
 class Rejected(Exception):
@@ -54,6 +80,8 @@ def check_candidate(
     """
     if not backend.available(device):
         raise Rejected(backend.why_unavailable(device))
+    if not is_reference(backend):  # eager is what the others are checked against
+        _say(f"building {backend.label} and checking it against eager")
     try:
         runner = backend.build(target, spec, device)
     except Exception as exc:
@@ -119,6 +147,7 @@ class _SpeedGate:
     def compare(self, backend: Backend, runner: Runner, threshold: float | None) -> _timing.Comparison:
         """``runner`` against eager; while the result cannot tell whether it beats ``threshold``, more
         rounds are timed (up to 4x ``iterations``)."""
+        _say(f"timing {backend.label} against eager")
         eager = self._eager or self._build_eager()
         signatures = range(len(self.spec.signatures))
         transforms = changes_module(backend)
