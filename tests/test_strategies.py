@@ -502,9 +502,7 @@ def test_tune_reports_each_candidate_it_builds_and_times():
 
 def test_without_a_progress_function_tune_logs_its_progress(caplog):
     with caplog.at_level("INFO", logger="xpupack"):
-        xpupack.tune(
-            make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(CountingBackend())
-        )
+        xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(CountingBackend()))
     assert "tuning layers.0.mlp (1/2, 2 signature(s)): building counting and checking it against eager" in [
         record.getMessage() for record in caplog.records
     ]

@@ -47,7 +47,7 @@ class PackageFormatError(XpupackError, ValueError):
 
     Raised by `xpupack.load`, ``xpupack inspect``/``verify`` and `xpupack.push` when a folder is not an
     xpupack package, its ``format_version`` is newer than this xpupack reads, or a file it names is
-    absolute or escapes the package (README: "Safety and reliability").
+    absolute or escapes the package (docs/safety.md).
 
     Args:
         message: what is wrong, where, and the fix.
@@ -87,8 +87,7 @@ class IncompatiblePackageError(XpupackError):
     Raised by `xpupack.load` with ``on_mismatch="error"`` when a module's backend cannot run here at all
     or the build environment differs from this one in a way that invalidates its artifacts (torch,
     triton, device architecture...), and with any ``on_mismatch`` when the module's weights exist only in
-    that backend's form (TorchAO), so the original module cannot take over (README: "Safety and
-    reliability").
+    that backend's form (TorchAO), so the original module cannot take over (docs/safety.md).
 
     Args:
         message: what differs, and the choices (``on_mismatch="rebuild"`` or ``"fallback"``, rebuilding).
@@ -341,8 +340,7 @@ class SourceError(XpupackError, ValueError):
     """A package was named in a way xpupack will not read.
 
     Raised by `xpupack.load`, `xpupack.push` and the command line for a folder that does not exist,
-    ``revision=`` for a folder, or a name that is neither a folder nor a Hub repo id (README: "Hugging
-    Face Hub", naming rule).
+    ``revision=`` for a folder, or a name that is neither a folder nor a Hub repo id (docs/hub.md, "Naming a package").
 
     Args:
         message: the name, what it could mean, and how to spell what was meant.

@@ -1,5 +1,5 @@
 """`xpupack.load`: verify a package, restore weights and backends, activate
-(README: "Packages"; "Safety and reliability").
+(docs/packages.md; docs/safety.md).
 
 Everything that can be checked is checked before the model is touched. For
 the changes that follow (weights, device, backends, activation) a `ModelEdit`
@@ -122,7 +122,7 @@ def load(
     Args:
         model: a freshly built model of the architecture the package was built from.
         path: a folder (a ``pathlib.Path``, an absolute path, ``"./org/name"``, ``"tiny-pkg"``), or a repo on
-            the Hugging Face Hub (``"org/name"``, ``"hf://org/name"``); README: "Naming a package". A plain
+            the Hugging Face Hub (``"org/name"``, ``"hf://org/name"``); docs/hub.md, "Naming a package". A plain
             ``"org/name"`` that is also a folder here is refused (`AmbiguousSourceError`).
         device: run everything on this one device (the model moves there). Default: each tuned
             module runs where its parameters are (a model split over devices stays split).
@@ -149,7 +149,7 @@ def load(
         defer_compile: a device graph over compiled code (``graph+inductor``) records the original
             module now and serves those recordings while a background thread loads the compiled
             code; each signature's next call after that records it again over the compiled code
-            (README: "Cold start"); a plain Inductor module runs the original meanwhile. ``stats()``
+            (docs/cold-start.md); a plain Inductor module runs the original meanwhile. ``stats()``
             counts the calls served meanwhile as ``compiling``. False (and ``on_mismatch="error"``,
             which must raise what fails): the load returns once everything is compiled and recorded.
 
@@ -498,8 +498,7 @@ def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> ModuleS
     """What a package says about its module's calls is its author's word; for a backend that records or
     pads calls, the loader sees for itself whether the module writes its inputs in place or its own
     buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
-    (`xpupack.padding.check_loaded`). Returns the spec with what it found. README: "Calls, fit and
-    fallback"."""
+    (`xpupack.padding.check_loaded`). Returns the spec with what it found (docs/calls-and-fallback.md)."""
     claimed = bool(spec.batch_axes)
     spec = observe_calls(target.forward, target.module, spec)
     spec = padding.check_loaded(spec, target.forward, trusted=context.trusted)

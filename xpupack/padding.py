@@ -1,4 +1,4 @@
-"""Padding a call up to a recorded batch (README: "Calls, fit and fallback").
+"""Padding a call up to a recorded batch (docs/calls-and-fallback.md).
 
 A backend with static signatures (graph, Inductor) runs only the shapes it
 recorded. A call that differs from a recorded signature only by a smaller
@@ -222,7 +222,7 @@ def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool
     random batches with differently many real rows, both fillers, before any call is padded. Floating
     leaves vary from batch to batch; integer and boolean ones are zeros (the only values valid for any
     embedding), so a signature whose batched inputs are all integers gives the check nothing to vary:
-    its padding is kept only from a ``trusted`` source (README: "Calls, fit and fallback").
+    its padding is kept only from a ``trusted`` source (docs/calls-and-fallback.md).
     """
     problem = _loaded_axes_problem(spec, forward, trusted) if spec.batch_axes else None
     if problem:

@@ -1,4 +1,4 @@
-"""Strategies: which backend a module gets, and why the others were refused (README: "Tuning"; "What it does").
+"""Strategies: which backend a module gets, and why the others were refused (docs/tuning.md; README: "What it does").
 
 Every candidate must build and reproduce eager's outputs on the recorded
 samples within its tolerances before it can be chosen; each refusal is kept
@@ -119,7 +119,7 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
 
 
 class _SpeedGate:
-    """Times candidates against eager on the recorded signatures of one module (README: "Tuning").
+    """Times candidates against eager on the recorded signatures of one module (docs/tuning.md).
 
     Eager and the candidate take turns in rounds (`_timing.compare`), each
     signature weighted by how often the samples called it; a signature the
@@ -279,7 +279,7 @@ def _noise_note(entry: Candidate) -> str:
 class Strategy:
     """Base class: picks one backend per module from a list of candidates.
 
-    A strategy of your own subclasses this and implements `choose` (README: "Tuning").
+    A strategy of your own subclasses this and implements `choose` (docs/tuning.md).
 
     Args:
         backends: the candidates, in order.
@@ -292,7 +292,7 @@ class Strategy:
             scattered. ``None`` switches the gate off.
         iterations: timed rounds per comparison with eager; up to 4x as many while
             the timings cannot tell.
-        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+        startup_margin: compiled code must pay for its start-up (docs/cold-start.md). When the
             candidate a strategy would choose carries compiled artifacts (seconds of loading on a fresh
             server) and a candidate without them passes too (the plain device graph after graph over
             Inductor), the two are timed side by side and the compiled one is kept only when it runs
@@ -467,7 +467,7 @@ class FirstWins(Strategy):
     """The first backend, in order, that builds, matches eager and is faster than eager wins.
 
     Args:
-        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+        startup_margin: compiled code must pay for its start-up (docs/cold-start.md). When the
             first candidate to pass carries compiled artifacts (seconds of loading on a fresh server)
             and a later candidate without them passes too (the plain device graph after graph over
             Inductor), the two are timed side by side and the compiled one is kept only when it runs
@@ -826,7 +826,7 @@ DEFAULT_STARTUP_MARGIN = 1.05
 
 
 def default_strategy(device: torch.device | None = None) -> Strategy:
-    """The strategy `xpupack.tune` uses when given none (README: "Tuning").
+    """The strategy `xpupack.tune` uses when given none (docs/tuning.md).
 
     ``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``.
 
@@ -921,7 +921,7 @@ def thorough_backends(
 
 def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Backend]) -> list[ComposedBackend]:
     """Each TorchAO configuration of ``quantize`` compiled by Inductor: with coordinate descent on a GPU,
-    without which Inductor's int8 weight-only kernels are slower than bfloat16 (README: "Language models")."""
+    without which Inductor's int8 weight-only kernels are slower than bfloat16 (docs/language-models.md)."""
     from .backends.inductor import InductorBackend
 
     on_gpu = device is not None and device.type in _GRAPH_DEVICES

@@ -77,7 +77,7 @@ def tune(
             module, each candidate built, checked and timed. None: the ``xpupack`` logger's INFO messages.
         search: without a ``strategy``, ``"quick"`` (the default above) or ``"thorough"``: every
             candidate of `strategies.thorough_backends` checked and timed, the fastest kept (Inductor's
-            default settings, coordinate descent on a GPU, max-autotune; README: "Tuning").
+            default settings, coordinate descent on a GPU, max-autotune; docs/tuning.md).
         quantize: with ``search="thorough"``, also try TorchAO configurations: True for
             int8, float8 and int4 weight-only (each where the device has it), or a list of config
             names or ``TorchAOBackend`` instances. Quantization changes numerics: off by default.
