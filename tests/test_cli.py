@@ -31,6 +31,48 @@ def test_build_reports_modules_and_rejections(built):
     assert "no device graphs on cpu" in output
 
 
+def test_build_ends_with_what_each_module_got(built):
+    _, output, _ = built
+    assert output.splitlines()[-3:-1] == [
+        "  layers.0.mlp: eager (graph: no device graphs on cpu)",
+        "  layers.1.mlp: eager (graph: no device graphs on cpu)",
+    ]
+
+
+def _candidate(backend, status, speedup=None, median_us=None, reason=""):
+    entry = {"backend": backend, "status": status, "reason": reason}
+    if speedup is not None:
+        entry.update(speedup=speedup, speedup_interval=[speedup * 0.9, speedup * 1.1], median_us=median_us)
+    return entry
+
+
+def test_the_build_summary_says_each_module_s_speed_over_eager_and_theirs_together():
+    from xpupack.cli.build import outcome_lines
+
+    modules = [
+        {"path": "a", "backend": "inductor", "candidates": [_candidate("inductor", "chosen", 2.0, 50.0)]},
+        {
+            "path": "b",
+            "backend": "eager",
+            "candidates": [
+                _candidate("graph", "rejected", reason="no device graphs on cpu"),
+                _candidate("inductor", "rejected", 0.8, 125.0, "not faster than eager: ..."),
+                _candidate("eager", "chosen", reason="first to pass"),
+            ],
+        },
+        {"path": "c", "backend": "graph", "candidates": [_candidate("graph", "chosen", reason="first to pass")]},
+        {"path": "", "backend": "eager", "candidates": [_candidate("graph", "rejected", reason="no device graphs")]},
+    ]
+    assert outcome_lines(modules) == [
+        "chosen, and each module's speed over eager on the samples' calls (timed during this build):",
+        "  a: inductor, 2.00x eager (95% interval 1.80-2.20x)",
+        "  b: eager (the fastest candidate, inductor, ran at 0.80x eager's speed)",
+        "  c: graph, not timed against eager (the speed gate was off)",
+        "  <model>: eager (graph: no device graphs)",
+        "  together: 1.33x eager's speed",  # a: 100 µs eager, 50 tuned; b: 100 µs either way (200 over 150)
+    ]
+
+
 def test_inspect_json(built):
     out, _, _ = built
     result = CliRunner().invoke(main, ["inspect", str(out), "--json"])

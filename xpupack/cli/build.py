@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ..source import read_name
-from ._common import build_model, console, handle_errors, import_object
+from ._common import build_model, console, handle_errors, import_object, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -136,6 +136,39 @@ def _quantize(text: str | None, search: str, backends: str | None) -> bool | lis
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--quantize") from None
     return names
+
+
+def outcome_lines(modules: list[dict]) -> list[str]:
+    """What each module got and its speed over eager as the build timed it (the candidates of
+    `package_report`'s modules), then the tuned modules' speed together: how long their recorded calls
+    take eager over how long they take tuned, summed over the modules whose eager time is known."""
+    lines = ["chosen, and each module's speed over eager on the samples' calls (timed during this build):"]
+    eager_us = tuned_us = 0.0
+    for module in modules:
+        path, candidates = module["path"] or "<model>", module["candidates"]
+        chosen = next((c for c in candidates if c["status"] == "chosen"), {"backend": module["backend"]})
+        timed = [c for c in candidates if c.get("speedup") is not None and c.get("median_us") is not None]
+        if chosen.get("speedup") is not None and chosen.get("median_us") is not None:
+            low, high = chosen["speedup_interval"]
+            lines.append(
+                f"  {path}: {chosen['backend']}, {chosen['speedup']:.2f}x eager (95% interval {low:.2f}-{high:.2f}x)"
+            )
+            eager_us += chosen["median_us"] * chosen["speedup"]
+            tuned_us += chosen["median_us"]
+        elif module["backend"] == "eager" and timed:
+            best = max(timed, key=lambda c: c["speedup"])
+            faster = f"{best['backend']}, ran at {best['speedup']:.2f}x eager's speed"
+            lines.append(f"  {path}: eager (the fastest candidate, {faster})")
+            eager_us += best["median_us"] * best["speedup"]
+            tuned_us += best["median_us"] * best["speedup"]  # it runs eager: eager's time on both sides
+        elif module["backend"] == "eager":
+            refused = [f"{c['backend']}: {c['reason']}" for c in candidates if c["status"] == "rejected"]
+            lines.append(f"  {path}: eager" + (f" ({'; '.join(refused)})" if refused else ""))
+        else:
+            lines.append(f"  {path}: {chosen['backend']}, not timed against eager (the speed gate was off)")
+    if tuned_us > 0:
+        lines.append(f"  together: {eager_us / tuned_us:.2f}x eager's speed")
+    return lines
 
 
 #: a number that ends a progress message: what changes from one to the next while one step counts up
@@ -358,7 +391,10 @@ def build(
     from ..report import package_report
     from .inspect import print_report
 
-    print_report(package_report(Path(out), device), out_console)
+    report = package_report(Path(out), device)
+    print_report(report, out_console)
+    for line in outcome_lines(printable(report["modules"])):  # module paths and reasons, escaped as inspect's
+        out_console.print(line)
     out_console.print(
         f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"
         + (
