@@ -248,7 +248,7 @@ def test_build_refuses_an_out_it_may_not_replace_before_tuning(case, tmp_path, m
 
 def test_help_shows_the_demo():
     result = CliRunner().invoke(main, ["--help"])
-    assert result.exit_code == 0 and "xpupack build xpupack.examples:tiny_transformer" in result.output
+    assert result.exit_code == 0 and "xpupack build xpupack.examples:tiny_decoder" in result.output
     for command in ("build", "inspect", "verify", "bench"):
         assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
 

@@ -326,8 +326,8 @@ def build(
 
     \b
     Example:
-      xpupack build xpupack.examples:tiny_transformer \\
-          --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
+      xpupack build xpupack.examples:tiny_decoder \\
+          --samples xpupack.examples:tiny_decoder_samples --modules 'layers.*' --out demo-pkg
     """
     from ..manifest import check_destination, destination
     from ..shards import parse_size
