@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..errors import NoCandidateError
 from ..source import read_name
 from ._common import build_model, console, handle_errors, import_object, printable
 
@@ -79,10 +80,8 @@ def _ratio(text: str, option: str = "--min-speedup") -> float | None:
     return value
 
 
-def _in_options(error, backends: str | None):
+def _in_options(error: NoCandidateError, backends: str | None) -> NoCandidateError:
     """A strategy's `NoCandidateError` said in the command line's terms: one line, the fix named as options."""
-    from ..errors import NoCandidateError
-
     refusals = "; ".join(f"{backend}: {reason}" for backend, reason in error.refusals)
     listed = f"--backends {backends},eager" if backends else "--backends ...,eager"
     fix = f"add eager to --backends ({listed}) to keep such modules untuned"
@@ -381,7 +380,7 @@ def build(
                 batch_axis=batch_axis,
                 progress=progress,
             )
-        except xpupack.NoCandidateError as exc:
+        except NoCandidateError as exc:
             if not exc.refusals:  # `Only`'s own reason: nothing the options name
                 raise
             raise _in_options(exc, backends) from exc
