@@ -253,7 +253,7 @@ def test_help_shows_the_demo():
         assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
 
 
-# -- options and files a user can get wrong (README: "Command line") -----------------------------------
+# -- options and files a user can get wrong (docs/cli.md) -----------------------------------
 
 
 def _lacking(device):
@@ -300,7 +300,7 @@ PLANTED = "open({marker!r}, 'w').write('imported')\n"
 @pytest.mark.parametrize("how", ["main()", "python -m xpupack"])
 def test_bench_inside_a_package_imports_nothing_from_it(built, tmp_path, how):
     """`xpupack bench .` in a package directory: the directory is not put on sys.path, so a planted
-    module there never runs (README: "Safety and reliability"); the unlisted file is then refused."""
+    module there never runs (docs/safety.md); the unlisted file is then refused."""
     package = shutil.copytree(built[0], tmp_path / "pkg")
     marker = tmp_path / "imported"
     for name in ("jsonschema.py", "rich.py"):  # modules that bench and load import only when they need them

@@ -1,4 +1,4 @@
-"""Padding a smaller batch up to a recorded one (README: "Calls, fit and fallback"), through the emulated graph
+"""Padding a smaller batch up to a recorded one (docs/calls-and-fallback.md), through the emulated graph
 and Inductor."""
 
 import copy
@@ -244,7 +244,7 @@ def test_batches_between_recorded_ones_are_padded_up_through_inductor(fallback_c
     assert (stats["backend"], stats["padded"], stats["fallbacks"]) == ("inductor", 3, 1)
 
 
-# -- batch_sizes: a ladder of recorded batches from the samples (README: "Tuning") -------------------
+# -- batch_sizes: a ladder of recorded batches from the samples (docs/tuning.md) -------------------
 
 
 def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls):
@@ -283,7 +283,7 @@ def test_batch_sizes_must_be_positive_integers(sizes):
         xpupack.tune(make_stack(), [torch.randn(2, 8)], modules=["layers.0.mlp"], batch_sizes=sizes)
 
 
-# -- recording memory and GraphBackend(max_memory=...) (README: "Device graphs") ---------------------
+# -- recording memory and GraphBackend(max_memory=...) (docs/device-graphs.md) ---------------------
 # The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
 # inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
 

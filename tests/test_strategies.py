@@ -176,7 +176,7 @@ def test_fastest_times_every_passing_candidate_and_keeps_one():
     assert chosen.get("speedup", 1.0) == max(e.get("speedup", 1.0) for e in timed)
 
 
-# -- the speed gate: never slower than eager (README: "Tuning") --------------------------------------
+# -- the speed gate: never slower than eager (docs/tuning.md) --------------------------------------
 
 
 @pytest.mark.parametrize("kind", [xpupack.FirstWins, xpupack.Fastest])
