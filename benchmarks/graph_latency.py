@@ -31,7 +31,7 @@ from xpupack.signature import fit_key
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _caches import empty_compiler_caches  # noqa: E402
 
-SIZES = [  # the sizes of the table in README "Benchmarks": hidden × layers, batch, sequence
+SIZES = [  # the sizes of the table in docs/benchmarks.md: hidden × layers, batch, sequence
     {"name": "h512x6_b1_s16", "hidden": 512, "layers": 6, "batch": 1, "seq": 16},
     {"name": "h1024x12_b1_s32", "hidden": 1024, "layers": 12, "batch": 1, "seq": 32},
 ]

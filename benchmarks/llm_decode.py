@@ -21,9 +21,9 @@ Variants (``--variants``, in the order given):
 
 - ``xpupack_bf16``: ``tune()``'s default (quick) search; ``xpupack_bf16_thorough``: ``tune(search="thorough")``,
   reported "not available" when the installed ``xpupack.tune`` has no ``search`` parameter;
-- ``xpupack_int8``, ``xpupack_float8``, ``xpupack_int4``: TorchAO weight-only (README: "Quantization
-  (TorchAO)"): ``tune(quantize=...)`` where ``tune`` has that parameter, else the strategy
-  graph over Inductor over ``TorchAOBackend``; with ``search="thorough"`` where available (``--quant-search``);
+- ``xpupack_int8``, ``xpupack_float8``, ``xpupack_int4``: TorchAO weight-only (docs/quantization.md):
+  ``tune(quantize=...)`` where ``tune`` has that parameter, else the strategy graph over Inductor
+  over ``TorchAOBackend``; with ``search="thorough"`` where available (``--quant-search``);
 - ``hand_graph_inductor``, ``hand_graph_eager``: a CUDA graph captured by hand around the Inductor-compiled
   or eager decode step (the reference rows); ``hf_static``, ``hf_dynamic``, ``hf_static_after_import``:
   transformers alone.
@@ -94,7 +94,7 @@ DEFAULT = "xpupack_bf16,xpupack_bf16_thorough,xpupack_int8,xpupack_int4,xpupack_
 #: a child process's result lines start with this (anything else on its stdout is ignored)
 MARK = "LLM_DECODE_RESULT "
 PROFILE_STEPS = 16
-#: the issue's targets for the H200 (README: "Language models")
+#: the issue's targets for the H200 (docs/language-models.md)
 TARGETS = {
     "bf16_loop_tokens_per_s": 1100,
     "quantized_vs_bf16": 1.5,

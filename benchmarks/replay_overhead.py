@@ -1,5 +1,5 @@
 """Host time of a replayed call: a tuned graph call against a hand-written ``copy_`` + ``replay()``
-(README: "Benchmarks").
+(docs/benchmarks.md).
 
 The same model (``TinyTransformer``, h512×6, batch 1, 16 tokens: the issue's
 anchor) is recorded by xpupack and by hand; each call is timed on the host

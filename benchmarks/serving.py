@@ -1,4 +1,4 @@
-"""Serving a stream of batch sizes: eager, exact recordings, and a ladder with padding (README: "Benchmarks").
+"""Serving a stream of batch sizes: eager, exact recordings, and a ladder with padding (docs/benchmarks.md).
 
 A seeded stream of calls with batch sizes drawn uniformly from 1 to
 ``--max-batch`` (fixed sequence length ``--seq``) runs through the demo

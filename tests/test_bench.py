@@ -1,4 +1,8 @@
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,3 +54,37 @@ def test_bench_leaves_the_tuned_modules_as_it_found_them(monkeypatch, active):
     with torch.no_grad():
         model(torch.randn(2, 8))
     assert clock.log == ["candidate" if active else "eager"]
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def _bench_cli(package, factory: str, *extra: str) -> subprocess.CompletedProcess:
+    """``python -m xpupack bench`` in a fresh process (its exit is part of what is checked)."""
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, "-m", "xpupack", "bench", str(package), "--model", factory, "--iterations", "3"]
+    return subprocess.run([*command, *extra], capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.slow
+def test_bench_times_a_package_s_compiled_code_not_the_original_while_it_compiles(inductor_package):
+    """A load compiles Inductor modules off the caller's path by default; bench timed the original
+    module meanwhile (speedups near 1x) and, exiting, called the compile still queued failed."""
+    result = _bench_cli(inductor_package[1], "support.models:make_stack", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    assert len(rows) == 4 and not any(row["fell_back"] for row in rows), rows
+    assert "compiling off the caller's path failed" not in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_of_a_language_model_package_says_what_it_cannot_time(tmp_path):
+    from support.language_models import tune_llm
+
+    model, _ = tune_llm(xpupack.Only(xpupack.InductorBackend()))
+    root = xpupack.save(model, tmp_path / "llm-pkg")
+    result = _bench_cli(root, "support.language_models:tiny_llama")
+    assert result.returncode == 0, result.stderr
+    assert "failed: cancelled" not in result.stdout + result.stderr
+    assert "nothing to time: every signature of the package carries a KV cache" in result.stdout

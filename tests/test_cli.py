@@ -31,6 +31,48 @@ def test_build_reports_modules_and_rejections(built):
     assert "no device graphs on cpu" in output
 
 
+def test_build_ends_with_what_each_module_got(built):
+    _, output, _ = built
+    assert output.splitlines()[-3:-1] == [
+        "  layers.0.mlp: eager (graph: no device graphs on cpu)",
+        "  layers.1.mlp: eager (graph: no device graphs on cpu)",
+    ]
+
+
+def _candidate(backend, status, speedup=None, median_us=None, reason=""):
+    entry = {"backend": backend, "status": status, "reason": reason}
+    if speedup is not None:
+        entry.update(speedup=speedup, speedup_interval=[speedup * 0.9, speedup * 1.1], median_us=median_us)
+    return entry
+
+
+def test_the_build_summary_says_each_module_s_speed_over_eager_and_theirs_together():
+    from xpupack.cli.build import outcome_lines
+
+    modules = [
+        {"path": "a", "backend": "inductor", "candidates": [_candidate("inductor", "chosen", 2.0, 50.0)]},
+        {
+            "path": "b",
+            "backend": "eager",
+            "candidates": [
+                _candidate("graph", "rejected", reason="no device graphs on cpu"),
+                _candidate("inductor", "rejected", 0.8, 125.0, "not faster than eager: ..."),
+                _candidate("eager", "chosen", reason="first to pass"),
+            ],
+        },
+        {"path": "c", "backend": "graph", "candidates": [_candidate("graph", "chosen", reason="first to pass")]},
+        {"path": "", "backend": "eager", "candidates": [_candidate("graph", "rejected", reason="no device graphs")]},
+    ]
+    assert outcome_lines(modules) == [
+        "chosen, and each module's speed over eager on the samples' calls (timed during this build):",
+        "  a: inductor, 2.00x eager (95% interval 1.80-2.20x)",
+        "  b: eager (the fastest candidate, inductor, ran at 0.80x eager's speed)",
+        "  c: graph, not timed against eager (the speed gate was off)",
+        "  <model>: eager (graph: no device graphs)",
+        "  together: 1.33x eager's speed",  # a: 100 µs eager, 50 tuned; b: 100 µs either way (200 over 150)
+    ]
+
+
 def test_inspect_json(built):
     out, _, _ = built
     result = CliRunner().invoke(main, ["inspect", str(out), "--json"])
@@ -132,9 +174,9 @@ def test_bench_json(built):
         (["build", *DEMO, "--out", "o", "--modules", "nothing.*"], "error: no submodule matches"),
         (["inspect", "no/such/dir"], "there is no folder"),
         (["build", *DEMO, "--out", "o", "--min-speedup", "fast"], "'fast': give a number such as 1.0, or none"),
-        (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "min_speedup=0.0"),
-        (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "startup_margin=0.5"),
-        (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.0, or none"),
+        (["build", *DEMO, "--out", "o", "--min-speedup", "0"], "'0': give a number above 0 such as 1.0, or none"),
+        (["build", *DEMO, "--out", "o", "--startup-margin", "0.5"], "'0.5': give a number of at least 1 such as 1.05"),
+        (["build", *DEMO, "--out", "o", "--startup-margin", "x"], "'x': give a number such as 1.05, or none"),
         (
             ["bench", "pkg", "--model", "xpupack.examples:tiny_transformer", "--iterations", "0"],
             "0 is not in the range x>=1",
@@ -160,6 +202,24 @@ def test_errors_are_one_line_without_traceback(args, message, tmp_path, monkeypa
     assert result.exit_code != 0
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_build_whose_candidates_are_all_refused_names_the_command_line_s_options(tmp_path):
+    """The speed gate's refusal says what to pass to build, not to the Python API (issue 31)."""
+    import support.backends  # noqa: F401  (registers "delay": eager's outputs, 5 ms late)
+
+    result = CliRunner().invoke(
+        main, ["build", *DEMO, "--modules", "layers.*.mlp", "--backends", "delay", "--out", str(tmp_path / "pkg")]
+    )
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: no backend could tune layers.0.mlp — delay: not faster than eager: ")
+    assert "the speed gate asks for more than 1.0x" in line
+    assert line.endswith(
+        "; add eager to --backends (--backends delay,eager) to keep such modules untuned, "
+        "or pass --min-speedup none to keep candidates slower than eager"
+    )
+    assert "EagerBackend" not in line and "min_speedup" not in line and "\\n" not in line
 
 
 @pytest.mark.parametrize("case", ["other files", "a file", "under a file"])
@@ -188,12 +248,12 @@ def test_build_refuses_an_out_it_may_not_replace_before_tuning(case, tmp_path, m
 
 def test_help_shows_the_demo():
     result = CliRunner().invoke(main, ["--help"])
-    assert result.exit_code == 0 and "xpupack build xpupack.examples:tiny_transformer" in result.output
+    assert result.exit_code == 0 and "xpupack build xpupack.examples:tiny_decoder" in result.output
     for command in ("build", "inspect", "verify", "bench"):
         assert CliRunner().invoke(main, [command, "--help"]).exit_code == 0
 
 
-# -- options and files a user can get wrong (README: "Command line") -----------------------------------
+# -- options and files a user can get wrong (docs/cli.md) -----------------------------------
 
 
 def _lacking(device):
@@ -240,7 +300,7 @@ PLANTED = "open({marker!r}, 'w').write('imported')\n"
 @pytest.mark.parametrize("how", ["main()", "python -m xpupack"])
 def test_bench_inside_a_package_imports_nothing_from_it(built, tmp_path, how):
     """`xpupack bench .` in a package directory: the directory is not put on sys.path, so a planted
-    module there never runs (README: "Safety and reliability"); the unlisted file is then refused."""
+    module there never runs (docs/safety.md); the unlisted file is then refused."""
     package = shutil.copytree(built[0], tmp_path / "pkg")
     marker = tmp_path / "imported"
     for name in ("jsonschema.py", "rich.py"):  # modules that bench and load import only when they need them

@@ -1,5 +1,5 @@
 """A package comes alive at once on a fresh server: a device graph over compiled code records the original
-module at load and switches to the compiled code once a background thread has it (README: "Cold start")."""
+module at load and switches to the compiled code once a background thread has it (docs/cold-start.md)."""
 
 from __future__ import annotations
 

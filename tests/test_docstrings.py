@@ -12,7 +12,7 @@ import pytest
 
 import xpupack
 
-#: the extension points a backend or strategy of one's own implements (README: "Tuning"; `xpupack.backends`)
+#: the extension points a backend or strategy of one's own implements (docs/tuning.md; `xpupack.backends`)
 EXTENSION_POINTS = [
     "backends.base.Runner.run",
     "backends.base.Backend.build",
@@ -126,3 +126,29 @@ def test_no_docstring_puts_doctest_lines_under_an_example_admonition():
         for match in re.finditer(r"^[ \t]*Example:[ \t]*\n[ \t]*>>>", text, re.M)
     ]
     assert not offenders, f"title these sections Examples: {offenders}"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_documentation_reference_in_the_code_names_a_page_or_section_that_exists():
+    """The README once held the guide; references to its old sections (the README's section "Cold start")
+    went stale when the guide moved to docs/ (issue 31). Code and tests name a docs page
+    (``docs/cold-start.md``), with a quoted heading or bold paragraph lead of that page where they point
+    into one, or a section the README still has (a quoted "docs/x.md" is a file name, not a reference)."""
+    readme_sections = set(re.findall(r"^## (.+)$", (ROOT / "README.md").read_text(encoding="utf-8"), re.M))
+    problems = []
+    for path in sorted(path for folder in ("xpupack", "benchmarks", "tests") for path in (ROOT / folder).rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        where = path.relative_to(ROOT)
+        for name in re.findall(r'README\W{0,3}"([^"]+)"', text):
+            if " ".join(name.split()) not in readme_sections:
+                problems.append(f'{where}: README has no section "{name}"')
+        for page, heading in re.findall(r'(?<!["\'])(docs/[\w-]+\.md)(?:, "([^"]+)")?', text):
+            if not (ROOT / page).is_file():
+                problems.append(f"{where}: no page {page}")
+            elif heading and not re.search(  # a heading, or a paragraph's bold lead ("**Remembered verifications.**")
+                rf"^#+ {re.escape(heading)}$|\*\*{re.escape(heading)}[.:*]", (ROOT / page).read_text(), re.M
+            ):
+                problems.append(f'{where}: {page} has no heading "{heading}"')
+    assert not problems, "\n".join(problems)

@@ -154,8 +154,8 @@ def test_a_repo_named_hf_colon_loads_from_the_hub_untrusted_beside_a_folder_of_i
     hub, demo_eager_package, demo_eager_package_v2, tmp_path, monkeypatch
 ):
     """`hf download org/name --local-dir org/name` puts a folder of the repo's name in the working directory:
-    a plain "org/name" is then refused (tests/test_source.py), "hf://org/name" is the repo (README: "Naming a
-    package")."""
+    a plain "org/name" is then refused (tests/test_source.py), "hf://org/name" is the repo
+    (docs/hub.md, "Naming a package")."""
     hub.publish(demo_eager_package, "xpupack-tests/shadowed")
     monkeypatch.chdir(tmp_path)
     shutil.copytree(demo_eager_package_v2, tmp_path / "xpupack-tests" / "shadowed")
@@ -206,7 +206,7 @@ def test_cli_reports_hub_errors_in_one_line(hub):
     assert "Traceback" not in result.output
 
 
-# ---------------------------------------------------------------- trust (README: "Safety and reliability")
+# ---------------------------------------------------------------- trust (docs/safety.md)
 
 
 def test_only_a_commit_hash_or_trust_compiled_is_trusted(hub, demo_eager_package):
@@ -347,7 +347,7 @@ def test_push_refuses_a_damaged_package(demo_eager_package, tmp_path, monkeypatc
 
 
 def test_push_to_a_branch_replaces_an_earlier_package(demo_eager_package, monkeypatch):
-    """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (README: "Hugging Face Hub")."""
+    """Files of the earlier package go; the repo's own files (a LICENSE, docs) stay (docs/hub.md)."""
     old_files = [
         ".gitattributes",
         "README.md",
@@ -482,7 +482,7 @@ def test_model_card_explains_the_trust_rule_for_compiled_artifacts(demo_inductor
     assert "trust_compiled=True" in card
 
 
-# ---------------------------------------------------------------- pins, extra files (README: "Hugging Face Hub")
+# ---------------------------------------------------------------- pins, extra files (docs/hub.md)
 
 
 def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(demo_eager_package, tmp_path, monkeypatch):
@@ -507,7 +507,7 @@ def test_a_revision_that_only_looks_like_a_commit_hash_is_not_a_pin(demo_eager_p
 
 def test_a_repo_with_other_files_loads_after_a_full_snapshot_download(hub, demo_eager_package):
     """`hf download` (snapshot_download) puts the repo's other files in the cache too: they are ignored,
-    never read, as for a fresh cache that never fetched them (README: "Hugging Face Hub")."""
+    never read, as for a fresh cache that never fetched them (docs/hub.md)."""
     from huggingface_hub import snapshot_download
 
     from xpupack.hub import hub_settings

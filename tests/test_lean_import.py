@@ -1,5 +1,5 @@
 """Lean import: ``import xpupack``, ``inspect``, ``verify`` and the pytest plugin import no torch, and importing
-xpupack installs nothing process-wide (README: "Command line"; "Deploy-after-load tests")."""
+xpupack installs nothing process-wide (docs/cli.md; docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -118,6 +118,24 @@ def test_decode_steps_replay_and_tokens_equal_eager(emulated_graphs, make):
     assert emulated_graphs.replays - replays == NEW_TOKENS - 3
 
 
+def test_gpt2_mlps_tuned_through_generate_on_a_batch_of_prompts_pad_prompt_lengths(emulated_graphs):
+    """Prefill and decode calls differ in the sequence axis, so the padding check cuts a two-prompt call
+    along it; GPT-2's ``Conv1D`` views its input, and a strided cut made it raise and the tune crash
+    (issue 31). The check's cut call is a call of its own, as a caller's shorter prompt would be."""
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.cat([prompt(seed=1), prompt(seed=2)])
+    xpupack.tune(
+        model, [ids], modules=["transformer.h.*.mlp"], run=lambda m, x: generate(m, x, NEW_TOKENS), strategy=GRAPH
+    )
+    spec = xpupack.tuned.session_of(model).modules["transformer.h.0.mlp"].spec
+    assert spec.padding_refused is None and {axes.inputs for axes in spec.batch_axes.values()} == {(1,)}
+    shorter = torch.cat([prompt(5, seed=3), prompt(5, seed=4)])
+    assert torch.equal(generate(model, shorter, NEW_TOKENS), generate(reference, shorter, NEW_TOKENS))
+    stats = xpupack.stats(model)["transformer.h.0.mlp"]
+    assert stats["backend"] == "graph" and stats["padded"] == 1 and stats["fallbacks"] == 0
+
+
 def test_a_longer_generate_takes_its_new_cache_size(emulated_graphs):
     """Tuned with 6 new tokens, served with 10: the cache is longer, the decode steps still replay."""
     model, reference = tune_llm()

@@ -1,6 +1,6 @@
 """benchmarks/llm_decode.py's own logic on a CPU: which tune() arguments each variant gets, the teacher-forced
 check, quantized bytes, the step profile's summary, the time budget; and (slow) a tiny end-to-end run. Its
-timings mean nothing here: the figures come from the H200 (README: "Language models")."""
+timings mean nothing here: the figures come from the H200 (docs/language-models.md)."""
 
 import json
 import sys

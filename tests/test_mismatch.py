@@ -1,5 +1,5 @@
 """Environment mismatch: a package built with other library versions or on another device
-(README: "Safety and reliability").
+(docs/safety.md).
 
 ``ArtifactBackend`` (tests/support/backends.py) stands in for any backend
 whose saved artifacts depend on the environment; the Inductor cases use the

@@ -1,5 +1,5 @@
 """Two GPUs: a model split over both (by hand and by accelerate's dispatch), torchrun ranks loading one
-package, tensor parallel (whose all-reduce is not recorded) (README: "Bigger than one GPU"). Skipped with fewer
+package, tensor parallel (whose all-reduce is not recorded) (docs/multi-gpu.md). Skipped with fewer
 than two CUDA devices; the CPU counterparts are tests/test_devices.py, test_accelerate.py, test_ranks.py
 and test_tensor_parallel.py."""
 
@@ -136,7 +136,7 @@ def test_tensor_parallel_blocks_are_refused_by_the_graph_backend_and_served_eage
     """Capturing the blocks' NCCL all-reduce failed on torch 2.11 ('CUDA error: invalid argument') and left the
     ranks hung, so the graph backend refuses sharded modules on CUDA before any capture: every rank falls to
     eager alike, with the reason in its report, and the answers match eager TP and the unsharded model, from
-    tuning and from a fresh load (README: "Bigger than one GPU")."""
+    tuning and from a fresh load (docs/multi-gpu.md)."""
     package = tmp_path / "pkg"
     tuned = run_ranks("tp_worker.py", package, "tune", "--backend", "graph", "--device", "cuda", out=tmp_path / "tune")
     loaded = run_ranks("tp_worker.py", package, "load", "--backend", "graph", "--device", "cuda", out=tmp_path / "load")

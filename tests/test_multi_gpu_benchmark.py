@@ -1,6 +1,6 @@
 """benchmarks/multi_gpu.py's code path on a CPU (--device cpu --smoke): both parts run end to end, the
 tensor-parallel part through two torchrun ranks over gloo. Its timings mean nothing here; the figures come
-from two GPUs (README: "Bigger than one GPU")."""
+from two GPUs (docs/multi-gpu.md)."""
 
 import json
 import sys

@@ -1,4 +1,4 @@
-"""Padding a smaller batch up to a recorded one (README: "Calls, fit and fallback"), through the emulated graph
+"""Padding a smaller batch up to a recorded one (docs/calls-and-fallback.md), through the emulated graph
 and Inductor."""
 
 import copy
@@ -163,6 +163,37 @@ def test_eager_and_a_module_changing_its_inputs_are_not_padded(emulated_graphs, 
     assert "changes its input tensors" in spec_of(model, "0").padding_refused
 
 
+class NeedsTwoRows(nn.Module):
+    """Runs the batches it is given, refuses a single row (as a module with a batch-only code path may)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] < 2:
+            raise ValueError("this module needs at least two rows")
+        return self.linear(x)
+
+
+def test_a_module_the_padding_check_makes_raise_is_tuned_unpadded_and_says_why(emulated_graphs, fallback_calls):
+    """The check cuts a recorded call of 2 rows to 1: the module's error means "not paddable", not a failed tune."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NeedsTwoRows()).eval()
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(2)
+    xpupack.tune(model, [torch.randn(batch, 8, generator=generator) for batch in (2, 4)], modules=["0"], strategy=GRAPH)
+    spec = spec_of(model, "0")
+    assert spec.batch_axes == {}
+    assert spec.padding_refused == (
+        "the padding check's call of (f32[2,8]) cut to 1 row(s) failed to run "
+        "(ValueError: this module needs at least two rows)"
+    )
+    assert xpupack.stats(model)["0"]["backend"] == "graph"
+    serve(model, reference, (3,))  # not padded up to 4: the original module runs it
+    assert [event.path for event in fallback_calls] == ["0"] and xpupack.stats(model)["0"]["padded"] == 0
+
+
 def test_padding_survives_a_fresh_process_load(emulated_graphs, tmp_path, run_python):
     model, _ = tune_ladder()
     root = xpupack.save(model, tmp_path / "pkg")
@@ -213,7 +244,7 @@ def test_batches_between_recorded_ones_are_padded_up_through_inductor(fallback_c
     assert (stats["backend"], stats["padded"], stats["fallbacks"]) == ("inductor", 3, 1)
 
 
-# -- batch_sizes: a ladder of recorded batches from the samples (README: "Tuning") -------------------
+# -- batch_sizes: a ladder of recorded batches from the samples (docs/tuning.md) -------------------
 
 
 def test_a_ladder_of_batch_sizes_from_one_sample(emulated_graphs, fallback_calls):
@@ -252,7 +283,7 @@ def test_batch_sizes_must_be_positive_integers(sizes):
         xpupack.tune(make_stack(), [torch.randn(2, 8)], modules=["layers.0.mlp"], batch_sizes=sizes)
 
 
-# -- recording memory and GraphBackend(max_memory=...) (README: "Device graphs") ---------------------
+# -- recording memory and GraphBackend(max_memory=...) (docs/device-graphs.md) ---------------------
 # The emulated graph's capture reports the bytes of its static outputs, the runner adds its static
 # inputs: a recording of f32[b,8] -> f32[b,8] takes 64 * b bytes, exactly.
 

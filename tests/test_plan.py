@@ -1,4 +1,4 @@
-"""What runs each module here, and whether its compiled artifacts may (README: "Safety and reliability").
+"""What runs each module here, and whether its compiled artifacts may (docs/safety.md).
 
 The trust rule applies to whatever actually runs: the package's backend, the
 base it falls back to where it cannot run (``graph+inductor`` on a CPU runs

@@ -1,5 +1,5 @@
 """`verify` and `inspect` say what `load` does: every backend × mismatch × on_mismatch × trust the suite can
-make on a CPU (README: "Safety and reliability").
+make on a CPU (docs/safety.md).
 
 One planner (`xpupack.plan`) decides; this checks that its two users agree. For each combination the
 verdict of `package_report` / `verify_package` (per module: which backend runs, whether it uses the

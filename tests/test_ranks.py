@@ -1,5 +1,5 @@
 """Many ranks, one package: two gloo ranks under torchrun load one package at the same moment, from a
-local directory and from the loopback Hub into one shared Hugging Face cache (README: "Bigger than one GPU")."""
+local directory and from the loopback Hub into one shared Hugging Face cache (docs/multi-gpu.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile and broken packages, no pickle, wrong models, the load-time check (README: "Safety and reliability").
+"""Hostile and broken packages, no pickle, wrong models, the load-time check (docs/safety.md).
 
 Every damaged package must raise a specific `XpupackError` whose message
 names the file and the fix, and leave the model exactly as it was.
@@ -791,7 +791,7 @@ def test_a_failed_load_undoes_what_a_backend_replaced(tmp_path, monkeypatch):
     assert "quantized" not in model.layers[0]["mlp"]._buffers
 
 
-# -- verify and load agree: what load refuses, verify reports as damaged (README: "Safety and reliability") --
+# -- verify and load agree: what load refuses, verify reports as damaged (docs/safety.md) --
 
 
 def _bad_weights_header(root):

@@ -1,5 +1,5 @@
 """xpupack.source and xpupack.hub.resolve_source: which names are folders and which are Hub repos
-(README: "Naming a package"). A folder is trusted to run its compiled artifacts, a Hub repo only when
+(docs/hub.md, "Naming a package"). A folder is trusted to run its compiled artifacts, a Hub repo only when
 pinned, so a name given as a repo id must never read a folder."""
 
 from __future__ import annotations

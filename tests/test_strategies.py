@@ -176,7 +176,7 @@ def test_fastest_times_every_passing_candidate_and_keeps_one():
     assert chosen.get("speedup", 1.0) == max(e.get("speedup", 1.0) for e in timed)
 
 
-# -- the speed gate: never slower than eager (README: "Tuning") --------------------------------------
+# -- the speed gate: never slower than eager (docs/tuning.md) --------------------------------------
 
 
 @pytest.mark.parametrize("kind", [xpupack.FirstWins, xpupack.Fastest])
@@ -191,7 +191,7 @@ def test_a_candidate_slower_than_eager_is_rejected_with_its_speedup(kind, tmp_pa
     slow, eager = report(model)
     assert slow["backend"] == "delay" and slow["status"] == "rejected"
     assert 0 < slow["speedup"] < 1 and f"{slow['speedup']}x eager's speed" in slow["reason"]
-    assert "not faster than eager" in slow["reason"] and "min_speedup=1.0" in slow["reason"]
+    assert "not faster than eager" in slow["reason"] and "the speed gate asks for more than 1.0x" in slow["reason"]
     assert eager["backend"] == "eager" and eager["status"] == "chosen" and "speedup" not in eager
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"eager"}
     # the package keeps the reason and the speedup, and inspect shows them
@@ -481,3 +481,28 @@ def test_fastest_keeps_the_highest_speedup_over_eager_timed_alongside_it(monkeyp
     )
     assert [(e["backend"], e["status"]) for e in entries] == [("metered", "accepted"), ("eager", "chosen")]
     assert entries[0]["speedup"] == pytest.approx(100 / 150, abs=1e-3) and "speedup" not in entries[1]
+
+
+# -- progress: a module's search can take minutes (a language model's: 50-130 s on a CPU) -------------------
+
+
+def test_tune_reports_each_candidate_it_builds_and_times():
+    messages: list[str] = []
+    strategy = xpupack.FirstWins([CpuOnlyNever(), DelayBackend(), xpupack.EagerBackend()], iterations=3)
+    xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=strategy, progress=messages.append)
+    head = "tuning layers.0.mlp (1/2, 2 signature(s))"
+    assert messages[messages.index(head) :][:3] == [
+        head,
+        f"{head}: building delay and checking it against eager",  # CpuOnlyNever is refused before it builds
+        f"{head}: timing delay against eager",
+    ]
+    assert "tuning layers.1.mlp (2/2, 2 signature(s)): timing delay against eager" in messages
+    assert not any("checking eager" in message for message in messages)  # eager is the reference
+
+
+def test_without_a_progress_function_tune_logs_its_progress(caplog):
+    with caplog.at_level("INFO", logger="xpupack"):
+        xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(CountingBackend()))
+    assert "tuning layers.0.mlp (1/2, 2 signature(s)): building counting and checking it against eager" in [
+        record.getMessage() for record in caplog.records
+    ]

@@ -1,5 +1,5 @@
 """Tensor parallel (DTensor, ``parallelize_module``) over gloo on CPU: tuned per rank, the full weights stored
-once, loaded into a sharded model of other weights in fresh processes (README: "Bigger than one GPU")."""
+once, loaded into a sharded model of other weights in fresh processes (docs/multi-gpu.md)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_a_sharded_module_is_refused_before_any_capture_where_collectives_cannot
     graphs_without_collectives, tmp_path
 ):
     """A failed capture of an all-reduce left two H200 ranks hung: the graph backend does not try it, every
-    rank refuses alike, and the next backend serves (README: "Bigger than one GPU")."""
+    rank refuses alike, and the next backend serves (docs/multi-gpu.md)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (1,))
@@ -147,7 +147,7 @@ def test_record_collectives_opts_in_and_is_stored_in_the_package(graphs_without_
 @pytest.mark.usefixtures("one_rank_group")
 def test_the_loader_decides_whether_a_package_records_collectives(graphs_without_collectives, tmp_path, monkeypatch):
     """A package's record_collectives is honoured from a trusted source only (an unpinned Hub revision is
-    not one), and the loader can refuse it or take it (README: "Safety and reliability")."""
+    not one), and the loader can refuse it or take it (docs/safety.md)."""
     import importlib
 
     from torch.distributed.device_mesh import init_device_mesh

@@ -280,7 +280,7 @@ def _rewrite_header(root, change):
 @pytest.mark.parametrize("depth", [5000, 400])
 def test_a_weights_header_nested_too_deep_is_a_format_error(tmp_path, depth):
     """Deep JSON fails fast with an xpupack error, whether the JSON parser or the type check would recurse
-    (README: "Safety and reliability")."""
+    (docs/safety.md)."""
     root = xpupack.save(tune_quantized(), tmp_path / "pkg")
 
     def deepen(metadata):

@@ -1,6 +1,6 @@
 """An unforeseen call never waits on a compile: a KV cache of a length no tuned call had (another
 ``max_new_tokens``) runs the original module while its compile runs off the caller's path, and with
-Inductor one compiled step serves every cache length (README: "Language models", "Cache length").
+Inductor one compiled step serves every cache length (docs/language-models.md, "Cache length").
 """
 
 import json
@@ -192,7 +192,7 @@ stats = xpupack.stats(model)[""]
 assert stats["compiling"] >= 1 and stats["fallbacks"] == 1, stats  # the prefill falls back
 assert threading.current_thread().name not in compiles, compiles
 _background.wait(timeout=500)
-for _ in range(5):  # a load that defers its compile switches over call by call (README: "Cold start")
+for _ in range(5):  # a load that defers its compile switches over call by call (docs/cold-start.md)
     compiling = xpupack.stats(model)[""]["compiling"]
     check({unseen}, 11)
     _background.wait(timeout=500)

@@ -1,4 +1,4 @@
-"""Weights in shards, streamed at save and at load, their digests checked once (README: "Packages";
+"""Weights in shards, streamed at save and at load, their digests checked once (docs/packages.md;
 docs/format.md, "Weights"; docs/safety.md, "Remembered verifications")."""
 
 from __future__ import annotations

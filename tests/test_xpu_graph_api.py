@@ -1,4 +1,4 @@
-"""The device layer's XPU path against ``torch.xpu`` as torch ships it (README: "Hardware: what was tested where").
+"""The device layer's XPU path against ``torch.xpu`` as torch ships it (docs/hardware.md).
 
 No Intel GPU is reachable, but torch's CPU build ships the Python side of the XPU graph API
 (``XPUGraph``, ``graph``, ``graph_pool_handle``, streams, memory statistics). `StandInXPU` stands

@@ -114,7 +114,7 @@ def push(
     """Verifies the package at ``path`` and uploads it to the Hub repo ``repo_id`` in one commit.
 
     The repo is created if needed; the commit holds the package and a model card, and deletes files of an
-    earlier package that this one lacks (README: "Hugging Face Hub"). ``xpupack push --dry-run`` shows the
+    earlier package that this one lacks (docs/hub.md). ``xpupack push --dry-run`` shows the
     commit without making it. This does not import torch; see `xpupack.publish.push` for the details.
 
     Args:

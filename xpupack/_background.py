@@ -1,4 +1,4 @@
-"""Work off the caller's path: a compile that a call would otherwise wait for (README: "Language models").
+"""Work off the caller's path: a compile that a call would otherwise wait for (docs/language-models.md).
 
 One worker thread for the whole process runs the jobs one at a time, in the
 order given; it starts with the first job (a process that compiles nothing

@@ -1,5 +1,5 @@
 """Inference tensors: xpupack works whether the caller's code runs under `torch.inference_mode()`, `torch.no_grad()`
-or neither (README: "Calls, fit and fallback").
+or neither (docs/calls-and-fallback.md).
 
 A tensor made under inference mode (an *inference tensor*) cannot be written in place outside
 inference mode, ever. Two rules follow:

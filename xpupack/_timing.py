@@ -1,4 +1,4 @@
-"""Device-synchronized timing, shared by the speed gate (`strategies`) and ``xpupack bench`` (README: "Tuning").
+"""Device-synchronized timing, shared by the speed gate (`strategies`) and ``xpupack bench`` (docs/tuning.md).
 
 `compare` times a candidate against eager in interleaved rounds: each round
 calls every recorded signature once on each side, the sides alternating and

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import _hooks, _timing
 from .errors import BenchmarkError
-from .tuned import Session, session_of
+from .tuned import Session, session_of, stats
 
 log = logging.getLogger("xpupack")
 
@@ -28,7 +28,9 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     row's ``speedup`` is the median over ``iterations`` rounds of eager's time over
     the tuned one's, with its 95% interval (``speedup_interval``); while that
     interval holds 1.0, up to 4x as many rounds are timed, and ``noisy`` marks
-    timings that scattered widely.
+    timings that scattered widely. ``fell_back`` marks a row whose tuned calls
+    ran the original module at times: a fallback, or a compile still running off
+    the caller's path (load with ``defer_compile=False`` to time compiled code).
     """
     if type(iterations) is not int or iterations < 1 or type(warmup) is not int or warmup < 0:
         raise BenchmarkError(
@@ -51,7 +53,7 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
 
     was_active = session.active
     session.activate()
-    fallbacks = {path: tuned.fallbacks for path, tuned in session.modules.items()}
+    originals = _original_calls(model)
     try:
         with torch.no_grad():
             results = [
@@ -71,7 +73,8 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
     finally:
         if not was_active:
             session.deactivate()
-    fell_back = {path for path, tuned in session.modules.items() if tuned.fallbacks > fallbacks[path]}
+    after = _original_calls(model)
+    fell_back = {path for path in session.modules if after[path] > originals[path]}
     return [
         {
             "module": path,
@@ -84,6 +87,13 @@ def benchmark(model: nn.Module, *, iterations: int = 50, warmup: int = 5) -> lis
         }
         for (path, tuned, signature, _a, _k), result in zip(cases, results)
     ]
+
+
+def _original_calls(model: nn.Module) -> dict[str, int]:
+    """Per module, the calls the original module ran on the tuned side: fallbacks, and calls made while
+    a compile ran off the caller's path (``load(defer_compile=True)``): a row with either did not time
+    the tuned code alone."""
+    return {path: entry["fallbacks"] + entry["compiling"] for path, entry in stats(model).items()}
 
 
 def _call(tuned, args: tuple, kwargs: dict):

@@ -1,4 +1,4 @@
-"""`Candidate`: what tuning found about one backend it tried for a module (README: "Tuning").
+"""`Candidate`: what tuning found about one backend it tried for a module (docs/tuning.md).
 
 A strategy writes one per candidate it tried: chosen, accepted (it passed,
 another won) or rejected, why, and how fast it ran the recorded calls. The

@@ -1,4 +1,4 @@
-"""Device slots: which device each tuned module runs on, in a package and here (README: "Bigger than one GPU").
+"""Device slots: which device each tuned module runs on, in a package and here (docs/multi-gpu.md).
 
 A model split over devices (layers on ``cuda:0`` and ``cuda:1``, as accelerate's
 ``device_map`` places them) is tuned module by module, each on the device its

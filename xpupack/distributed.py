@@ -1,4 +1,4 @@
-"""Tensor-parallel models (``torch.distributed.tensor``) in tune, save and load (README: "Bigger than one GPU").
+"""Tensor-parallel models (``torch.distributed.tensor``) in tune, save and load (docs/multi-gpu.md).
 
 A module sharded with ``parallelize_module`` holds DTensor parameters: each rank
 keeps a shard and the forward runs collectives. Every rank tunes its own shard,

@@ -181,7 +181,7 @@ def devices_here() -> list[str]:
     return devices
 
 
-#: the device types xpupack runs on (README: "Hardware: what was tested where")
+#: the device types xpupack runs on (docs/hardware.md)
 DEVICE_TYPES = ("cpu", "cuda", "xpu")
 
 

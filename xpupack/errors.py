@@ -47,7 +47,7 @@ class PackageFormatError(XpupackError, ValueError):
 
     Raised by `xpupack.load`, ``xpupack inspect``/``verify`` and `xpupack.push` when a folder is not an
     xpupack package, its ``format_version`` is newer than this xpupack reads, or a file it names is
-    absolute or escapes the package (README: "Safety and reliability").
+    absolute or escapes the package (docs/safety.md).
 
     Args:
         message: what is wrong, where, and the fix.
@@ -87,8 +87,7 @@ class IncompatiblePackageError(XpupackError):
     Raised by `xpupack.load` with ``on_mismatch="error"`` when a module's backend cannot run here at all
     or the build environment differs from this one in a way that invalidates its artifacts (torch,
     triton, device architecture...), and with any ``on_mismatch`` when the module's weights exist only in
-    that backend's form (TorchAO), so the original module cannot take over (README: "Safety and
-    reliability").
+    that backend's form (TorchAO), so the original module cannot take over (docs/safety.md).
 
     Args:
         message: what differs, and the choices (``on_mismatch="rebuild"`` or ``"fallback"``, rebuilding).
@@ -193,7 +192,26 @@ class NoCandidateError(XpupackError):
     Raised by `xpupack.tune` (from `Strategy.choose`) when every candidate failed to build, differed
     from eager or was not faster than eager; add ``EagerBackend()`` to the strategy to keep such modules
     untuned. `Only` raises it with its backend's own reason.
+
+    Args:
+        message: the refusals and the fix.
+        path: the module's object path ("" for the whole model), where a strategy tried candidates.
+        refusals: ``(backend, reason)`` for each candidate refused, in the order tried (empty from `Only`).
+        too_slow: whether the speed gate refused one of them (a lower threshold would keep it).
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        refusals: tuple[tuple[str, str], ...] = (),
+        too_slow: bool = False,
+    ):
+        super().__init__(message)
+        self.path = path
+        self.refusals = tuple(refusals)
+        self.too_slow = too_slow
 
 
 class TuningError(XpupackError, ValueError):
@@ -322,8 +340,7 @@ class SourceError(XpupackError, ValueError):
     """A package was named in a way xpupack will not read.
 
     Raised by `xpupack.load`, `xpupack.push` and the command line for a folder that does not exist,
-    ``revision=`` for a folder, or a name that is neither a folder nor a Hub repo id (README: "Hugging
-    Face Hub", naming rule).
+    ``revision=`` for a folder, or a name that is neither a folder nor a Hub repo id (docs/hub.md, "Naming a package").
 
     Args:
         message: the name, what it could mean, and how to spell what was meant.

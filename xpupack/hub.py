@@ -1,5 +1,5 @@
 """The Hugging Face Hub: where a package comes from (a local directory or a repo id and revision), and its download
-(README: "Packages"; "Safety and reliability"). Pushing is `xpupack.publish`.
+(docs/packages.md; docs/safety.md). Pushing is `xpupack.publish`.
 
 A Hub repo holds a package as it is on disk. Downloads go through
 ``huggingface_hub``'s cache: the manifest first, then exactly the files it
@@ -79,7 +79,7 @@ def resolve_source(
     trust_compiled: bool = False,
     token: str | bool | None = None,
 ) -> Source:
-    """The package that ``path`` names, by the naming rule (`xpupack.source`; README: "Naming a package").
+    """The package that ``path`` names, by the naming rule (`xpupack.source`; docs/hub.md, "Naming a package").
 
     A folder is trusted (its compiled artifacts may run); a Hub repo is downloaded
     (`download`) and trusted only when pinned or with ``trust_compiled=True``.
@@ -166,7 +166,7 @@ def download(
 
     Returns:
         A `Source` on the cached snapshot; ``trusted`` only for a full commit
-        hash revision or ``trust_compiled=True`` (README: "Safety and reliability").
+        hash revision or ``trust_compiled=True`` (docs/safety.md).
 
     Raises:
         RepoNotFoundError: no such repo, or the token cannot read it.

@@ -1,5 +1,5 @@
 """What a package can make a loader allocate or do, bounded before anything is allocated
-(README: "Safety and reliability").
+(docs/safety.md).
 
 A package says how its modules were called, and a loader acts on it: it
 synthesises inputs for every signature without state (a tensor leaf of 1 GiB

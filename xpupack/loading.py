@@ -1,5 +1,5 @@
 """`xpupack.load`: verify a package, restore weights and backends, activate
-(README: "Packages"; "Safety and reliability").
+(docs/packages.md; docs/safety.md).
 
 Everything that can be checked is checked before the model is touched. For
 the changes that follow (weights, device, backends, activation) a `ModelEdit`
@@ -124,7 +124,7 @@ def load(
     Args:
         model: a freshly built model of the architecture the package was built from.
         path: a folder (a ``pathlib.Path``, an absolute path, ``"./org/name"``, ``"tiny-pkg"``), or a repo on
-            the Hugging Face Hub (``"org/name"``, ``"hf://org/name"``); README: "Naming a package". A plain
+            the Hugging Face Hub (``"org/name"``, ``"hf://org/name"``); docs/hub.md, "Naming a package". A plain
             ``"org/name"`` that is also a folder here is refused (`AmbiguousSourceError`).
         device: run everything on this one device (the model moves there). Default: each tuned
             module runs where its parameters are (a model split over devices stays split).
@@ -153,16 +153,15 @@ def load(
             True (opt-in, for Inductor packages whose compile at load takes seconds): a device graph over
             Inductor's compiled code (``graph+inductor``) records the original module now and serves
             those recordings while a background thread loads the compiled code; each signature's next
-            call after that records it again over the compiled code (README: "Cold start"); a plain
+            call after that records it again over the compiled code (docs/cold-start.md); a plain
             Inductor module runs the original meanwhile. ``stats()`` counts the calls served meanwhile
             as ``compiling``. Ignored with ``on_mismatch="error"``, which must raise what fails.
             AOTInductor packages (``aoti``, the GPU default) need neither: their compiled code is live
             when the load returns.
         verify_padding: ``"first"`` (default): the first padded call into each recording is run by the
             original module too and compared; ``"always"``: every padded call is — one more eager run per
-            padded call, for a module whose rows may mix only for some inputs (README: "Calls, fit and
-            fallback"). A call that disagrees gets the original's answer, and its recording is no longer
-            padded into.
+            padded call, for a module whose rows may mix only for some inputs (docs/serving-shapes.md).
+            A call that disagrees gets the original's answer, and its recording is no longer padded into.
 
     Returns:
         The same model object, tuned modules active.
@@ -546,8 +545,7 @@ def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> ModuleS
     """What a package says about its module's calls is its author's word; for a backend that records or
     pads calls, the loader sees for itself whether the module writes its inputs in place or its own
     buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
-    (`xpupack.padding.check_loaded`). Returns the spec with what it found. README: "Calls, fit and
-    fallback"."""
+    (`xpupack.padding.check_loaded`). Returns the spec with what it found (docs/calls-and-fallback.md)."""
     claimed = bool(spec.batch_axes)
     spec = observe_calls(target.forward, target.module, spec)
     spec = padding.check_loaded(spec, target.forward, trusted=context.trusted)

@@ -1,4 +1,4 @@
-"""`xpupack.save`: writes a package directory, atomically (README: "Packages"; the format: docs/format.md)."""
+"""`xpupack.save`: writes a package directory, atomically (docs/packages.md; the format: docs/format.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Padding a call up to a recorded batch (README: "Calls, fit and fallback").
+"""Padding a call up to a recorded batch (docs/calls-and-fallback.md).
 
 A backend with static signatures (graph, Inductor) runs only the shapes it
 recorded. A call that differs from a recorded signature only by a smaller
@@ -13,7 +13,7 @@ signatures (the one axis whose size changes, together across leaves and
 outputs, from one batch size to the next) and checks on the samples that
 padded rows cannot change real rows: it runs each sample with some rows
 replaced by two different fillers and compares the real rows. A module that
-fails is never padded, and the spec says why. At load, `check_loaded` runs the
+fails, or raises on the check's calls, is never padded, and the spec says why. At load, `check_loaded` runs the
 same check on synthesised inputs before trusting a package's axes.
 """
 
@@ -143,10 +143,15 @@ def _why_not_paddable(
     for index, batch in zip(members, batches):
         if batch < 2:
             continue
+        described = spec.signatures[index].describe()
         for args, kwargs in spec.samples.inputs[index]:
-            problem = _rows_mix(
-                forward, args, kwargs, axes, batch, batch // 2, generator, spec.signatures[index].describe()
-            )
+            try:
+                problem = _rows_mix(forward, args, kwargs, axes, batch, batch // 2, generator, described)
+            except Exception as exc:  # a module that cannot run the check's calls is not padded; the tune goes on
+                return (
+                    f"the padding check's call of {described} cut to {batch // 2} row(s) failed to run "
+                    f"({type(exc).__name__}: {exc})"
+                )
             if problem:
                 return f"rows mix: {problem}"
     return None
@@ -175,7 +180,8 @@ def _rows_mix(
     once by zeros (what padding fills in) and once by other values: the real rows must come out as eager
     gives them alone. Returns what differed (the call ``described``), or None."""
     leaves, tree = flatten(*snapshot((args, kwargs)))
-    real = [_cut(leaf, axis, rows) for leaf, axis in zip(leaves, axes.inputs)]
+    # contiguous: a caller's smaller call is a tensor of its own, not a strided view (GPT-2's Conv1D views)
+    real = [_cut(leaf, axis, rows, contiguous=True) for leaf, axis in zip(leaves, axes.inputs)]
     real_args, real_kwargs = unflatten(real, tree)
     with torch.no_grad():
         expected = _cut_outputs(forward(*real_args, **real_kwargs), axes, rows)
@@ -216,7 +222,7 @@ def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool
     random batches with differently many real rows, both fillers, before any call is padded. Floating
     leaves vary from batch to batch; integer and boolean ones are zeros (the only values valid for any
     embedding), so a signature whose batched inputs are all integers gives the check nothing to vary:
-    its padding is kept only from a ``trusted`` source (README: "Calls, fit and fallback").
+    its padding is kept only from a ``trusted`` source (docs/calls-and-fallback.md).
     """
     problem = _loaded_axes_problem(spec, forward, trusted) if spec.batch_axes else None
     if problem:
@@ -258,8 +264,11 @@ def _loaded_axes_problem(spec: ModuleSpec, forward: Callable[..., Any], trusted:
 _LOAD_SEED = 7919
 
 
-def _cut(leaf: Any, axis: int | None, rows: int) -> Any:
-    return leaf.narrow(axis, 0, rows) if axis is not None else leaf
+def _cut(leaf: Any, axis: int | None, rows: int, *, contiguous: bool = False) -> Any:
+    if axis is None:
+        return leaf
+    cut = leaf.narrow(axis, 0, rows)
+    return cut.contiguous() if contiguous else cut
 
 
 def _cut_outputs(outputs: Any, axes: BatchAxes, rows: int) -> Any:

@@ -1,5 +1,5 @@
 """What runs each module of a package here, and whether its compiled artifacts may run
-(README: "Safety and reliability").
+(docs/safety.md).
 
 One decision, made here, that `load` acts on and `verify` and `inspect` report:
 
@@ -234,7 +234,7 @@ def options_here(
     record_collectives: bool | None = None,
 ) -> tuple[dict, tuple[_Step, ...]]:
     """The options a load builds the package's backend ``name`` with (JSON, as the manifest holds them),
-    and how they differ from the package's, as steps for `choose` (README: "Safety and reliability").
+    and how they differ from the package's, as steps for `choose` (docs/safety.md).
 
     Two of a package's options are the loader's to decide: ``compile_options`` (Inductor settings;
     None keeps the package's, a dict replaces them, ``{}`` compiles with Inductor's defaults) and

@@ -1,5 +1,5 @@
 """Publishing a package on the Hugging Face Hub: verify it, write its model card, upload it in one commit
-(README: "Packages")."""
+(docs/packages.md)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def plan_push(path: str | os.PathLike[str], repo_id: str, *, revision: str | Non
     """Verifies the package at ``path`` and works out the commit `push` would make; contacts nothing.
 
     Args:
-        path: the package folder (named as a folder, README: "Naming a package").
+        path: the package folder (named as a folder, docs/hub.md, "Naming a package").
         repo_id: ``"org/name"`` (or ``"hf://org/name"``).
         revision: the branch to commit to; None for ``main``.
 
@@ -110,7 +110,7 @@ def push(
 
     Args:
         path: a package directory written by `xpupack.save` or `xpupack build`, named as a folder
-            (README: "Naming a package": ``"./org/name"``, not ``"org/name"``, which names a Hub repo).
+            (docs/hub.md, "Naming a package": ``"./org/name"``, not ``"org/name"``, which names a Hub repo).
         repo_id: ``"org/name"`` (or ``"hf://org/name"``).
         revision: the branch to commit to (created from ``main`` if missing);
             default ``main``.

@@ -65,7 +65,7 @@ def _backend(name: Any, options: Any, device: Any = None) -> Any:
 
 def compiled_backends(manifest: dict) -> dict[str, str]:
     """``{module path: backend name}`` for the modules whose artifacts are compiled code
-    (README: "Safety and reliability").
+    (docs/safety.md).
 
     The backend registry decides (``Backend.compiled_artifacts``); a backend
     this xpupack does not know is left out here and reported by `verify_package`.
@@ -394,7 +394,7 @@ def _check_on_mismatch(on_mismatch: str) -> None:
 
 
 def _local(path: str | Path) -> Source:
-    """The package ``path`` names, by the rule `xpupack.load` applies (README: "Naming a package")."""
+    """The package ``path`` names, by the rule `xpupack.load` applies (docs/hub.md, "Naming a package")."""
     from .hub import resolve_source
 
     return resolve_source(path)

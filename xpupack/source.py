@@ -1,6 +1,6 @@
 """Where a package comes from, as a value: its directory on disk and whether its compiled code may run
 (`xpupack.hub.resolve_source` makes one), and the rule that reads a name given for a package as a local
-folder or a Hub repo id (README: "Hugging Face Hub", "Naming a package").
+folder or a Hub repo id (docs/hub.md, "Naming a package").
 
 The rule, in full (`read_name`):
 
@@ -34,7 +34,7 @@ _REPO_ID = re.compile(r"[\w.-]{1,96}(?:/[\w.-]{1,96})?")
 
 @dataclass
 class Source:
-    """A package directory on disk and whether its compiled artifacts may run (README: "Safety and reliability")."""
+    """A package directory on disk and whether its compiled artifacts may run (docs/safety.md)."""
 
     root: Path
     trusted: bool

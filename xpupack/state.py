@@ -21,7 +21,7 @@ full). `SlidingWindowCounters` follows that int for the graph backend: a
 recording is made and replayed per path, never across a path change, the
 counter is advanced after each replay as the call would have, and while a
 call is captured the layer's reads of its length go through a tensor, so
-that no position is baked into the recording (README: "Language models").
+that no position is baked into the recording (docs/language-models.md).
 """
 
 from __future__ import annotations
@@ -99,8 +99,7 @@ def register_state(cls: type, tensors: Callable[[Any], list[torch.Tensor]]) -> N
         TypeError: ``cls`` is not a class, or ``tensors`` is not callable.
 
     Registering a type again replaces its function. Everything the object changes between calls must
-    live in those tensors: a Python-side counter would be baked into a recording (README: "Language
-    models").
+    live in those tensors: a Python-side counter would be baked into a recording (docs/language-models.md).
 
     Examples:
         >>> xpupack.register_state(MyCache, lambda cache: [cache.keys, cache.values, cache.length])

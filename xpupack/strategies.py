@@ -1,4 +1,4 @@
-"""Strategies: which backend a module gets, and why the others were refused (README: "Tuning"; "What it does").
+"""Strategies: which backend a module gets, and why the others were refused (docs/tuning.md; README: "What it does").
 
 Every candidate must build and reproduce eager's outputs on the recorded
 samples within its tolerances before it can be chosen; each refusal is kept
@@ -7,8 +7,10 @@ as a report entry that `xpupack inspect` shows.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +23,30 @@ from .recorder import snapshot
 from .signature import flatten
 
 log = logging.getLogger("xpupack")
+
+
+#: where `check_candidate` and the speed gate say what they are doing for the module being tuned (`reporting`)
+_progress: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(
+    "xpupack_strategy_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def reporting(progress: Callable[[str], None] | None) -> Iterator[None]:
+    """Inside the block, each candidate's check and timing is announced to ``progress`` (`xpupack.tune`
+    sets it around `Strategy.choose`, so that a strategy of one's own reports through `check_candidate`
+    too: a module's search can take minutes)."""
+    token = _progress.set(progress)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
+
+
+def _say(message: str) -> None:
+    progress = _progress.get()
+    if progress is not None:
+        progress(message)
 
 
 class Rejected(Exception):
@@ -54,6 +80,8 @@ def check_candidate(
     """
     if not backend.available(device):
         raise Rejected(backend.why_unavailable(device))
+    if not is_reference(backend):  # eager is what the others are checked against
+        _say(f"building {backend.label} and checking it against eager")
     try:
         runner = backend.build(target, spec, device)
     except Exception as exc:
@@ -91,7 +119,7 @@ def _check_outputs(backend: Backend, runner: Runner, spec: ModuleSpec, reference
 
 
 class _SpeedGate:
-    """Times candidates against eager on the recorded signatures of one module (README: "Tuning").
+    """Times candidates against eager on the recorded signatures of one module (docs/tuning.md).
 
     Eager and the candidate take turns in rounds (`_timing.compare`), each
     signature weighted by how often the samples called it; a signature the
@@ -119,6 +147,7 @@ class _SpeedGate:
     def compare(self, backend: Backend, runner: Runner, threshold: float | None) -> _timing.Comparison:
         """``runner`` against eager; while the result cannot tell whether it beats ``threshold``, more
         rounds are timed (up to 4x ``iterations``)."""
+        _say(f"timing {backend.label} against eager")
         eager = self._eager or self._build_eager()
         signatures = range(len(self.spec.signatures))
         transforms = changes_module(backend)
@@ -226,7 +255,8 @@ def _too_slow(result: _timing.Comparison, verdict: str, min_speedup: float) -> s
     as slower: a tuned module must never be slower than eager)."""
     numbers = (
         f"{round(result.speedup, 3)}x eager's speed ({result.candidate.median_us:.1f} vs "
-        f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); min_speedup={min_speedup}"
+        f"{result.eager.median_us:.1f} µs per recorded call, {result.interval()}); the speed gate asks for more "
+        f"than {min_speedup}x"
     )
     if verdict == "slower":
         return f"not faster than eager: {numbers}"
@@ -249,7 +279,7 @@ def _noise_note(entry: Candidate) -> str:
 class Strategy:
     """Base class: picks one backend per module from a list of candidates.
 
-    A strategy of your own subclasses this and implements `choose` (README: "Tuning").
+    A strategy of your own subclasses this and implements `choose` (docs/tuning.md).
 
     Args:
         backends: the candidates, in order.
@@ -262,7 +292,7 @@ class Strategy:
             scattered. ``None`` switches the gate off.
         iterations: timed rounds per comparison with eager; up to 4x as many while
             the timings cannot tell.
-        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+        startup_margin: compiled code must pay for its start-up (docs/cold-start.md). When the
             candidate a strategy would choose carries compiled artifacts (seconds of loading on a fresh
             server) and a candidate without them passes too (the plain device graph after graph over
             Inductor), the two are timed side by side and the compiled one is kept only when it runs
@@ -437,7 +467,7 @@ class FirstWins(Strategy):
     """The first backend, in order, that builds, matches eager and is faster than eager wins.
 
     Args:
-        startup_margin: compiled code must pay for its start-up (README: "Cold start"). When the
+        startup_margin: compiled code must pay for its start-up (docs/cold-start.md). When the
             first candidate to pass carries compiled artifacts (seconds of loading on a fresh server)
             and a later candidate without them passes too (the plain device graph after graph over
             Inductor), the two are timed side by side and the compiled one is kept only when it runs
@@ -497,7 +527,7 @@ class FirstWins(Strategy):
                     return chosen[0], chosen[1], report
             report.append(entry)
             return backend, runner, report
-        raise NoCandidateError(_explain(target, report))
+        raise _no_candidate(target, report)
 
     def _lighter_candidate(
         self, later: Sequence[Backend], target, spec, references, device, report, gate
@@ -581,7 +611,7 @@ class Fastest(Strategy):
             for index in set(alive) - keep:
                 alive.pop(index)[1].release()
         if not alive:
-            raise NoCandidateError(_explain(target, report))
+            raise _no_candidate(target, report)
         best = _runoff(report, alive, gate)
         backend, runner = alive[best]
         runner.redo()
@@ -751,11 +781,22 @@ class Only(Strategy):
         )
 
 
-def _explain(target: Target, report: list[Candidate]) -> str:
+def _no_candidate(target: Target, report: list[Candidate]) -> NoCandidateError:
+    """The error of a strategy that tried ``report``'s candidates and kept none; it carries the refusals,
+    so that the command line can say the same in its own options' names."""
+    too_slow = any(entry.status == "rejected" and entry.speedup is not None for entry in report)  # timed: the gate
     lines = [f"no backend could tune {target.path or '<model>'}:"]
     lines += [f"  {entry.backend}: {entry.reason}" for entry in report]
-    lines.append("add EagerBackend() to the strategy to keep such modules untuned")
-    return "\n".join(lines)
+    lines.append(
+        "add EagerBackend() to the strategy to keep such modules untuned"
+        + (", or pass min_speedup=None to keep candidates slower than eager" if too_slow else "")
+    )
+    return NoCandidateError(
+        "\n".join(lines),
+        path=target.path,
+        refusals=tuple((entry.backend, entry.reason) for entry in report),
+        too_slow=too_slow,
+    )
 
 
 def default_backends(device: torch.device | None = None) -> list[Backend]:
@@ -788,7 +829,7 @@ DEFAULT_STARTUP_MARGIN = 1.05
 
 
 def default_strategy(device: torch.device | None = None) -> Strategy:
-    """The strategy `xpupack.tune` uses when given none (README: "Tuning").
+    """The strategy `xpupack.tune` uses when given none (docs/tuning.md).
 
     ``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``.
 
@@ -884,7 +925,7 @@ def thorough_backends(
 
 def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Backend]) -> list[ComposedBackend]:
     """Each TorchAO configuration of ``quantize`` compiled by Inductor: with coordinate descent on a GPU,
-    without which Inductor's int8 weight-only kernels are slower than bfloat16 (README: "Language models")."""
+    without which Inductor's int8 weight-only kernels are slower than bfloat16 (docs/language-models.md)."""
     from .backends.inductor import InductorBackend
 
     on_gpu = device is not None and device.type in _GRAPH_DEVICES

@@ -177,6 +177,79 @@ def _once_each(events: list) -> Any:
     return listen
 
 
+class _Watch:
+    """What one of the plugin's autouse fixtures heard during a test, and how much of it was reported."""
+
+    def __init__(self, message: Any):
+        self.events: list = []
+        self.reported = 0
+        self.message = message  # events -> the failure's text
+
+    def unreported(self) -> str | None:
+        """The failure's text for the events not reported yet (marking them reported), or None."""
+        events, self.reported = self.events[self.reported :], len(self.events)
+        return self.message(events) if events else None
+
+
+_WATCHES = pytest.StashKey[list]()
+
+
+def _watch(request: pytest.FixtureRequest, message: Any) -> _Watch:
+    watch = _Watch(message)
+    request.node.stash.setdefault(_WATCHES, []).append(watch)
+    return watch
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """pytest hook: fails the test itself (not its teardown) for the fallbacks and downgrades its call
+    heard; a test that failed on its own keeps its failure, the events shown in an ``xpupack`` section.
+
+    Args:
+        item: the test.
+    """
+    try:
+        result = yield
+    except BaseException:
+        for problem in _unreported(item):
+            item.add_report_section("call", "xpupack", problem)
+        raise
+    problems = _unreported(item)
+    if problems:
+        pytest.fail("\n\n".join(problems), pytrace=False)
+    return result
+
+
+def _unreported(item: pytest.Item) -> list[str]:
+    return [problem for watch in item.stash.get(_WATCHES, []) if (problem := watch.unreported())]
+
+
+def _downgrade_message(events: list) -> str:
+    listed = "\n".join(
+        f"  {e.path or '<model>'}: package {e.promised}, runs {e.running} ({e.reason})" for e in events[:10]
+    )
+    more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
+    return (
+        f"{len(events)} tuned module(s) ran another backend than their package's:\n{listed}{more}\n"
+        "xpupack's pytest plugin fails a test that calls such a module. If the test expects it, take "
+        "the `backend_downgrades` fixture (and assert on it), mark it "
+        f"@pytest.mark.{DOWNGRADE_MARKER}, or set `{DOWNGRADE_INI_OPTION} = false` in the project's "
+        "pytest configuration"
+    )
+
+
+def _fallback_message(events: list) -> str:
+    listed = "\n".join(f"  {e.path or '<model>'}: {e.reason}" for e in events[:10])
+    more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
+    return (
+        f"{len(events)} call(s) of tuned modules ran the original module (fallback):\n{listed}{more}\n"
+        "xpupack's pytest plugin fails a test when that happens. If the test expects fallbacks, "
+        "take the `fallback_calls` fixture (and assert on it), mark it "
+        f"@pytest.mark.{MARKER}, or set `{INI_OPTION} = false` in the project's pytest "
+        "configuration"
+    )
+
+
 @pytest.fixture(autouse=True)
 def _xpupack_fail_on_downgrade(request: pytest.FixtureRequest) -> Any:
     if (
@@ -186,23 +259,13 @@ def _xpupack_fail_on_downgrade(request: pytest.FixtureRequest) -> Any:
     ):
         yield
         return
-    events: list[DowngradeEvent] = []
-    remove = add_downgrade_listener(_once_each(events))
+    watch = _watch(request, _downgrade_message)
+    remove = add_downgrade_listener(_once_each(watch.events))
     yield
     remove()
-    if events:
-        listed = "\n".join(
-            f"  {e.path or '<model>'}: package {e.promised}, runs {e.running} ({e.reason})" for e in events[:10]
-        )
-        more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
-        pytest.fail(
-            f"{len(events)} tuned module(s) ran another backend than their package's:\n{listed}{more}\n"
-            "xpupack's pytest plugin fails a test that calls such a module. If the test expects it, take "
-            "the `backend_downgrades` fixture (and assert on it), mark it "
-            f"@pytest.mark.{DOWNGRADE_MARKER}, or set `{DOWNGRADE_INI_OPTION} = false` in the project's "
-            "pytest configuration",
-            pytrace=False,
-        )
+    problem = watch.unreported()  # heard after the test's call (in a fixture's teardown): a teardown error
+    if problem:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -214,18 +277,10 @@ def _xpupack_fail_on_fallback(request: pytest.FixtureRequest) -> Any:
     ):
         yield
         return
-    events: list[FallbackEvent] = []
-    remove = add_fallback_listener(events.append)
+    watch = _watch(request, _fallback_message)
+    remove = add_fallback_listener(watch.events.append)
     yield
     remove()
-    if events:
-        listed = "\n".join(f"  {e.path or '<model>'}: {e.reason}" for e in events[:10])
-        more = f"\n  ... and {len(events) - 10} more" if len(events) > 10 else ""
-        pytest.fail(
-            f"{len(events)} call(s) of tuned modules ran the original module (fallback):\n{listed}{more}\n"
-            "xpupack's pytest plugin fails a test when that happens. If the test expects fallbacks, "
-            "take the `fallback_calls` fixture (and assert on it), mark it "
-            f"@pytest.mark.{MARKER}, or set `{INI_OPTION} = false` in the project's pytest "
-            "configuration",
-            pytrace=False,
-        )
+    problem = watch.unreported()  # heard after the test's call (in a fixture's teardown): a teardown error
+    if problem:
+        pytest.fail(problem, pytrace=False)

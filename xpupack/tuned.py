@@ -1,4 +1,4 @@
-"""Tuned modules: the fit check, the fallback rule, and stats (README: "Calls, fit and fallback").
+"""Tuned modules: the fit check, the fallback rule, and stats (docs/calls-and-fallback.md).
 
 A tuned module keeps its class, parameters and state-dict keys. Activation
 sets an instance attribute ``forward`` to a `TunedModule`, which checks each

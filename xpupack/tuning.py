@@ -19,7 +19,7 @@ from .environment import environment, resolve_device
 from .errors import TuningError
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
-from .strategies import SEARCHES, Strategy, quantized_backends, search_strategy
+from .strategies import SEARCHES, Strategy, quantized_backends, reporting, search_strategy
 from .tuned import (
     Session,
     TunedModule,
@@ -75,10 +75,11 @@ def tune(
             allows; each tuned module's own batch axes are found from the recorded sizes.
         batch_axis: the samples' batch axis for ``batch_sizes`` (default 0); e.g. 1 for
             ``[sequence, batch, hidden]`` inputs, whose axis 0 must not be resized.
-        progress: called with short status messages (the CLI shows them).
+        progress: called with short status messages (the CLI shows them): each sample recorded, each
+            module, each candidate built, checked and timed. None: the ``xpupack`` logger's INFO messages.
         search: without a ``strategy``, ``"quick"`` (the default above) or ``"thorough"``: every
             candidate of `strategies.thorough_backends` checked and timed, the fastest kept (Inductor's
-            default settings, coordinate descent on a GPU, max-autotune; README: "Tuning").
+            default settings, coordinate descent on a GPU, max-autotune; docs/tuning.md).
         quantize: with ``search="thorough"``, also try TorchAO configurations: True for
             int8, float8 and int4 weight-only (each where the device has it), or a list of config
             names or ``TorchAOBackend`` instances. Quantization changes numerics: off by default.
@@ -86,7 +87,7 @@ def tune(
         verify_padding: ``"first"`` (default): padding is checked on the samples while tuning, and no
             padded call runs the original module; ``"always"``: every padded call is also run by the
             original module and compared on the caller's rows — one more eager run per padded call, for
-            a module whose rows may mix only for some inputs (README: "Calls, fit and fallback"). A call
+            a module whose rows may mix only for some inputs (docs/serving-shapes.md). A call
             that disagrees gets the original's answer, and its recording is no longer padded into.
 
     Returns:
@@ -145,6 +146,7 @@ def _tune(
 ) -> nn.Module:
     # device=None: every module stays, and is tuned, where its parameters are (a model split over devices)
     in_place = device is None
+    progress = progress or _log_progress
     device = resolve_device(device, default=_device.model_device(model))
     sizes, axis = _check_batching(batch_sizes, batch_axis)
     _undo_previous(model)
@@ -165,6 +167,16 @@ def _tune(
         module.verify_every_padded_call = verify_padding == "always"
     _activate(model, tuned, device, strategy, architecture, placed)
     return model
+
+
+def _prefixed(progress: Callable[[str], None], head: str) -> Callable[[str], None]:
+    """``progress`` with each message after ``head`` (the module being tuned)."""
+    return lambda message: progress(f"{head}: {message}")
+
+
+def _log_progress(message: str) -> None:
+    """``tune``'s progress where the caller gave none: the ``xpupack`` logger's INFO messages."""
+    log.info("%s", message)
 
 
 def _check_batching(batch_sizes: Iterable[int] | None, batch_axis: int | None) -> tuple[list[int] | None, int]:
@@ -217,7 +229,7 @@ def _tune_modules(
     specs: dict[str, ModuleSpec],
     placed: dict[str, torch.device],
     strategy: Strategy,
-    progress: Callable[[str], None] | None,
+    progress: Callable[[str], None],
 ) -> dict[str, TunedModule]:
     """Each selected module tuned on its own device, in order; its recorded samples are dropped afterwards,
     whether tuning it succeeded or not."""
@@ -225,10 +237,10 @@ def _tune_modules(
     for number, (path, module) in enumerate(selected.items(), 1):
         spec = specs[path]
         target = Target(path, module, _hooks.original_forward(module))
-        if progress:
-            progress(f"tuning {path or '<model>'} ({number}/{len(selected)}, {len(spec.signatures)} signature(s))")
+        head = f"tuning {path or '<model>'} ({number}/{len(selected)}, {len(spec.signatures)} signature(s))"
+        progress(head)
         try:
-            with _device.on_device(placed[path]):
+            with _device.on_device(placed[path]), reporting(_prefixed(progress, head)):
                 tuned[path] = _tune_one(target, spec, strategy, placed[path])
         except BaseException as exc:
             _drop_samples_after(spec, exc)

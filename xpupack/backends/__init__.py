@@ -58,7 +58,7 @@ that must compile for it returns a future of that work, done off the caller's pa
 finishes; by default a runner hands it on to its ``base_runner``.
 
 A load may restore compiled code off the caller's path (``xpupack.load(...,
-defer_compile=True)``, README "Cold start"): inside such a load
+defer_compile=True)``, docs/cold-start.md): inside such a load
 `xpupack._background.deferred()` is true, and a backend may return a runner
 that serves at once without its compiled code and queues the rest with
 `xpupack._background.later` (the jobs start once every module is restored).

@@ -284,7 +284,7 @@ class AOTIRunner(Runner):
 class AOTIBackend(Backend):
     """Compiles each recorded signature ahead of time with AOTInductor (`torch.export` +
     ``aoti_compile_and_package``): a load maps the compiled libraries in and serves at once, with no
-    compiler in the loading process (README: "Cold start").
+    compiler in the loading process (docs/cold-start.md).
 
     Takes signatures whose inputs are tensors, constants and StaticCache KV caches (no sliding-window
     layers), and whose outputs are tensors, constants and those caches; others run the original module.

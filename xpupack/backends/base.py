@@ -459,7 +459,7 @@ class Backend:
     name: ClassVar[str]
     #: environment keys whose change invalidates this backend's saved artifacts
     depends_on: ClassVar[tuple[str, ...]] = ()
-    #: True when saved artifacts may unpickle or run native code (README: "Safety and reliability")
+    #: True when saved artifacts may unpickle or run native code (docs/safety.md)
     compiled_artifacts: ClassVar[bool] = False
     #: False when the saved artifacts are the only form of what runs (TorchAO's quantized weights):
     #: ``on_mismatch="rebuild"`` then uses them as stored, since there is nothing to rebuild from
@@ -527,7 +527,7 @@ class Backend:
         """Writes the runner's artifacts into ``folder``; returns its JSON config.
 
         Called by `xpupack.save` once per module this backend runs. Tensors go into safetensors files,
-        everything else into the returned JSON; no pickle (README: "Packages").
+        everything else into the returned JSON; no pickle (docs/packages.md).
 
         Args:
             runner: the runner `build` or `restore` returned.

@@ -1,4 +1,4 @@
-"""The device-graph backend: record once per static signature, replay (docs: README "Device graphs").
+"""The device-graph backend: record once per static signature, replay (docs/device-graphs.md).
 
 Each recorded signature (one per batch size, one per other static shape) gets
 its own recording: static input buffers, a device graph (``XPUGraph`` on
@@ -912,7 +912,7 @@ class GraphBackend(ComposedBackend):
             records. Calls with state (a KV cache) are recorded while serving, outside the budget.
         record_collectives: record tensor-parallel (DTensor) modules, collectives included, on a
             GPU. Off by default: capturing an NCCL all-reduce failed on torch 2.11 and left the
-            ranks hung (README, "Bigger than one GPU"); such modules are refused before any
+            ranks hung (docs/multi-gpu.md); such modules are refused before any
             capture and run the strategy's next backend. Turn on only where a test on your
             stack shows the capture works.
 
@@ -1029,7 +1029,7 @@ class GraphBackend(ComposedBackend):
         """Restores the base, then records every signature again on this device from synthesised inputs.
 
         Within ``xpupack.load(..., defer_compile=True)``, a base with compiled code is restored off the
-        caller's path and the original module's recordings serve meanwhile (README: "Cold start").
+        caller's path and the original module's recordings serve meanwhile (docs/cold-start.md).
         See `Backend.restore`.
 
         Args:
@@ -1067,7 +1067,7 @@ class GraphBackend(ComposedBackend):
 
     def _defers(self, spec: ModuleSpec) -> bool:
         """Whether this load records the original module now and restores the base off the caller's path
-        (README: "Cold start"): a base with compiled code (Inductor: seconds of importing and loading on
+        (docs/cold-start.md): a base with compiled code (Inductor: seconds of importing and loading on
         a fresh server) that leaves the module as it is, for a module that writes none of its buffers
         (the worker runs it while calls do)."""
         return (

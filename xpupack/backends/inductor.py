@@ -18,12 +18,12 @@ something else compiled in the process, and all of its own even when every
 compile hit a warm cache.
 
 All of these are pickles and native code: they load only when trusted
-(README: "Safety and reliability"); otherwise the module is compiled locally.
+(docs/safety.md); otherwise the module is compiled locally.
 
 Calls with state (decode steps with a KV cache) are compiled with their sizes
 as symbols, so that one compiled step serves every cache length; a new length
 while serving is prepared off the caller's path (`InductorRunner.add_signature`;
-README: "Language models").
+docs/language-models.md).
 """
 
 from __future__ import annotations
@@ -224,10 +224,12 @@ class InductorRunner(Runner):
         self.checked_where_compiled = True
 
         def settle(done: Future) -> None:
-            if not done.cancelled() and done.exception() is None:
+            if done.cancelled():  # the process exits (or the load failed): no call will come, nothing failed
+                return
+            if done.exception() is None:
                 self._compiled_checked = True  # only now may a call run the compiled code
                 return
-            why = "cancelled" if done.cancelled() else f"{type(done.exception()).__name__}: {done.exception()}"
+            why = f"{type(done.exception()).__name__}: {done.exception()}"
             self.upgrade_error = f"compiling off the caller's path failed: {why}"
             log.warning("%s: %s; the original module keeps serving", self.path or "<model>", self.upgrade_error)
 
@@ -720,7 +722,7 @@ class InductorBackend(ComposedBackend):
     ) -> Runner:
         """Compiles every signature again from synthesised inputs, hitting the caches `restore_shared`
         filled. Within ``xpupack.load(..., defer_compile=True)`` it compiles off the caller's path, the
-        original module serving meanwhile (README: "Cold start"). See `Backend.restore`.
+        original module serving meanwhile (docs/cold-start.md). See `Backend.restore`.
 
         Args:
             target: the module.
@@ -751,7 +753,7 @@ class InductorBackend(ComposedBackend):
         return runner
 
     def _defers(self, spec: ModuleSpec | None = None) -> bool:
-        """Whether this load compiles off the caller's path (README: "Cold start"), the original module
+        """Whether this load compiles off the caller's path (docs/cold-start.md), the original module
         serving meanwhile: without a base (a base such as TorchAO changes the module first) and for a
         module that writes none of its buffers (the worker runs it while calls do)."""
         return _background.deferred() and self.base is None and not (spec is not None and spec.writes_buffers)

@@ -18,11 +18,11 @@ def main() -> None:
 
     \b
     Start with the demo model:
-      xpupack build xpupack.examples:tiny_transformer \\
-          --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
-      xpupack inspect tiny-pkg
-      xpupack bench tiny-pkg --model xpupack.examples:tiny_transformer
-      xpupack push tiny-pkg ORG/NAME
+      xpupack build xpupack.examples:tiny_decoder \\
+          --samples xpupack.examples:tiny_decoder_samples --modules 'layers.*' --out demo-pkg
+      xpupack inspect demo-pkg
+      xpupack bench demo-pkg --model xpupack.examples:tiny_decoder
+      xpupack push demo-pkg ORG/NAME
     """
 
 

@@ -44,7 +44,8 @@ def bench(package, model_factory, device, iterations, revision, as_json):
 
     device = resolve_device(device)
     model = build_model(import_object(model_factory, "--model", package=package), f"--model {model_factory}")
-    model = xpupack.load(model, package, device=device, revision=revision)
+    # compiled now, not off the caller's path: the rounds time the compiled code, not the original meanwhile
+    model = xpupack.load(model, package, device=device, revision=revision, defer_compile=False)
     stats = xpupack.stats(model, totals=True)  # before timing: eager's turn releases the recordings
     memory = {
         "modules": {path: entry["memory_bytes"] for path, entry in stats["modules"].items()},
@@ -60,6 +61,14 @@ def bench(package, model_factory, device, iterations, revision, as_json):
                 "results": rows,
                 "recording_memory": memory,
             }
+        )
+        return
+    if not rows:
+        console().print(
+            "nothing to time: every signature of the package carries a KV cache, and only a real call "
+            "brings one; time decoding with benchmarks/llm_decode.py"
+            if any(entry["signatures"] for entry in stats["modules"].values())
+            else "nothing to time: the package recorded no signature"
         )
         return
     from rich.table import Table

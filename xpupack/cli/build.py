@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..errors import NoCandidateError
 from ..source import read_name
-from ._common import build_model, console, handle_errors, import_object
+from ._common import build_model, console, handle_errors, import_object, printable
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -64,12 +65,34 @@ def parse_backends(text: str):
 
 
 def _ratio(text: str, option: str = "--min-speedup") -> float | None:
+    """``--min-speedup`` (above 0) or ``--startup-margin`` (at least 1), checked here so that the error names
+    the option rather than the strategy's keyword."""
     if text.strip().lower() == "none":
         return None
+    example, low = ("1.0", 0.0) if option == "--min-speedup" else ("1.05", 1.0)
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise click.BadParameter(f"{text!r}: give a number such as 1.0, or none", param_hint=option) from None
+        raise click.BadParameter(f"{text!r}: give a number such as {example}, or none", param_hint=option) from None
+    if not (value > low if option == "--min-speedup" else value >= low):  # NaN fails both
+        bound = "above 0" if option == "--min-speedup" else "of at least 1"
+        raise click.BadParameter(f"{text!r}: give a number {bound} such as {example}, or none", param_hint=option)
+    return value
+
+
+def _in_options(error: NoCandidateError, backends: str | None) -> NoCandidateError:
+    """A strategy's `NoCandidateError` said in the command line's terms: one line, the fix named as options."""
+    refusals = "; ".join(f"{backend}: {reason}" for backend, reason in error.refusals)
+    listed = f"--backends {backends},eager" if backends else "--backends ...,eager"
+    fix = f"add eager to --backends ({listed}) to keep such modules untuned"
+    if error.too_slow:
+        fix += ", or pass --min-speedup none to keep candidates slower than eager"
+    return NoCandidateError(
+        f"no backend could tune {error.path or '<model>'} — {refusals}; {fix}",
+        path=error.path,
+        refusals=error.refusals,
+        too_slow=error.too_slow,
+    )
 
 
 def _sizes(text: str) -> list[int]:
@@ -112,6 +135,39 @@ def _quantize(text: str | None, search: str, backends: str | None) -> bool | lis
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--quantize") from None
     return names
+
+
+def outcome_lines(modules: list[dict]) -> list[str]:
+    """What each module got and its speed over eager as the build timed it (the candidates of
+    `package_report`'s modules), then the tuned modules' speed together: how long their recorded calls
+    take eager over how long they take tuned, summed over the modules whose eager time is known."""
+    lines = ["chosen, and each module's speed over eager on the samples' calls (timed during this build):"]
+    eager_us = tuned_us = 0.0
+    for module in modules:
+        path, candidates = module["path"] or "<model>", module["candidates"]
+        chosen = next((c for c in candidates if c["status"] == "chosen"), {"backend": module["backend"]})
+        timed = [c for c in candidates if c.get("speedup") is not None and c.get("median_us") is not None]
+        if chosen.get("speedup") is not None and chosen.get("median_us") is not None:
+            low, high = chosen["speedup_interval"]
+            lines.append(
+                f"  {path}: {chosen['backend']}, {chosen['speedup']:.2f}x eager (95% interval {low:.2f}-{high:.2f}x)"
+            )
+            eager_us += chosen["median_us"] * chosen["speedup"]
+            tuned_us += chosen["median_us"]
+        elif module["backend"] == "eager" and timed:
+            best = max(timed, key=lambda c: c["speedup"])
+            faster = f"{best['backend']}, ran at {best['speedup']:.2f}x eager's speed"
+            lines.append(f"  {path}: eager (the fastest candidate, {faster})")
+            eager_us += best["median_us"] * best["speedup"]
+            tuned_us += best["median_us"] * best["speedup"]  # it runs eager: eager's time on both sides
+        elif module["backend"] == "eager":
+            refused = [f"{c['backend']}: {c['reason']}" for c in candidates if c["status"] == "rejected"]
+            lines.append(f"  {path}: eager" + (f" ({'; '.join(refused)})" if refused else ""))
+        else:
+            lines.append(f"  {path}: {chosen['backend']}, not timed against eager (the speed gate was off)")
+    if tuned_us > 0:
+        lines.append(f"  together: {eager_us / tuned_us:.2f}x eager's speed")
+    return lines
 
 
 #: a number that ends a progress message: what changes from one to the next while one step counts up
@@ -269,8 +325,8 @@ def build(
 
     \b
     Example:
-      xpupack build xpupack.examples:tiny_transformer \\
-          --samples xpupack.examples:tiny_transformer_samples --modules 'layers.*.mlp' --out tiny-pkg
+      xpupack build xpupack.examples:tiny_decoder \\
+          --samples xpupack.examples:tiny_decoder_samples --modules 'layers.*' --out demo-pkg
     """
     from ..manifest import check_destination, destination
     from ..shards import parse_size
@@ -281,6 +337,7 @@ def build(
         raise click.BadParameter(str(exc), param_hint="--max-shard-size") from None
     sizes = _sizes(batch_sizes) if batch_sizes is not None else None
     configs = _quantize(quantize, search, backends)
+    gate, margin = _ratio(min_speedup), _ratio(startup_margin, "--startup-margin")
     check_destination(destination(out))  # before minutes of tuning: save would refuse it after them
     out_console = console()
     started = time.perf_counter()
@@ -300,37 +357,43 @@ def build(
         if search == "thorough":
             chosen = xpupack.Fastest(
                 thorough_backends(device, configs),
-                min_speedup=_ratio(min_speedup),
-                startup_margin=_ratio(startup_margin, "--startup-margin"),
+                min_speedup=gate,
+                startup_margin=margin,
             )
         elif strategy == "fastest":
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
-            chosen = xpupack.Fastest(candidates, min_speedup=_ratio(min_speedup))
+            chosen = xpupack.Fastest(candidates, min_speedup=gate)
         else:
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
-            chosen = xpupack.FirstWins(
-                candidates, min_speedup=_ratio(min_speedup), startup_margin=_ratio(startup_margin, "--startup-margin")
-            )
+            chosen = xpupack.FirstWins(candidates, min_speedup=gate, startup_margin=margin)
         progress("building the model")
         model = build_model(make_model, model_factory)
         samples = make_samples()
-        xpupack.tune(
-            model,
-            samples,
-            modules=list(modules) or None,
-            device=device,
-            strategy=chosen,
-            batch_sizes=sizes,
-            batch_axis=batch_axis,
-            progress=progress,
-        )
+        try:
+            xpupack.tune(
+                model,
+                samples,
+                modules=list(modules) or None,
+                device=device,
+                strategy=chosen,
+                batch_sizes=sizes,
+                batch_axis=batch_axis,
+                progress=progress,
+            )
+        except NoCandidateError as exc:
+            if not exc.refusals:  # `Only`'s own reason: nothing the options name
+                raise
+            raise _in_options(exc, backends) from exc
         progress(f"writing {out}")
         xpupack.save(model, out, weights=not no_weights, max_shard_size=shard_bytes)
 
     from ..report import package_report
     from .inspect import print_report
 
-    print_report(package_report(Path(out), device), out_console)
+    report = package_report(Path(out), device)
+    print_report(report, out_console)
+    for line in outcome_lines(printable(report["modules"])):  # module paths and reasons, escaped as inspect's
+        out_console.print(line)
     out_console.print(
         f"[green]wrote {out}[/green] in {time.perf_counter() - started:.1f} s"
         + (

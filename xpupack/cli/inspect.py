@@ -128,7 +128,7 @@ def _compiled_code_line(report: dict) -> str | None:
 
 
 def _trust_line(report: dict) -> str:
-    """Whether the package's compiled artifacts may run here (README: "Safety and reliability")."""
+    """Whether the package's compiled artifacts may run here (docs/safety.md)."""
     compiled = ", ".join(
         f"{m['path'] or '<model>'} ({m['runs_here']})" for m in report["modules"] if m["compiled_here"]
     )
