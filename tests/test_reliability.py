@@ -449,7 +449,9 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(
     inductor_package, tmp_path, monkeypatch, kernels, error
 ):
     """Carried kernels are copied into the local Inductor cache: neither end may leave its folder."""
-    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    cache = tmp_path / "inductor-cache"  # its own: other xdist workers write to the run's shared cache
+    (cache / "kept").mkdir(parents=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     before = sorted(cache.rglob("*"))
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: pytest.fail("loaded artifacts"))
     root = copy_package(inductor_package[1], tmp_path / "pkg")
