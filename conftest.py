@@ -175,6 +175,7 @@ def _comments_before(text: str, start: int) -> list[str]:
     return comments
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """``<!-- slow -->`` above a block gives its test pytest's ``slow`` mark, and the page's later blocks too:
     they share its namespace and folder (a package it saved), so they cannot run without it. For the same

@@ -30,14 +30,22 @@ def _graph_device() -> str | None:
 GRAPH_DEVICE = _graph_device()
 
 
+#: a test that uses one of these is `slow` (the quick loop, ``-m "not slow"``, leaves it out; CI runs it):
+#: the session's compiled packages cost an Inductor compile in each xdist worker, run_python a fresh process
+SLOW_FIXTURES = frozenset({"inductor_package", "graph_inductor_package", "run_python"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Applies the hardware markers from one capability probe."""
+    """Applies the hardware markers from one capability probe, and `slow` to the users of `SLOW_FIXTURES`."""
     have = {
         "requires_graph_device": GRAPH_DEVICE is not None,
         "requires_cuda": torch.cuda.is_available(),
         "requires_xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
     }
     for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
         for marker, available in have.items():
             if marker in item.keywords and not available:
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: no such device here"))

@@ -55,7 +55,8 @@ def package(tmp_path):
     return build(tmp_path)
 
 
-@pytest.fixture(params=["eager", "graph", "inductor", "torchao"])
+# inductor copies the session's compiled package (an Inductor compile per xdist worker): slow
+@pytest.fixture(params=["eager", "graph", pytest.param("inductor", marks=pytest.mark.slow), "torchao"])
 def any_package(request, tmp_path):
     """One package per kind of backend (graph through the emulated device graphs)."""
     if request.param == "eager":
@@ -846,8 +847,20 @@ def _unlisted_kernel(root):
     [
         (_bad_weights_header, "eager", PackageFormatError, "not a readable safetensors file"),
         (_defaultdict_tree, "eager", PackageFormatError, "tree node type 'collections.defaultdict' is not allowed"),
-        (_unlisted_kernel, "inductor", IntegrityError, "names backends/inductor/kernels/zz/absent.so, which"),
-        (_zeroed_mega_cache, "inductor", PackageFormatError, "cache.bin is not PyTorch's cache-artifact container"),
+        pytest.param(  # the inductor ones copy the session's compiled package: slow
+            _unlisted_kernel,
+            "inductor",
+            IntegrityError,
+            "names backends/inductor/kernels/zz/absent.so, which",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            _zeroed_mega_cache,
+            "inductor",
+            PackageFormatError,
+            "cache.bin is not PyTorch's cache-artifact container",
+            marks=pytest.mark.slow,
+        ),
         (_weight_of_another_dtype, "eager", PackageFormatError, "does not match the manifest"),
     ],
 )
