@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import doctest
-import functools
 import os
 import shlex
 import shutil
@@ -42,12 +41,20 @@ ROOT = Path(__file__).resolve().parent
 _ISOLATED = ("HF_HOME", "XPUPACK_CACHE")
 
 
-@functools.cache
-def _inductor_cache() -> str:
-    """One Inductor cache for the run, so that the pages' compiles reuse each other's and never the user's."""
-    folder = tempfile.mkdtemp(prefix="xpupack-docs-inductor-")
+#: what xpupack's tests set for the whole run (`pytest_configure`), inherited by pytest-xdist's workers
+COMPILER_CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def pytest_configure(config):
+    """One Inductor and one Triton cache for the whole run, never the user's: a graph that one test, one
+    xdist worker or one fresh process compiled is a cache hit for the others. The first process (xdist's
+    controller, or the only one) makes them before the workers start, and they inherit them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    folder = tempfile.mkdtemp(prefix="xpupack-tests-compiler-caches-")
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
 
 
 def _setup(namespace: dict) -> None:
@@ -55,12 +62,11 @@ def _setup(namespace: dict) -> None:
     namespace["__docs_restore__"] = (
         folder,
         os.getcwd(),
-        {name: os.environ.get(name) for name in (*_ISOLATED, "HF_HUB_OFFLINE", "TORCHINDUCTOR_CACHE_DIR")},
+        {name: os.environ.get(name) for name in (*_ISOLATED, "HF_HUB_OFFLINE", *COMPILER_CACHES)},
     )
     for name in _ISOLATED:
         os.environ[name] = str(folder / name.lower())
     os.environ["HF_HUB_OFFLINE"] = "1"  # an example that would reach the Hub fails instead of waiting on it
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache()
     os.chdir(folder)
 
 
@@ -169,13 +175,16 @@ def _comments_before(text: str, start: int) -> list[str]:
     return comments
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """``<!-- slow -->`` above a block gives its test pytest's ``slow`` mark, and the page's later blocks too:
-    they share its namespace and folder (a package it saved), so they cannot run without it."""
+    they share its namespace and folder (a package it saved), so they cannot run without it. For the same
+    reason a page's blocks are one ``xdist_group``: one pytest-xdist worker runs them all, in order."""
     slow_pages = set()
     for item in items:
         if isinstance(item, SybilItem):
             example = item.example
+            item.add_marker(pytest.mark.xdist_group(str(Path(example.document.path).relative_to(ROOT))))
             if any(
                 comment.split(":")[0].strip() == "slow"
                 for comment in _comments_before(example.document.text, example.region.start)

@@ -30,23 +30,33 @@ def _graph_device() -> str | None:
 GRAPH_DEVICE = _graph_device()
 
 
+#: a test that uses one of these is `slow` (the quick loop, ``-m "not slow"``, leaves it out; CI runs it):
+#: the session's compiled packages cost an Inductor compile in each xdist worker, run_python a fresh process
+SLOW_FIXTURES = frozenset({"inductor_package", "graph_inductor_package", "run_python"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Applies the hardware markers from one capability probe."""
+    """Applies the hardware markers from one capability probe, and `slow` to the users of `SLOW_FIXTURES`."""
     have = {
         "requires_graph_device": GRAPH_DEVICE is not None,
         "requires_cuda": torch.cuda.is_available(),
         "requires_xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
     }
     for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
         for marker, available in have.items():
             if marker in item.keywords and not available:
                 item.add_marker(pytest.mark.skip(reason=f"{marker}: no such device here"))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _inductor_cache(tmp_path_factory):
-    """One Inductor cache for the whole run, so a module compiles once per run, never from the user's cache."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
+def _inductor_cache() -> Path:
+    """The run's one Inductor cache (the root conftest's `pytest_configure` sets it, for every xdist worker
+    and every fresh process a test starts): a module compiles once per run, never from the user's cache.
+    A test that looks at what a cache holds uses a cache of its own: the other workers write to this one."""
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
@@ -133,25 +143,40 @@ def emulated_graphs(monkeypatch):
     return api
 
 
+def fresh_python(code: str, folder: Path, *, env: dict | None = None, check: bool = True):
+    """Runs a Python snippet in a fresh process (its script written into ``folder``); fails the test on a
+    non-zero exit unless ``check`` is false. ``tests/`` is on its path, for ``support``."""
+    script = folder / "snippet.py"
+    script.write_text(textwrap.dedent(code))
+    tests_dir = os.path.dirname(__file__)
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        **(env or {}),
+    }
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=full_env, timeout=600)
+    if check and result.returncode != 0:
+        pytest.fail(f"fresh process failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
 @pytest.fixture
 def run_python(tmp_path):
     """Runs a Python snippet in a fresh process; returns its stdout (fails the test on a non-zero exit)."""
 
     def run(code: str, *, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        script = tmp_path / "snippet.py"
-        script.write_text(textwrap.dedent(code))
-        tests_dir = os.path.dirname(__file__)
-        full_env = {
-            **os.environ,
-            "PYTHONPATH": tests_dir + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            **(env or {}),
-        }
-        result = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, env=full_env, timeout=600
-        )
-        if check and result.returncode != 0:
-            pytest.fail(f"fresh process failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
-        return result
+        return fresh_python(code, tmp_path, env=env, check=check)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def run_python_for_module(tmp_path_factory):
+    """`run_python` for a module-scoped fixture (a package several tests load, built in a fresh process)."""
+    folder = tmp_path_factory.mktemp("fresh-process")
+
+    def run(code: str, *, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        return fresh_python(code, folder, env=env, check=check)
 
     return run
 

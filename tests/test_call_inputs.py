@@ -28,7 +28,8 @@ def _tuned(backend, samples=None):
     return model.layers[0]["mlp"], reference.layers[0]["mlp"]
 
 
-@pytest.fixture(params=["counting", "graph", "inductor"])
+# inductor loads the session's compiled package (an Inductor compile per xdist worker): slow
+@pytest.fixture(params=["counting", "graph", pytest.param("inductor", marks=pytest.mark.slow)])
 def tuned_mlp(request):
     """``(tuned mlp, eager copy)`` for a backend that keeps autograd (counting), one that does not
     (graph, emulated), and a compiler (inductor, loaded from the session's package)."""
@@ -107,12 +108,6 @@ def _assert_eager_result(tuned, reference, case, grad=False, autocast=False):
 @pytest.mark.parametrize("case", CASES)
 def test_bad_inputs_give_eager_results_or_eager_errors(tuned_mlp, case, fallback_calls, request):
     tuned, reference = tuned_mlp
-    if "inductor" in request.node.callspec.id and case in (
-        "transposed (non-contiguous)",
-        "every other row (non-contiguous)",
-        "broadcast row (stride 0)",
-    ):
-        request.applymarker(pytest.mark.slow)  # Inductor compiles again for new strides
     _assert_eager_result(tuned, reference, case)
 
 
@@ -143,10 +138,8 @@ def test_requires_grad_inputs_under_no_grad_fit(fallback_calls, emulated_graphs)
 
 
 @pytest.mark.parametrize("case", ["fits", "float64"])
-def test_autocast_gives_what_eager_gives(tuned_mlp, case, fallback_calls, request):
+def test_autocast_gives_what_eager_gives(tuned_mlp, case, fallback_calls):
     """A device graph replays the precision it recorded; under autocast eager computes in bfloat16."""
-    if "inductor" in request.node.callspec.id:
-        request.applymarker(pytest.mark.slow)  # Inductor compiles again under autocast
     tuned, reference = tuned_mlp
     _assert_eager_result(tuned, reference, case, autocast=True)
 

@@ -297,7 +297,7 @@ def test_verify_exit_status_3_when_it_cannot_check(tmp_path):
 PLANTED = "open({marker!r}, 'w').write('imported')\n"
 
 
-@pytest.mark.parametrize("how", ["main()", "python -m xpupack"])
+@pytest.mark.parametrize("how", ["main()", pytest.param("python -m xpupack", marks=pytest.mark.slow)])  # a process
 def test_bench_inside_a_package_imports_nothing_from_it(built, tmp_path, how):
     """`xpupack bench .` in a package directory: the directory is not put on sys.path, so a planted
     module there never runs (docs/safety.md); the unlisted file is then refused."""

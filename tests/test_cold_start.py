@@ -405,20 +405,49 @@ print(json.dumps({{**counters["inductor"], **report}}))
 """
 
 
+@pytest.fixture(scope="module")
+def language_model_package(tmp_path_factory, run_python_for_module):
+    """``package(backend)``: `TUNE_LANGUAGE_MODEL`'s package, tuned once per backend in a fresh process (on
+    the run's shared compiler cache: tuning is not what these tests check) and loaded by each serving mode's
+    test. Tests must not change the package."""
+    packages = {}
+
+    def package(backend: str) -> str:
+        if backend not in packages:
+            root = str(tmp_path_factory.mktemp("tuned-language-model") / "pkg")
+            run_python_for_module(TUNE_LANGUAGE_MODEL.format(root=root, backend=backend))
+            packages[backend] = root
+        return packages[backend]
+
+    return package
+
+
+def _backend(backend: str, label: str):
+    # one xdist worker tunes a backend's package for both serving modes
+    return pytest.param(backend, id=label, marks=pytest.mark.xdist_group(f"cold-start-{label}"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "backend",
     [
-        "xpupack.GraphBackend(base=xpupack.InductorBackend())",
-        'xpupack.GraphBackend(base=xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", '
-        "min_sqnr_db=10)))",
-        "xpupack.InductorBackend()",
-        'xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=10))',
+        _backend("xpupack.GraphBackend(base=xpupack.InductorBackend())", "graph+inductor"),
+        _backend(
+            'xpupack.GraphBackend(base=xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", '
+            "min_sqnr_db=10)))",
+            "graph+inductor+torchao",
+        ),
+        _backend("xpupack.InductorBackend()", "inductor"),
+        _backend(
+            'xpupack.InductorBackend(base=xpupack.TorchAOBackend("int8-weight-only", min_sqnr_db=10))',
+            "inductor+torchao",
+        ),
     ],
-    ids=["graph+inductor", "graph+inductor+torchao", "inductor", "inductor+torchao"],
 )
 @pytest.mark.parametrize("mode", ["torch.no_grad()", "torch.inference_mode()"], ids=["no_grad", "inference_mode"])
-def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_path, run_python, backend, mode):
+def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(
+    tmp_path, run_python, language_model_package, backend, mode
+):
     """Regressions: Dynamo compiled the decode step again at load, missing the package's graph (on the H200:
     a second graph and 27 coordinate-descent benchmarks while serving). The compile at load runs on a scratch
     copy of the caller's cache, whose tensors transformers had not marked static addresses as it marks a
@@ -429,9 +458,7 @@ def test_a_decode_step_compiled_at_load_hits_the_graph_the_package_carries(tmp_p
     TorchAO (its quantized module served meanwhile now, recorded before the compile starts); and, served under
     ``torch.inference_mode``, it compiled it there once more (Dynamo guards on inference tensors, which
     the caller's are and the scratch copy compiled at load was not)."""
-    root = str(tmp_path / "pkg")
-    tune = TUNE_LANGUAGE_MODEL.format(root=root, backend=backend)
-    run_python(tune, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "tune")})
+    root = language_model_package(backend)
     # a graph over TorchAO holds nothing back: its load's own jobs (the artifacts' install) are waited for, so
     # that the first generate() can record at once. Elsewhere the wait would start the held compile early
     graph_over_torchao = backend.startswith("xpupack.GraphBackend") and "TorchAO" in backend
@@ -509,7 +536,7 @@ def test_a_decode_step_hits_the_carried_graph_whatever_call_compiles_first(tmp_p
     function, so each later form's graph was Dynamo's second for it, made with what the first taught it
     (which sizes change), unlike the graph a load makes when that form comes first."""
     root = str(tmp_path / "pkg")
-    run_python(TUNE_TWO_FORMS.format(root=root, samples=samples), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "t")})
+    run_python(TUNE_TWO_FORMS.format(root=root, samples=samples))  # on the run's shared compiler cache
     result = run_python(
         LOAD_GENERATE_AND_COUNT.format(root=root, rows=rows), env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty")}
     )

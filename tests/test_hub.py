@@ -475,6 +475,7 @@ def test_model_card_describes_modules_environment_and_loading(demo_eager_package
     assert "Compiled artifacts" not in card  # eager has none
 
 
+@pytest.mark.slow  # an Inductor compile (demo_inductor_package)
 def test_model_card_explains_the_trust_rule_for_compiled_artifacts(demo_inductor_package):
     card = package_card(demo_inductor_package, read_manifest(demo_inductor_package), "org/fast")
     assert "- inductor" in card.split("---")[1]

@@ -140,6 +140,7 @@ def test_verify_without_torch_reports_what_it_reports_with_torch(run_python, eag
     assert "no such device" in result["problems"][0] and "describes the module" in result["problems"][1]
 
 
+@pytest.mark.slow  # a fresh pytest process
 def test_pytest_plugin_imports_nothing_heavy(tmp_path):
     """A project that never touches torch: the plugin (loaded into every pytest run) costs it nothing."""
     (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = --strict-markers\n")

@@ -55,7 +55,8 @@ def package(tmp_path):
     return build(tmp_path)
 
 
-@pytest.fixture(params=["eager", "graph", "inductor", "torchao"])
+# inductor copies the session's compiled package (an Inductor compile per xdist worker): slow
+@pytest.fixture(params=["eager", "graph", pytest.param("inductor", marks=pytest.mark.slow), "torchao"])
 def any_package(request, tmp_path):
     """One package per kind of backend (graph through the emulated device graphs)."""
     if request.param == "eager":
@@ -449,7 +450,9 @@ def test_carried_inductor_kernels_cannot_come_from_or_go_outside(
     inductor_package, tmp_path, monkeypatch, kernels, error
 ):
     """Carried kernels are copied into the local Inductor cache: neither end may leave its folder."""
-    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    cache = tmp_path / "inductor-cache"  # its own: other xdist workers write to the run's shared cache
+    (cache / "kept").mkdir(parents=True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
     before = sorted(cache.rglob("*"))
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda blob: pytest.fail("loaded artifacts"))
     root = copy_package(inductor_package[1], tmp_path / "pkg")
@@ -844,8 +847,20 @@ def _unlisted_kernel(root):
     [
         (_bad_weights_header, "eager", PackageFormatError, "not a readable safetensors file"),
         (_defaultdict_tree, "eager", PackageFormatError, "tree node type 'collections.defaultdict' is not allowed"),
-        (_unlisted_kernel, "inductor", IntegrityError, "names backends/inductor/kernels/zz/absent.so, which"),
-        (_zeroed_mega_cache, "inductor", PackageFormatError, "cache.bin is not PyTorch's cache-artifact container"),
+        pytest.param(  # the inductor ones copy the session's compiled package: slow
+            _unlisted_kernel,
+            "inductor",
+            IntegrityError,
+            "names backends/inductor/kernels/zz/absent.so, which",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            _zeroed_mega_cache,
+            "inductor",
+            PackageFormatError,
+            "cache.bin is not PyTorch's cache-artifact container",
+            marks=pytest.mark.slow,
+        ),
         (_weight_of_another_dtype, "eager", PackageFormatError, "does not match the manifest"),
     ],
 )
