@@ -246,6 +246,8 @@ class GraphRunner(Runner):
         #: earlier, it left every call during it unrecorded, the original module run for real (on the H200 a
         #: TorchAO int8 package's first ``generate()`` took 29 s, where replays take about 1 s)
         self._original_tried: set[int] = set()
+        #: the state addresses of each signature's latest call run once, kept over recordings made again
+        self._last_warm: dict[int, tuple] = {}
         #: signatures added while the base runner was being restored: it is handed them when it takes over
         self._unknown_to_base: set[int] = set()
         #: calls served by the original module's recordings while the base runner was being restored
@@ -707,6 +709,13 @@ class GraphRunner(Runner):
         if index in self._original_unrecordable and self._function(index) is self._original:
             return self._original(index, args, kwargs, leaves)  # until the base serves it (`_record_state_call`)
         if key not in self._warm:
+            if self._last_warm.setdefault(index, key[1]) != key[1]:
+                # its calls come at fresh state each time (a prefill into each generate()'s new cache): no
+                # recording of it will come to wait for, and the base may get ready for it now
+                self._original_tried.add(index)
+                if self._held is not None:
+                    self._start_held_upgrade()
+            self._last_warm[index] = key[1]
             self._warm[key] = None
             if len(self._warm) > _WARM_RUNS_KEPT:
                 self._warm.popitem(last=False)
