@@ -243,3 +243,71 @@ def test_a_deploy_test_of_eager_modules_passes_on_any_batch(pytester, fallback_c
     """
     )
     pytester.runpytest().assert_outcomes(passed=1)
+
+
+DEFERRED_CONFTEST = """
+import sys
+sys.path.insert(0, {tests!r})
+import pytest, torch, xpupack
+import xpupack.backends.inductor as inductor
+from support.models import make_stack, stack_samples
+from xpupack import _background
+
+@pytest.fixture(scope="session")
+def package(tmp_path_factory):
+    tuned = xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"],
+                         strategy=xpupack.Only(xpupack.InductorBackend()))
+    return xpupack.save(tuned, tmp_path_factory.mktemp("inductor") / "pkg")
+
+@pytest.fixture
+def compile_fails_after_load(package, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("the compile failed on the worker")
+    monkeypatch.setattr(inductor, "check_against_original", fail)
+    model = xpupack.load(make_stack(), package, defer_compile=True)
+    _background.wait(120)  # the compile off the caller's path has failed by now
+    return model
+
+@pytest.fixture
+def compiled_after_load(package):
+    model = xpupack.load(make_stack(), package, defer_compile=True)
+    _background.wait(120)
+    return model
+"""
+
+DEFERRED_TESTS = """
+    import torch
+
+    def call(model):
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+
+    def test_compiled_code_never_came_alive(compile_fails_after_load):
+        call(compile_fails_after_load)
+
+    def test_compiled_code_serves(compiled_after_load):
+        call(compiled_after_load)
+        assert xpupack_stats_ok(compiled_after_load)
+
+    def xpupack_stats_ok(model):
+        import xpupack
+        return xpupack.stats(model)["layers.0.mlp"]["compiled_serving"] is True
+"""
+
+
+def test_a_deploy_test_fails_when_the_compile_after_load_fails(pytester, fallback_calls, backend_downgrades):
+    """Regression (reliability round 4, item 5): with the compile off the caller's path
+    (``load(defer_compile=True)``), a compile that failed after ``load()`` returned left the original module
+    serving and the deploy test passed; it failed only with the compile not deferred."""
+    import os
+
+    pytester.makeconftest(DEFERRED_CONFTEST.format(tests=os.path.dirname(__file__)))
+    pytester.makepyfile(test_user=DEFERRED_TESTS)
+    result = pytester.runpytest("--strict-markers", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_compiled_code_never_came_alive _*",
+            "*layers.0.mlp: package inductor, runs eager*the compile failed on the worker*",
+        ]
+    )

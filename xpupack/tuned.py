@@ -192,7 +192,7 @@ class TunedModule:
         # the per-call path: a call that fits a tuned signature runs it with no helper call in between;
         # the rarer cases (padding, a new size, a fallback) each have a method of their own
         self.calls += 1
-        if self.downgrade is not None and _downgrade_listeners:
+        if _downgrade_listeners:
             self._report_downgrade()
         if self._runs_original:
             return self.target.forward(*args, **kwargs)
@@ -288,7 +288,14 @@ class TunedModule:
 
     def _report_downgrade(self) -> None:
         """Tells the downgrade listeners (the pytest plugin) on each call that this module runs another
-        backend than its package's, as each fallback is reported."""
+        backend than its package's, as each fallback is reported: one that its load said, or one whose
+        compile off the caller's path failed after the load (`Runner.failed_upgrade`)."""
+        if self.downgrade is None:
+            failed = self.runner.failed_upgrade()
+            if failed is None:
+                return
+            running, why = failed
+            self.downgrade = DowngradeEvent(self.target.path, self.backend.label, running, why)
         for listener in list(_downgrade_listeners):
             listener(self.downgrade)
 

@@ -290,6 +290,11 @@ class Runner:
     def __init__(self, supported: set[int]):
         self.supported = set(supported)
 
+    def failed_upgrade(self) -> tuple[str, str] | None:
+        """For a load that compiles off the caller's path (``defer_compile``): once that compile failed,
+        ``(what serves instead, why)``, a downgrade the pytest plugin reports; None otherwise."""
+        return None
+
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
         """Runs one call of signature ``index``: the extension point of a runner.
 

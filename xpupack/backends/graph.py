@@ -470,6 +470,11 @@ class GraphRunner(Runner):
         self._original = self.function
         self._upgrade = future
 
+    def failed_upgrade(self) -> tuple[str, str] | None:
+        """``("graph", why)`` once restoring the base off the caller's path failed: recordings of the original
+        module serve (`Runner.failed_upgrade`)."""
+        return ("graph", self.upgrade_error) if self.upgrade_error else None
+
     def prepare_state_calls(self, original: Callable[..., Any]) -> None:
         """For a base that is restored but compiles its calls with state off the caller's path
         (`Runner.prepares_state_calls`): ``original`` serves those calls, recorded, until the base is ready

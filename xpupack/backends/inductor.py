@@ -212,6 +212,10 @@ class InductorRunner(Runner):
             return function(*args, **kwargs)
         return self._first_call(index, args, kwargs)
 
+    def failed_upgrade(self) -> tuple[str, str] | None:
+        """``("eager", why)`` once the compile off the caller's path failed (`Runner.failed_upgrade`)."""
+        return ("eager", self.upgrade_error) if self.upgrade_error else None
+
     def compile_later(self, original: Callable[..., Any], work: Future) -> None:
         """Runs ``original`` (the module's own forward) for every call until ``work`` (the compile off the
         caller's path) is done; a compile that failed leaves it running them (`upgrade_error` says why).
