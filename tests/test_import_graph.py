@@ -151,3 +151,22 @@ def test_the_format_floor_imports_nothing_above_it(module):
     top, deferred = import_graphs()
     floor = set(FORMAT_FLOOR)
     assert top[module] | deferred[module] <= floor
+
+
+#: the torch-free part of the backends that the format floor reads (`plan.py`, `inspect` without torch)
+BACKEND_FACTS = {"xpupack.backends._facts", "xpupack.backends._megacache"}
+
+
+def test_nothing_the_backends_stand_on_imports_a_backend():
+    """No upward arrow: what a backend imports from outside ``xpupack.backends`` (the spec types in
+    `xpupack.module_spec`, padding, signatures, state, the device layer) imports no backend module, even for
+    an annotation. Regression: `padding.py` and `recorder.py` took `ModuleSpec` from `backends/base.py`."""
+    top, deferred = import_graphs(annotations=True)
+    both = {name: top[name] | deferred[name] for name in MODULES}
+    backends = {name for name in MODULES if name.startswith("xpupack.backends")}
+    below = {target for name in backends for target in both[name]} - backends
+    assert "xpupack.module_spec" in below and "xpupack.padding" in below  # else the test could not fail
+    upward = {
+        name: both[name] & (backends - BACKEND_FACTS) for name in below if both[name] & (backends - BACKEND_FACTS)
+    }
+    assert not upward, f"modules below the backends import a backend: {upward}"

@@ -140,7 +140,7 @@ def test_a_failed_cleanup_never_hides_the_error_that_stopped_tuning(monkeypatch)
     def failing_cleanup(samples):
         raise RuntimeError("the cleanup broke too")
 
-    monkeypatch.setattr(xpupack.backends.base.Samples, "drop", failing_cleanup)
+    monkeypatch.setattr(xpupack.module_spec.Samples, "drop", failing_cleanup)
     with pytest.raises(RuntimeError, match="the strategy broke"):
         xpupack.tune(make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=Broken([xpupack.EagerBackend()]))
 

@@ -221,9 +221,10 @@ def test_demo_transformer_round_trip(tmp_path):
 def test_the_check_against_the_original_module_checks_the_spec_and_skips_sizes_met_while_serving():
     """A load that compiles off the caller's path checks its runner once the compile is done, by when the
     runner may have been handed a new size (`Runner.add_signature`) that the spec does not list."""
-    from xpupack.backends.base import CallableRunner, ModuleSpec, Target, check_against_original
+    from xpupack.backends.base import CallableRunner, check_against_original
     from xpupack.backends.eager import EagerBackend
     from xpupack.errors import OutputMismatchError
+    from xpupack.module_spec import ModuleSpec, Target
     from xpupack.signature import Signature
 
     mlp = make_stack().layers[0]["mlp"]

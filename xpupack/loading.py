@@ -22,7 +22,7 @@ from torch import nn
 from . import _background, _device, _hooks, _inference, device_slots, distributed, padding
 from ._model_edit import ModelEdit, edits_model, named_tensors
 from ._weights_io import stored_tensors
-from .backends.base import Backend, ModuleSpec, Target, backend_from_json, check_against_original
+from .backends.base import Backend, backend_from_json, check_against_original
 from .candidate import Candidate
 from .digests import Digests
 from .environment import environment
@@ -39,6 +39,7 @@ from .hub import resolve_source
 from .limits import LoadLimits, early_check
 from .limits import check_package as check_limits
 from .manifest import listed_files, module_slot, open_package, reading_once
+from .module_spec import ModuleSpec, Target
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
 from .recorder import BufferWatch, observe_calls
 from .shards import read_weight_map

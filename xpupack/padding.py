@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ._compare import DEFAULT_TOLERANCES, mismatch
-from .backends.base import ModuleSpec
 from .errors import TuningError
+from .module_spec import ModuleSpec
 from .recorder import snapshot
 from .signature import BatchAxes, Signature, TensorLeaf, flatten, map_tensors, unflatten
 

@@ -14,8 +14,8 @@ from torch import nn
 
 from . import _hooks
 from ._inference import own_copy
-from .backends.base import ModuleSpec, Samples
 from .errors import SampleError, TuningError
+from .module_spec import ModuleSpec, Samples
 from .signature import Signature, Unrecordable, dtype_name, flatten, map_tensors
 from .state import state_type, unallocated
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .backends.base import ModuleSpec
 from .errors import PackageFormatError
 from .manifest import FORMAT_VERSION, read_spec
+from .module_spec import ModuleSpec
 from .padding import signature_batch
 from .signature import BatchAxes, Signature
 

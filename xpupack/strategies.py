@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from . import _timing
-from .backends.base import Backend, ComposedBackend, ModuleSpec, Runner, Target, changes_module
+from .backends.base import Backend, ComposedBackend, Runner, changes_module
 from .candidate import Candidate
 from .errors import NoCandidateError, error_line
+from .module_spec import ModuleSpec, Target
 from .recorder import snapshot
 from .signature import flatten
 

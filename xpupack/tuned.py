@@ -26,9 +26,10 @@ from ._listeners import add_fallback_listener  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from ._listeners import fallback_listeners as _fallback_listeners
 from ._model_edit import edits_model
-from .backends.base import Backend, ModuleSpec, Runner, Target
+from .backends.base import Backend, Runner
 from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
+from .module_spec import ModuleSpec, Target
 from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
 from .recorder import BufferWatch
 from .signature import BatchAxes, Signature, StateLeaf, Unrecordable, dtype_name, fit_key

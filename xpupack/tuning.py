@@ -12,11 +12,11 @@ from torch import nn
 
 from . import _device, _hooks, _inference, device_slots, distributed, padding
 from ._model_edit import edits_model
-from .backends.base import ModuleSpec, Target
 from .backends.eager import EagerBackend
 from .candidate import Candidate
 from .environment import environment, resolve_device
 from .errors import TuningError
+from .module_spec import ModuleSpec, Target
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
 from .strategies import SEARCHES, Strategy, quantized_backends, reporting, search_strategy

@@ -15,10 +15,10 @@ resolvable from a manifest with `base.register_backend`):
 ``available(device)`` / ``why_unavailable(device)``
     Whether it can run on ``device`` at all, and why not (no device graphs on a CPU).
 ``build(target, spec, device) -> Runner``
-    At tune time, with recorded samples in ``spec.samples`` (a `base.Samples`):
+    At tune time, with recorded samples in ``spec.samples`` (a `xpupack.module_spec.Samples`):
     builds what runs the module's calls (records graphs, compiles, quantizes). A
     strategy compares the runner's outputs with eager's (``compare``) before it
-    keeps it. A `base.ModuleSpec` is frozen: what its ``spec.json`` holds, built
+    keeps it. A `xpupack.module_spec.ModuleSpec` is frozen: what its ``spec.json`` holds, built
     complete before any backend sees it; a backend only reads it.
 ``save(runner, folder) -> dict``
     Writes the runner's artifacts into ``folder`` (``modules/<path>/<name>/``) and

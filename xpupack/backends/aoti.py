@@ -33,11 +33,12 @@ from torch import nn
 from .. import _device, _torch_compat
 from ..errors import error_line
 from ..manifest import artifact_file
+from ..module_spec import ModuleSpec, Target
 from ..signature import ConstantLeaf, Signature, TensorLeaf, flatten, unflatten
 from ..state import StateNotReady, state_type, tensors_replaced
 from ._facts import INDUCTOR_DEPENDS_ON
 from ._storage_watch import StorageWatch
-from .base import Backend, ModuleSpec, Runner, Target, register_backend
+from .base import Backend, Runner, register_backend
 
 log = logging.getLogger(__name__)
 

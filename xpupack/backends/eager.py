@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import Backend, CallableRunner, ModuleSpec, Runner, Target, register_backend
+from ..module_spec import ModuleSpec, Target
+from .base import Backend, CallableRunner, Runner, register_backend
 
 
 @register_backend

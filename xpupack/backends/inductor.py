@@ -47,10 +47,11 @@ from .. import _background, _device
 from .._compare import mismatch
 from ..errors import PackageFormatError, error_line
 from ..manifest import CACHE, KERNELS, artifact_file
+from ..module_spec import ModuleSpec, Target
 from ..signature import Signature, Unsynthesizable, flatten
 from ..state import scratch_copy
 from ._facts import INDUCTOR_DEPENDS_ON, INDUCTOR_MODES, settings_tag
-from .base import Backend, ComposedBackend, ModuleSpec, Runner, Target, check_against_original, register_backend
+from .base import Backend, ComposedBackend, Runner, check_against_original, register_backend
 
 log = logging.getLogger(__name__)
 

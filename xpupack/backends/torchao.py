@@ -34,8 +34,9 @@ from torch import nn
 from .._compare import mismatch
 from ..errors import BackendError, PackageFormatError, UnknownConfigError
 from ..manifest import artifact_file, check_depth
+from ..module_spec import ModuleSpec, Target
 from ..signature import dtype_name
-from .base import Backend, ModuleSpec, Runner, Target, register_backend
+from .base import Backend, Runner, register_backend
 from .torchao_configs import (
     CONFIG_CLASSES,
     NAMED_CONFIGS,
