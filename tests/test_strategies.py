@@ -50,9 +50,22 @@ def test_on_a_gpu_the_default_weighs_graph_over_inductor_against_the_plain_graph
     from xpupack.strategies import DEFAULT_STARTUP_MARGIN, default_strategy
 
     strategy = default_strategy(torch.device("cuda"))
-    assert [b.label for b in strategy.backends] == ["graph+aoti", "graph+inductor", "graph", "inductor", "eager"]
+    assert [b.label for b in strategy.backends] == ["graph+inductor", "graph", "inductor", "eager"]
     assert strategy.startup_margin == DEFAULT_STARTUP_MARGIN == 1.05
     assert "startup_margin=1.05" in repr(strategy)
+
+
+def test_aoti_refuses_a_gpu_with_the_reason():
+    """Regression: on an H100 (torch 2.11.0+cu130) AOTInductor's package loader crashed the tuning process
+    (SIGSEGV) when the GPU default tried graph+aoti first; a crash cannot be caught, so it runs on a CPU only."""
+    from xpupack.backends import _facts
+
+    backend = xpupack.AOTIBackend()
+    assert backend.available(torch.device("cpu"))
+    for device in (torch.device("cuda"), torch.device("xpu")):
+        assert not backend.available(device)
+        assert "crashed the process (SIGSEGV)" in backend.why_unavailable(device)
+    assert not _facts.AOTI.available(torch.device("cuda"))  # what plan, verify and inspect read without torch
 
 
 def test_compiled_code_no_faster_than_a_lighter_candidate_gives_way_to_it():

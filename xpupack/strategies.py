@@ -801,11 +801,11 @@ def _no_candidate(target: Target, report: list[Candidate]) -> NoCandidateError:
 
 
 def default_backends(device: torch.device | None = None) -> list[Backend]:
-    """The default candidates: on a GPU the module compiled ahead of time (AOTInductor) recorded as a
-    device graph first (what ``torch.compile(mode="reduce-overhead")`` does, shipped, and live when a load
-    returns), then the same over Inductor's just-in-time compile (for a module `torch.export` cannot
-    take), the plain device graph, Inductor and eager; elsewhere graph, Inductor, eager (no device
-    graphs on CPU).
+    """The default candidates: on a GPU the module compiled by Inductor recorded as a device graph first
+    (what ``torch.compile(mode="reduce-overhead")`` does, shipped; its compile runs at load from the
+    carried caches), then the plain device graph, Inductor and eager; elsewhere graph, Inductor, eager (no
+    device graphs on CPU). AOTInductor, live when a load returns without a compile, is left out on a GPU:
+    torch's loader crashed the process there (`xpupack.AOTIBackend`); on a CPU it is opt-in.
 
     Args:
         device: the device tuned on; None gives the list for a CPU.
@@ -813,14 +813,13 @@ def default_backends(device: torch.device | None = None) -> list[Backend]:
     Returns:
         New backend objects, in the order they are tried.
     """
-    from .backends.aoti import AOTIBackend
     from .backends.eager import EagerBackend
     from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
 
     backends: list[Backend] = [GraphBackend(), InductorBackend(), EagerBackend()]
     if device is not None and device.type in ("cuda", "xpu"):
-        backends[:0] = [GraphBackend(base=AOTIBackend()), GraphBackend(base=InductorBackend())]
+        backends.insert(0, GraphBackend(base=InductorBackend()))
     return backends
 
 
@@ -842,8 +841,7 @@ def default_strategy(device: torch.device | None = None) -> Strategy:
 
     Examples:
         >>> default_strategy(torch.device("cuda")).backends
-        [GraphBackend(base={'name': 'aoti', 'options': {}}), GraphBackend(base={'name': 'inductor', 'options': {}}),
-         GraphBackend(), InductorBackend(), EagerBackend()]
+        [GraphBackend(base={'name': 'inductor', 'options': {}}), GraphBackend(), InductorBackend(), EagerBackend()]
     """
     return FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)
 

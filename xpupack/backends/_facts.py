@@ -120,6 +120,8 @@ class BackendFacts(Composition):
         return self.runs_on is None or device.type in self.runs_on
 
     def _own_why_unavailable(self, device: Any) -> str:
+        if self.name == "aoti":
+            return AOTI_NOT_ON_GPUS
         return no_graphs_on(device) if self.name == "graph" else super()._own_why_unavailable(device)
 
 
@@ -131,8 +133,17 @@ def no_graphs_on(device: Any) -> str:
 EAGER = BackendFacts("eager")
 
 
+#: why the AOTInductor backend runs on a CPU only: a crash in torch's loader cannot be caught, and would take
+#: the user's process down at tune or load time
+AOTI_NOT_ON_GPUS = (
+    "aoti runs on a CPU only: AOTInductor's package loader crashed the process (SIGSEGV) on CUDA with torch "
+    "2.11.0+cu130 on an H100, even for a 2-layer MLP through torch's own aoti_load_package (docs/cold-start.md)"
+)
+
 #: the AOTInductor backend's facts (it takes no options)
-AOTI = BackendFacts("aoti", own_depends_on=INDUCTOR_DEPENDS_ON, own_compiled_artifacts=True, pads_calls=True)
+AOTI = BackendFacts(
+    "aoti", own_depends_on=INDUCTOR_DEPENDS_ON, own_compiled_artifacts=True, pads_calls=True, runs_on=("cpu",)
+)
 
 
 def settings_tag(options: dict) -> str:

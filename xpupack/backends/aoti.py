@@ -36,6 +36,7 @@ from ..manifest import artifact_file
 from ..module_spec import ModuleSpec, Target
 from ..signature import ConstantLeaf, Signature, TensorLeaf, flatten, unflatten
 from ..state import StateNotReady, state_type, tensors_replaced
+from . import _facts
 from ._facts import INDUCTOR_DEPENDS_ON
 from ._storage_watch import StorageWatch
 from .base import Backend, Runner, register_backend
@@ -303,6 +304,28 @@ class AOTIBackend(Backend):
     pads_calls = True
     #: the SQNR floor the Inductor backend applies to low-precision outputs (same kernels, same rounding)
     LOW_PRECISION_SQNR_DB = 25.0
+
+    def available(self, device: torch.device) -> bool:
+        """On a CPU only (`_facts.AOTI_NOT_ON_GPUS`: torch's loader crashed the process on CUDA).
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            Whether ``device`` is a CPU.
+        """
+        return _facts.AOTI.available(device)
+
+    def why_unavailable(self, device: torch.device) -> str:
+        """See `available`.
+
+        Args:
+            device: the device tuned or loaded on.
+
+        Returns:
+            One sentence.
+        """
+        return _facts.AOTI.why_unavailable(device)
 
     def compare(self, actual: Any, expected: Any) -> str | None:
         """Elementwise, with the Inductor backend's SQNR floor for bfloat16/float16 outputs."""

@@ -231,7 +231,7 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
     help="Candidate backends in order of preference, comma-separated; NAME:ARG passes one "
     "argument (torchao:int8-weight-only), graph+NAME / inductor+NAME record or compile "
     "that backend's module (graph+inductor, graph+torchao:int8-weight-only). "
-    "Default: graph+aoti,graph+inductor,graph,inductor,eager on a GPU; graph,inductor,eager elsewhere.",
+    "Default: graph+inductor,graph,inductor,eager on a GPU; graph,inductor,eager elsewhere.",
 )
 @click.option(
     "--strategy",
