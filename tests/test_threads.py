@@ -141,3 +141,45 @@ def test_two_threads_loading_into_one_model_leave_it_running_the_load_that_came_
     assert [entry["calls"] for entry in xpupack.stats(model).values()] == [1, 1]
     xpupack.deactivate(model)
     assert not any("forward" in model.get_submodule(path).__dict__ for path in session.modules)
+
+
+def test_a_graph_load_and_its_calls_never_wait_for_another_models_compile(emulated_graphs, tmp_path):
+    """Regression (reliability round 4, item 4): a graph package's load waited for the device lock that another
+    model's compile on the background worker held (46.5 s instead of 0.02 s on the H200), and so would its calls.
+    Now the load records nothing while the lock is taken elsewhere: calls run unrecorded meanwhile, and the
+    first call after the compile records and replays."""
+    from xpupack import _background
+
+    model, reference = _tuned()
+    root = xpupack.save(model, tmp_path / "pkg")
+    compiling, done = threading.Event(), threading.Event()
+
+    def another_models_compile():  # holds the device lock as the worker does while it compiles
+        with _background.device_work:
+            compiling.set()
+            done.wait(60)
+
+    tuning_captures = emulated_graphs.captures
+    holder = threading.Thread(target=another_models_compile)
+    holder.start()
+    compiling.wait(10)
+    loaded, outputs, x = [], [], torch.randn(2, 8)
+
+    def load_and_call():
+        loaded.append(xpupack.load(make_stack(), root))
+        with torch.no_grad():
+            outputs.append(loaded[0](x))
+
+    try:
+        _run(load_and_call)  # fails if the load or the call waits for the compile (30 s, then the assertion)
+        captures_meanwhile = emulated_graphs.captures - tuning_captures
+    finally:
+        done.set()
+        holder.join(30)
+    with torch.no_grad():
+        outputs.append(loaded[0](x))  # the compile is done: recorded and replayed
+        expected = reference(x)
+    assert captures_meanwhile == 0 and emulated_graphs.captures > tuning_captures and emulated_graphs.replays >= 1
+    assert all(torch.allclose(output, expected, atol=1e-6) for output in outputs)
+    stats = xpupack.stats(loaded[0])["layers.0.mlp"]
+    assert stats["fallbacks"] == 0 and stats["recordings"] == 2, stats

@@ -165,6 +165,9 @@ class _Capture:
 #: state addresses remembered as run once (the next call there is recorded)
 _WARM_RUNS_KEPT = 64
 
+#: `GraphRunner._recording_now`: another thread's compile holds the device, the call runs unrecorded
+_NOT_NOW = object()
+
 
 class GraphRunner(Runner):
     """Replays one device-graph recording per signature; what `GraphBackend` builds and restores.
@@ -253,6 +256,8 @@ class GraphRunner(Runner):
         #: calls served by the original module's recordings while the base runner was being restored
         self.compiling = 0
         self.upgrade_error: str | None = None
+        #: the load found the device taken by another thread's compile: the first free call records
+        self._recording_left_to_first_call = False
         #: that restore, kept back until the first recording with state (`start_upgrade_after_recording`)
         self._held: _background.Held | None = None
         #: time.monotonic() of the latest call while an upgrade is pending: the held restore waits for a pause
@@ -439,13 +444,26 @@ class GraphRunner(Runner):
         self._watch = None
 
     def _rerecord(self) -> None:
-        """The module's storage moved (or was released): record again from the signatures. Under the lock."""
-        log.info(
-            "%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
-            self.target.path or "<model>",
-        )
-        self.rerecordings += 1
+        """The module's storage moved (or was released), or the load left its recordings to the first call
+        (`record_at_first_call`): record again from the signatures. Under the lock."""
+        if self._recording_left_to_first_call:
+            self._recording_left_to_first_call = False
+            log.info("%s: recording now (the load left it to the first call)", self.target.path or "<model>")
+        else:
+            log.info(
+                "%s: recording again (parameters or buffers changed storage, or the module was deactivated)",
+                self.target.path or "<model>",
+            )
+            self.rerecordings += 1
         self._record_again()
+
+    def record_at_first_call(self) -> None:
+        """A load's recordings, left to the first call: another thread's compile holds the device
+        (`xpupack._background.device_work`) and a load never waits for another model's work. Until a call
+        finds the device free, calls run what the recordings would replay, unrecorded."""
+        self._recording_left_to_first_call = True
+        self.supported.update(self.signatures)
+        self._watch = None
 
     def _record_again(self) -> None:
         """Drops every recording and records every signature without state again (with `_function`'s
@@ -611,16 +629,25 @@ class GraphRunner(Runner):
             if self._original is not None:  # an upgrade pending: the held restore waits for the caller's pause
                 self._last_call = time.monotonic()
                 self._take_upgrade(index, args, kwargs)
-            recording = self._recording_now(index)
+            recording = self._recording_now(index, wait=False)
+            if recording is _NOT_NOW:
+                return self._run_unrecorded(index, args, kwargs, leaves)
             if recording is None:
                 return self._run_with_state(index, args, kwargs, leaves)
             return self._replay(recording, leaves)
 
-    def _recording_now(self, index: int) -> _Capture | None:
-        """The recording of signature ``index``, made again first if the module's storage moved; None for a
-        signature with state (`_run_with_state` finds its recording). Called under the lock."""
+    def _recording_now(self, index: int, *, wait: bool = True) -> Any:
+        """The recording of signature ``index``, made again first if the module's storage moved (or the load
+        left it to the first call); None for a signature with state (`_run_with_state` finds its recording).
+        Without ``wait``, `_NOT_NOW` while another thread's compile holds the device: the call runs
+        unrecorded and a later one records. Called under the lock."""
         if self._watch is None or self._watch.changed():
-            self._rerecord()
+            if not _background.device_work.acquire(blocking=wait):
+                return _NOT_NOW
+            try:
+                self._rerecord()
+            finally:
+                _background.device_work.release()
         if self.signatures[index].state_slots:
             return None
         recording = self.recordings.get(index)
@@ -1107,8 +1134,14 @@ class GraphBackend(ComposedBackend):
     ) -> GraphRunner:
         runner = self._runner(target, spec, device, base_runner)
         try:
-            with _device.on_device(device):
-                runner.record_all(strict=False)
+            if not _background.device_work.acquire(blocking=False):
+                runner.record_at_first_call()  # another model's compile holds the device: never wait for it
+                return runner
+            try:
+                with _device.on_device(device):
+                    runner.record_all(strict=False)
+            finally:
+                _background.device_work.release()
             if not runner.supported:
                 raise RuntimeError(
                     "no signature could be recorded: "
