@@ -35,7 +35,7 @@ from ..errors import error_line
 from ..manifest import artifact_file
 from ..signature import ConstantLeaf, Signature, TensorLeaf, flatten, unflatten
 from ..state import StateNotReady, state_type, tensors_replaced
-from ._facts import INDUCTOR_DEPENDS_ON
+from ._facts import AOTI_DEPENDS_ON
 from ._storage_watch import StorageWatch
 from .base import Backend, ModuleSpec, Runner, Target, register_backend
 
@@ -296,7 +296,7 @@ class AOTIBackend(Backend):
     """
 
     name = "aoti"
-    depends_on = INDUCTOR_DEPENDS_ON
+    depends_on = AOTI_DEPENDS_ON
     compiled_artifacts = True
     compiles_at_load = False
     pads_calls = True
