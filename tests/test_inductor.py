@@ -71,6 +71,56 @@ def test_fresh_process_loads_from_the_carried_artifacts(inductor_package, run_py
     _assert_loaded_from_the_package(_load_in_fresh_process(inductor_package[1], run_python, tmp_path / "fresh-cache"))
 
 
+LOAD_WITH_THREADS = """
+import json, torch
+{set_threads}
+import xpupack
+from torch._dynamo.utils import counters
+from support.models import make_stack
+from xpupack.report import verify_package
+
+verified = verify_package({root!r})["compatibility"]
+model = xpupack.load(make_stack(seed=4), {root!r})
+with torch.no_grad():
+    model(torch.randn(4, 8))
+print(json.dumps({{"threads": torch.get_num_threads(), "verified": verified, **counters["inductor"]}}))
+"""
+
+
+@pytest.mark.parametrize("how", ["same", "torch.set_num_threads", "OMP_NUM_THREADS"])
+def test_a_fresh_process_hits_the_carried_graphs_only_at_the_thread_count_verify_names(
+    inductor_package, run_python, tmp_path, how
+):
+    """Regression: Inductor keys its CPU kernels on the thread count, so a process with another one missed every
+    carried graph and compiled at load, while `verify` said "compatible". Now what verify says (in the loading
+    process) matches what happens: the build's count hits every graph, another count compiles and says so."""
+    built = torch.get_num_threads()  # the session's package is built in this process
+    other = 1 if built > 1 else 2
+    if how == "OMP_NUM_THREADS" and other > built:
+        pytest.skip("OMP_NUM_THREADS beyond the cores is capped by MKL: one thread is the only count below")
+    set_threads = f"torch.set_num_threads({built if how == 'same' else other})" if how != "OMP_NUM_THREADS" else ""
+    result = run_python(
+        LOAD_WITH_THREADS.format(root=str(inductor_package[1]), set_threads=set_threads),
+        env={
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty"),
+            **({"OMP_NUM_THREADS": str(other)} if how == "OMP_NUM_THREADS" else {}),
+        },
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    statuses = {entry["status"] for entry in report["verified"].values()}
+    if how == "same":
+        assert report["threads"] == built and statuses == {"compatible"}, report
+        assert report.get("fxgraph_cache_miss", 0) == 0 and report.get("fxgraph_cache_hit", 0) >= 1, report
+        return
+    assert report["threads"] == other, report
+    assert report.get("fxgraph_cache_miss", 0) >= 1, report  # what verify must not call compatible
+    assert all(not entry["compatible"] for entry in report["verified"].values()), report
+    assert all(
+        status.startswith(f"built for {built} CPU threads, this process has {other}: inductor compiles at load")
+        for status in statuses
+    ), report
+
+
 def _carried_files(root) -> dict[str, bytes]:
     return {
         path.relative_to(root).as_posix(): path.read_bytes()

@@ -191,6 +191,29 @@ def test_cpu_capability_without_torch_follows_aten_cpu_capability(run_python, se
     )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "setting",
+    [{}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "512"}, {"OMP_NUM_THREADS": "x"}, {"MKL_NUM_THREADS": "1"}],
+    ids=["default", "omp-1", "omp-beyond-the-cores", "omp-bogus", "mkl-1"],
+)
+def test_cpu_threads_without_torch_are_torchs(run_python, setting):
+    """Inductor keys its CPU kernels on ``torch.get_num_threads()``; `verify` reads it without torch where that is
+    sure (a Linux default, ``OMP_NUM_THREADS`` up to the cores), and leaves the rest to torch."""
+    run_python(
+        """
+        import os, sys
+        from xpupack.environment import _cpu_threads_without_torch
+        mine = _cpu_threads_without_torch()
+        settings = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        assert mine is not None or sys.platform != "linux" or any(os.environ.get(name) for name in settings)
+        import torch
+        assert mine in (None, torch.get_num_threads()), (mine, torch.get_num_threads())
+    """,
+        env=setting,
+    )
+
+
 def test_device_here_is_this_cpu_without_torch(run_python):
     run_python(f"""
         import sys

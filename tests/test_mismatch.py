@@ -9,6 +9,7 @@ real backend (tests/test_inductor.py has the compiling ones).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -208,6 +209,78 @@ def test_the_environment_records_the_cpu_instruction_set():
     assert HERE["architecture"] == torch.backends.cpu.get_cpu_capability()
     assert "architecture" in xpupack.InductorBackend().depends_on
     assert ArtifactBackend.depends_on == tuple(KEYS)
+
+
+def test_the_environment_records_the_cpu_thread_count():
+    """Inductor generates its C++ kernels for ``torch.get_num_threads()`` threads and keys its FX graph cache on it."""
+    assert HERE["cpu_threads"] == torch.get_num_threads()
+    assert "cpu_threads" in xpupack.InductorBackend().depends_on
+    assert "cpu_threads" not in xpupack.AOTIBackend().depends_on  # its libraries are mapped in as built
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert environment(torch.device("cpu"))["cpu_threads"] == threads + 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def built_for_other_threads(inductor_package, tmp_path):
+    """A copy of the Inductor package, as if built with one CPU thread more than this process has."""
+    return built_elsewhere(copy_package(inductor_package[1], tmp_path / "pkg"), cpu_threads=HERE["cpu_threads"] + 1)
+
+
+def test_inductor_verify_inspect_and_load_say_that_another_thread_count_compiles_at_load(
+    inductor_package, tmp_path, caplog
+):
+    """Regression: a package built with 2 threads and loaded with 1 missed every carried graph and compiled at
+    load, while `verify` said "compatible" and `inspect` "Inductor compiles from the carried caches"."""
+    root = built_for_other_threads(inductor_package, tmp_path)
+    built, here = HERE["cpu_threads"] + 1, HERE["cpu_threads"]
+    fix = f"torch.set_num_threads({built}) before xpupack.load, or OMP_NUM_THREADS={built}"
+    said = f"built for {built} CPU threads, this process has {here}: inductor compiles at load"
+    result = CliRunner().invoke(main, ["verify", str(root), "--json"])
+    assert result.exit_code == 2, result.output
+    statuses = {entry["status"] for entry in json.loads(result.output)["compatibility"].values()}
+    assert statuses == {f"{said} (the carried kernels do not apply) — {fix}"}
+    inspected = json.loads(CliRunner().invoke(main, ["inspect", str(root), "--json"]).output)
+    assert {module["on_load"] for module in inspected["modules"]} == statuses
+    shown = CliRunner().invoke(main, ["inspect", str(root)]).output
+    assert "Inductor compiles without the carried kernels" in shown and "from the carried caches" not in shown
+
+    with caplog.at_level("WARNING", logger="xpupack"):
+        model = xpupack.load(make_stack(), root)
+    warned = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert any(f"built for {built} CPU threads, this process has {here}" in m and fix in m for m in warned), warned
+    assert {s["backend"] for s in xpupack.stats(model).values()} == {"inductor"}
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), make_stack()(x))
+    with pytest.raises(IncompatiblePackageError, match=f"built for {built} CPU threads.*{re.escape(fix)}"):
+        xpupack.load(make_stack(), root, on_mismatch="error")
+
+
+def test_a_package_that_records_no_thread_count_says_it_is_unknown_and_loads(inductor_package, tmp_path):
+    """An older xpupack wrote no ``cpu_threads``: not a difference (it loads, verify passes), but said."""
+    root = copy_package(inductor_package[1], tmp_path / "pkg")
+    rewrite_manifest(root, lambda manifest: manifest["environment"].pop("cpu_threads", None))
+    result = CliRunner().invoke(main, ["verify", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    for entry in json.loads(result.output)["compatibility"].values():
+        assert entry["compatible"] and entry["status"].startswith(
+            "compatible; built for an unknown number of CPU threads"
+        ), entry
+    model = xpupack.load(make_stack(), root, on_mismatch="error")
+    assert all(s["backend"] == "inductor" and s["fallbacks"] == 0 for s in xpupack.stats(model).values())
+
+
+def test_a_gpu_package_is_not_told_about_cpu_threads():
+    """Only CPU kernels depend on the thread count: a GPU's environment records none, and nothing is said of it."""
+    from xpupack.plan import Context, choose
+
+    gpu = {**HERE, "device_type": "cuda", "device_name": "NVIDIA H100", "architecture": "sm_90"}
+    gpu.pop("cpu_threads")
+    choice = choose("m", xpupack.InductorBackend(), Context(torch.device("cpu"), gpu, gpu, trusted=True))
+    assert choice.status == "compatible" and choice.use_artifacts
 
 
 @pytest.fixture

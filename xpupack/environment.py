@@ -4,7 +4,9 @@ Importing this module imports no torch, and neither does describing a CPU
 machine (`device_here`, `environment` of a CPU device): `xpupack inspect` and
 `xpupack verify` use them to tell whether a package runs here without paying
 for ``import torch``. Where torch is imported already, or a fact can only come
-from it (a GPU's name, whether a GPU is there at all), torch answers.
+from it (a GPU's name, whether a GPU is there at all, the CPU thread count
+under ``MKL_NUM_THREADS`` or an ``OMP_NUM_THREADS`` beyond the cores), torch
+answers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from .errors import DeviceUnavailableError, first_line
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["__version__", "environment", "differences", "devices_here", "resolve_device", "device_here", "CPU"]
+__all__ = [
+    "__version__",
+    "environment",
+    "differences",
+    "unknown",
+    "devices_here",
+    "resolve_device",
+    "device_here",
+    "CPU",
+]
 
 
 def _version(distribution: str) -> str | None:
@@ -127,12 +138,54 @@ def _cpu_capability_without_torch() -> str | None:
     return "DEFAULT"
 
 
+def _cpu_threads() -> int:
+    """The intra-op thread count of this process (``torch.get_num_threads()``): Inductor generates its CPU
+    kernels for it and keys its FX graph cache on it (``cpp_runtime_thread_count`` in ``codecache.py``)."""
+    if not _torch_loaded():
+        known = _cpu_threads_without_torch()
+        if known is not None:
+            return known
+    import torch
+
+    return torch.get_num_threads()
+
+
+#: settings besides ``OMP_NUM_THREADS`` that change PyTorch's thread count (through MKL or OpenMP)
+_OTHER_THREAD_SETTINGS = ("MKL_NUM_THREADS", "MKL_DOMAIN_NUM_THREADS", "OMP_THREAD_LIMIT")
+
+
+def _cpu_threads_without_torch() -> int | None:
+    """The thread count a process starting here gets, where that is clear without torch (on Linux,
+    reading sysfs): one thread per physical core, or ``OMP_NUM_THREADS`` where it is a number no larger.
+    None otherwise (torch answers then): PyTorch's x86-64 builds take the count from MKL
+    (``mkl_get_max_threads``, ATen/ParallelOpenMP.cpp), which has rules of its own for
+    ``MKL_NUM_THREADS``, for values it cannot parse and for more threads than cores (it caps them
+    unless ``MKL_DYNAMIC=false``), and other builds from ATen (``intraop_default_num_threads``), which
+    does not cap them."""
+    if sys.platform != "linux" or any(os.environ.get(name) for name in _OTHER_THREAD_SETTINGS):
+        return None
+    try:
+        siblings = [
+            path.read_text(encoding="utf-8").strip()
+            for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology/thread_siblings_list")
+        ]
+    except OSError:
+        return None
+    cores = len(set(siblings))  # the hardware threads of one core list the same siblings
+    if not cores:
+        return None
+    requested = os.environ.get("OMP_NUM_THREADS")
+    if requested is None:
+        return cores  # MKL's count and cpuinfo's (TaskThreadPoolBase::defaultNumThreads): the physical cores
+    return int(requested) if requested.isdigit() and 0 < int(requested) <= cores else None
+
+
 def environment(device: torch.device | CPU) -> dict:
     """What a compiled artifact may depend on: library versions and the device.
 
     A CPU's facts are read without importing torch (where it is not imported yet).
     """
-    env = {
+    env: dict[str, Any] = {
         "xpupack": __version__,
         "python": platform.python_version(),
         "torch": _torch_version(),
@@ -145,6 +198,8 @@ def environment(device: torch.device | CPU) -> dict:
         # compiled CPU kernels use the vector instructions of the machine that built them (AVX-512
         # code dies of SIGILL on an AVX2 machine); the device name (e.g. x86_64) does not say which
         env["architecture"] = _cpu_capability()
+        # Inductor's C++ kernels are generated for this many threads, and its caches are keyed on it
+        env["cpu_threads"] = _cpu_threads()
         return env
     import torch
 
@@ -164,9 +219,24 @@ def environment(device: torch.device | CPU) -> dict:
     return env
 
 
+#: facts an older xpupack did not record: a package without one was built for a value nobody knows
+RECORDED_LATER = ("cpu_threads",)
+
+
 def differences(built: dict, here: dict, keys: tuple[str, ...]) -> dict[str, tuple]:
-    """``{key: (built, here)}`` for each of ``keys`` whose value differs."""
-    return {key: (built.get(key), here.get(key)) for key in keys if built.get(key) != here.get(key)}
+    """``{key: (built, here)}`` for each of ``keys`` whose value differs (not one the package does not
+    know, `unknown`)."""
+    return {
+        key: (built.get(key), here.get(key))
+        for key in keys
+        if built.get(key) != here.get(key) and key not in unknown(built, here, keys)
+    }
+
+
+def unknown(built: dict, here: dict, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``keys`` that this machine has and that a package written before they were recorded
+    (`RECORDED_LATER`) lacks."""
+    return tuple(key for key in keys if key in RECORDED_LATER and key not in built and here.get(key) is not None)
 
 
 def devices_here() -> list[str]:

@@ -471,7 +471,8 @@ def _module_load(
         backend = backend_from_json(name, options)
     choice = choose(entry["path"], backend, context, owned=tuple(entry.get("owned_tensors", ())), steps=steps)
     if choice.note:
-        log.warning("%s: %s", choice.path or "<model>", choice.note)
+        level = logging.WARNING if not choice.compatible else logging.INFO  # a caveat: it runs as built
+        log.log(level, "%s: %s", choice.path or "<model>", choice.note)
     return _ModuleLoad(
         model.get_submodule(entry["path"]),
         spec,

@@ -9,7 +9,11 @@ One decision, made here, that `load` acts on and `verify` and `inspect` report:
 2. If the build environment differs in something the chosen backend depends
    on, ``on_mismatch`` decides: ``"rebuild"`` it here without its artifacts
    (a backend whose artifacts are the only form of what runs, ``rebuildable``
-   False, uses them as stored), ``"fallback"`` to the next of the chain, ``"error"``.
+   False, uses them as stored; where only the CPU thread count differs, which
+   Inductor keys its own caches on, they are installed and it compiles what
+   they miss), ``"fallback"`` to the next of the chain, ``"error"``. A fact the
+   package does not record (an older xpupack's) is unknown, not a difference:
+   the status says so and the module still counts as running as built.
 3. Whatever runs uses compiled artifacts (pickles, native code) only from a
    trusted source. This applies on every path above, and again when a restore
    fails and the module falls back (`Choice.after_failure`).
@@ -21,8 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .backends._facts import EAGER, BackendFacts
-from .environment import differences
+from .backends._facts import EAGER, RECOMPILED_ON, BackendFacts
+from .environment import differences, unknown
 from .errors import IncompatiblePackageError
 
 if TYPE_CHECKING:  # this module imports no torch: `xpupack inspect` and `verify` decide with `BackendFacts`
@@ -54,6 +58,8 @@ class _Step:
 
     note: str
     status: str
+    #: False for a caveat about a module that still runs as built (a build fact the package lacks)
+    degrades: bool = True
 
 
 @dataclass(frozen=True)
@@ -73,13 +79,19 @@ class Choice:
 
     @property
     def note(self) -> str:
-        """Why the module does not run as built (empty when it does), for `load`'s log and report."""
+        """Why the module does not run as built (empty when it does, but for caveats), for `load`'s log and report."""
         return "; ".join(step.note for step in self.steps)
 
     @property
+    def compatible(self) -> bool:
+        """Whether the module runs as built (caveats aside)."""
+        return not any(step.degrades for step in self.steps)
+
+    @property
     def status(self) -> str:
-        """``"compatible"``, or what happens instead, for `verify`."""
-        return "; ".join(step.status for step in self.steps) or "compatible"
+        """``"compatible"``, or what happens instead, for `verify`; caveats follow either."""
+        degrading = [step.status for step in self.steps if step.degrades]
+        return "; ".join((degrading or ["compatible"]) + [step.status for step in self.steps if not step.degrades])
 
     def locate(self, config: dict, folder: Path) -> tuple[dict, Path]:
         """The chosen backend's config and folder, given the package's backend's."""
@@ -165,7 +177,7 @@ def _fit(path: str, backend: Backend, depth: int, context: Context) -> _Fit:
     changed = differences(context.built, context.here, candidate.depends_on)
     available = candidate.available(context.device)
     if available and not changed:
-        fit = _Fit(runs=True, use_artifacts=True)
+        fit = _Fit(runs=True, use_artifacts=True, steps=_unknown_steps(candidate, context))
     else:
         fit = _on_mismatch(path, backend, depth, context, changed, available)
     if fit.runs and fit.use_artifacts and candidate.compiled_artifacts and not context.trusted:
@@ -183,24 +195,31 @@ def _on_mismatch(path: str, backend: Backend, depth: int, context: Context, chan
     ``available`` here or its build environment differs (``changed``): an error, the next of the chain,
     or this one rebuilt here (its artifacts used as stored where nothing can rebuild them)."""
     candidate = _chain(backend)[depth]
-    what = (
-        ", ".join(f"{k}: built {a}, here {b}" for k, (a, b) in changed.items())
-        if available
-        else candidate.why_unavailable(context.device)
-    )
+    what = _changes(changed, ": ") if available else candidate.why_unavailable(context.device)
+    fix = _threads_fix(changed) if available else ""
     if context.on_mismatch == "error":
         raise IncompatiblePackageError(
-            f"{path or '<model>'}: the {candidate.name} artifacts cannot run here ({what}); load with "
-            "on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
+            f"{path or '<model>'}: the {candidate.name} artifacts cannot run here ({what}); {fix and fix + '; or '}"
+            "load with on_mismatch='rebuild' or 'fallback', or rebuild the package on this machine",
             differences=changed,
         )
-    changes = ", ".join(f"{k} built {a}, here {b}" for k, (a, b) in changed.items())
+    changes = _changes(changed, " ")
+    fix = fix and f" — {fix}"
     if not available or context.on_mismatch == "fallback":
         step = _Step(
-            f"{candidate.name} -> {_next_name(backend, depth)} ({what})",
-            f"{what if not available else changes}: runs {_next_label(backend, depth)}",
+            f"{candidate.name} -> {_next_name(backend, depth)} ({what}){fix}",
+            f"{what if not available else changes}: runs {_next_label(backend, depth)}{fix}",
         )
         return _Fit(runs=False, use_artifacts=False, steps=(step,))
+    if changed.keys() <= set(RECOMPILED_ON):
+        # Inductor's own cache keys hold these: what the package carries for them misses by itself, and
+        # the rest (the vector-ISA probes) spares the compile its start (the tiny decoder on a 2-core CPU:
+        # 7-10 s to first output, against 21 s with nothing installed)
+        step = _Step(
+            f"{candidate.name} compiles at load: {changes}, so the carried kernels do not apply{fix}",
+            f"{changes}: {candidate.name} compiles at load (the carried kernels do not apply){fix}",
+        )
+        return _Fit(runs=True, use_artifacts=True, steps=(step,))
     if candidate.rebuildable:
         step = _Step(f"{candidate.name} rebuilt here ({what})", "rebuilt on load: " + changes)
         return _Fit(runs=True, use_artifacts=False, steps=(step,))
@@ -210,6 +229,37 @@ def _on_mismatch(path: str, backend: Backend, depth: int, context: Context, chan
         f"{changes}: stored {candidate.name} artifacts used as they are",
     )
     return _Fit(runs=True, use_artifacts=True, steps=(step,))
+
+
+def _changes(changed: dict, separator: str) -> str:
+    """``torch: built 2.11, here 2.13`` (``separator`` ": ") or ``torch built 2.11, here 2.13`` (" "), one
+    per key; the CPU thread count in words: ``built for 2 CPU threads, this process has 1``."""
+    return ", ".join(
+        f"built for {a} CPU threads, this process has {b}"
+        if key == "cpu_threads"
+        else f"{key}{separator}built {a}, here {b}"
+        for key, (a, b) in changed.items()
+    )
+
+
+def _threads_fix(changed: dict) -> str:
+    """How to give this process the thread count the package was built for, where that differs ("" elsewhere)."""
+    if "cpu_threads" not in changed:
+        return ""
+    built = changed["cpu_threads"][0]
+    return f"torch.set_num_threads({built}) before xpupack.load, or OMP_NUM_THREADS={built}"
+
+
+def _unknown_steps(candidate: Backend, context: Context) -> tuple[_Step, ...]:
+    """A caveat where ``candidate`` depends on the CPU thread count and the package, an older xpupack's,
+    does not record it (`environment.unknown`)."""
+    if "cpu_threads" not in unknown(context.built, context.here, candidate.depends_on):
+        return ()
+    what = (
+        "built for an unknown number of CPU threads (an older xpupack did not record it), this process has "
+        f"{context.here['cpu_threads']}: unless the build had as many, {candidate.name} compiles at load"
+    )
+    return (_Step(what, what, degrades=False),)
 
 
 def _held_only_by(

@@ -83,7 +83,8 @@ def compiled_backends(manifest: dict) -> dict[str, str]:
 
 def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "rebuild") -> dict[str, dict]:
     """What `xpupack.load` with ``on_mismatch`` runs for each module on ``device`` here:
-    ``{path: {"runs": backend label, "use_artifacts": bool, "status": str}}`` (`xpupack.plan`).
+    ``{path: {"runs": backend label, "use_artifacts": bool, "compiled": bool, "status": str, "compatible": bool}}``
+    (`xpupack.plan`; ``compatible``: it runs as built, whatever caveats ``status`` adds).
 
     A module whose backend this xpupack does not know, or that cannot load here, gets only a status.
     """
@@ -109,6 +110,7 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
                 "use_artifacts": False,
                 "compiled": False,
                 "status": f"cannot load here: {exc}",
+                "compatible": False,
             }
             continue
         plans[entry["path"]] = {
@@ -116,6 +118,7 @@ def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "
             "use_artifacts": choice.use_artifacts,
             "compiled": choice.backend.compiled_artifacts,
             "status": choice.status,
+            "compatible": choice.compatible,
         }
     return plans
 
@@ -263,6 +266,7 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
                 "runs_here": here[entry["path"]]["runs"],
                 "artifacts_here": here[entry["path"]]["use_artifacts"],
                 "compiled_here": here[entry["path"]]["compiled"],
+                "compatible_here": here[entry["path"]]["compatible"],
                 "on_load": here[entry["path"]]["status"],
             }
         )
@@ -354,7 +358,7 @@ def _verify(source: Source, here_device: Any, on_mismatch: str, limits: LoadLimi
         result["compatibility"][path] = {
             "backend": entry["backend"]["name"],
             "status": status,
-            "compatible": status == "compatible",
+            "compatible": plans[entry["path"]]["compatible"],
             **({"settings": settings} if settings else {}),
         }
     return result

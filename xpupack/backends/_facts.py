@@ -18,8 +18,15 @@ from typing import Any, ClassVar
 
 # The backends' defaults that a package's options are read against, here so that the backends and the
 # torch-free answers below read the same values.
-#: environment keys the Inductor backend's own artifacts depend on (`InductorBackend.depends_on`)
-INDUCTOR_DEPENDS_ON = ("torch", "triton", "python", "device_type", "device_name", "architecture")
+#: environment keys AOTInductor's libraries depend on (`AOTIBackend.depends_on`): they are loaded as built,
+#: and run their parallel loops with the thread count they were compiled for, whatever this process has
+AOTI_DEPENDS_ON = ("torch", "triton", "python", "device_type", "device_name", "architecture")
+#: environment keys the Inductor backend's own artifacts depend on (`InductorBackend.depends_on`): also the
+#: CPU thread count, which its C++ kernels are generated for and its FX graph cache keys them on
+INDUCTOR_DEPENDS_ON = (*AOTI_DEPENDS_ON, "cpu_threads")
+#: environment keys a compiler keys its own caches on (Inductor's FX graph cache: the CPU thread count): where only
+#: they differ, a load installs the carried caches all the same, and the compiler compiles what misses them
+RECOMPILED_ON = ("cpu_threads",)
 #: the modes `InductorBackend` takes besides None (written as no "mode" at all); any other would record CUDA graphs
 INDUCTOR_MODES = ("default", "max-autotune-no-cudagraphs")
 #: recordings per module that `GraphBackend` keeps unless given ``max_recordings`` (not written to a package)
@@ -142,7 +149,7 @@ AOTI_NOT_ON_GPUS = (
 
 #: the AOTInductor backend's facts (it takes no options)
 AOTI = BackendFacts(
-    "aoti", own_depends_on=INDUCTOR_DEPENDS_ON, own_compiled_artifacts=True, pads_calls=True, runs_on=("cpu",)
+    "aoti", own_depends_on=AOTI_DEPENDS_ON, own_compiled_artifacts=True, pads_calls=True, runs_on=("cpu",)
 )
 
 

@@ -37,7 +37,7 @@ from ..module_spec import ModuleSpec, Target
 from ..signature import ConstantLeaf, Signature, TensorLeaf, flatten, unflatten
 from ..state import StateNotReady, state_type, tensors_replaced
 from . import _facts
-from ._facts import INDUCTOR_DEPENDS_ON
+from ._facts import AOTI_DEPENDS_ON
 from ._storage_watch import StorageWatch
 from .base import Backend, Runner, register_backend
 
@@ -298,7 +298,7 @@ class AOTIBackend(Backend):
     """
 
     name = "aoti"
-    depends_on = INDUCTOR_DEPENDS_ON
+    depends_on = AOTI_DEPENDS_ON
     compiled_artifacts = True
     compiles_at_load = False
     pads_calls = True

@@ -40,6 +40,7 @@ def print_report(report: dict, out) -> None:
         f"environment: torch {env['torch']}, torchao {env.get('torchao')}, triton {env.get('triton')}, "
         f"python {env['python']}, {env['device_type']} {env['device_name']}"
         + (f" ({env['architecture']})" if env.get("architecture") else "")
+        + _threads(env)
     )
     out.print(
         f"model: {report['model']['class']}, {report['model']['tensors']} tensors, "
@@ -85,6 +86,14 @@ def print_report(report: dict, out) -> None:
     out.print(table)
 
 
+def _threads(env: dict) -> str:
+    """``, 2 CPU threads`` for a package built on a CPU (``, CPU threads unknown`` where an older xpupack
+    recorded none); nothing for a GPU's."""
+    if env["device_type"] != "cpu":
+        return ""
+    return f", {env['cpu_threads']} CPU threads" if "cpu_threads" in env else ", CPU threads unknown"
+
+
 def _weights(model: dict) -> str:
     """``weights in model.safetensors (12.0 MiB)``, ``weights in 4 shards (15.0 GiB)`` or ``weights not stored``."""
     if not model["weights"]:
@@ -108,21 +117,27 @@ def _inductor_line(carried: dict) -> str:
 
 def _compiled_code_line(report: dict) -> str | None:
     """How the compiled code that runs here comes alive at load: AOTInductor libraries are mapped in (no
-    compile), Inductor compiles from its carried caches; None where no module runs compiled code."""
-    paths: dict[str, list[str]] = {"aoti": [], "inductor": []}
+    compile), Inductor compiles from its carried caches, or without the kernels they carry where the module
+    does not run as built (another thread count, versions, an untrusted source: "on load here" says which);
+    None where no module runs compiled code."""
+    paths: dict[str, list[str]] = {"aoti": [], "inductor": [], "inductor anew": []}
     for module in report["modules"]:
         parts = str(module.get("runs_here") or "").replace(":", "+").split("+")
-        for kind in paths:
-            if kind in parts:
-                paths[kind].append(module["path"] or "<model>")
-                break
+        kind: str | None = next((kind for kind in ("aoti", "inductor") if kind in parts), None)
+        if kind == "inductor" and not (module["compatible_here"] and module["artifacts_here"]):
+            kind = "inductor anew"
+        if kind is not None:
+            paths[kind].append(module["path"] or "<model>")
     lines = []
     if paths["aoti"]:
         lines.append(f"{', '.join(paths['aoti'])}: AOTInductor libraries mapped in, no compile")
+    where = "on the caller's path (load(..., defer_compile=True): in the background)"
     if paths["inductor"]:
+        lines.append(f"{', '.join(paths['inductor'])}: Inductor compiles from the carried caches {where}")
+    if paths["inductor anew"]:
         lines.append(
-            f"{', '.join(paths['inductor'])}: Inductor compiles from the carried caches on the caller's path "
-            "(load(..., defer_compile=True): in the background)"
+            f"{', '.join(paths['inductor anew'])}: Inductor compiles without the carried kernels {where}, "
+            "as 'on load here' says"
         )
     return "compiled code at load: " + "; ".join(lines) if lines else None
 
