@@ -457,12 +457,86 @@ def test_generate_with_the_default_mistral_window_replays_decode_steps(traced_gr
     assert traced_graphs.replays - replays == NEW_TOKENS - 3
 
 
-def test_inductor_leaves_sliding_window_decode_steps_alone():
-    """Dynamo guards on the window's Python count: it would compile again for every position."""
+def dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+INDUCTOR_SLIDING = {name: make for name, make in SLIDING.items() if name != "mistral-default-window"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make", INDUCTOR_SLIDING.values(), ids=INDUCTOR_SLIDING.keys())
+def test_inductor_serves_sliding_window_decode_steps_with_one_compile_per_path_also_after_load(
+    make, tmp_path, fallback_calls
+):
+    """The window's Python count is a symbol in the compiled step: one graph while it fills, one once it is
+    full (both compiled while tuning), none for further positions; the compiled step advances the count."""
+    model, reference = make(), make()
+
+    def run(model, ids):  # generate()'s own cache and one the caller holds; the window of 10 slides in both
+        generate(model, ids, 24)
+        generate(model, ids, 24, static_cache(model, 32))
+
+    xpupack.tune(model, [prompt()], run=run, strategy=xpupack.Only(xpupack.InductorBackend()))
+    ids = prompt(seed=7)
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(make(seed=3), root, defer_compile=False)
+    for served, compiles in ((model, 0), (loaded, 3)):  # a load compiles the prefill and both paths, from the package
+        graphs = dynamo_graphs()
+        for new_tokens in (12, 24):  # 24: twice the positions, no more compiles
+            mine, theirs = static_cache(served, 32), static_cache(reference, 32)
+            assert torch.equal(generate(served, ids, new_tokens, mine), generate(reference, ids, new_tokens, theirs))
+            assert xpupack.state.SlidingWindowCounters().read(mine) == xpupack.state.SlidingWindowCounters().read(
+                theirs
+            )
+            assert dynamo_graphs() - graphs == compiles
+        assert torch.equal(generate(served, ids, 24), generate(reference, ids, 24))
+        stats = whole(served)
+        assert stats["backend"] == "inductor" and stats["fallbacks"] == stats["compiling"] == 0, stats
+    assert fallback_calls == []
+
+
+@pytest.mark.slow
+def test_the_default_strategy_times_inductor_on_a_sliding_window_model_on_a_cpu():
+    """No graphs on a CPU: Inductor is built, checked against eager and timed (eager wins where it is faster)."""
+    model = tiny_mistral(sliding_window=10)
+    xpupack.tune(model, [prompt()], run=lambda m, ids: generate(m, ids, 12))
+    report = {entry.backend: entry for entry in xpupack.tuned.session_of(model).modules[""].report}
+    assert report["inductor"].speedup is not None, report["inductor"]
+    assert whole(model)["backend"] in ("inductor", "eager")
+
+
+@pytest.mark.slow
+def test_a_sliding_window_inductor_package_serves_a_fresh_process(tmp_path, run_python):
+    model, reference = tiny_mistral(sliding_window=10), tiny_mistral(sliding_window=10)
+    xpupack.tune(
+        model, [prompt()], run=lambda m, ids: generate(m, ids, 12), strategy=xpupack.Only(xpupack.InductorBackend())
+    )
+    root = xpupack.save(model, tmp_path / "pkg")
+    torch.save(generate(reference, prompt(seed=11), 24), tmp_path / "expected.pt")
+    result = run_python(f"""
+import torch, xpupack
+from torch._dynamo.utils import counters
+from support.language_models import generate, prompt, tiny_mistral
+model = xpupack.load(tiny_mistral(seed=5, sliding_window=10), {str(root)!r}, defer_compile=False)
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+for new_tokens in (12, 24):
+    assert torch.equal(generate(model, prompt(seed=11), new_tokens), expected[:, : 8 + new_tokens])
+    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]  # the prefill, a filling and a full window
+stats = xpupack.stats(model)[""]
+assert stats["backend"] == "inductor" and stats["fallbacks"] == stats["compiling"] == 0, stats
+print("ok")
+""")
+    assert "ok" in result.stdout
+
+
+def test_aoti_refuses_sliding_window_caches_and_says_why():
     from xpupack.errors import NoCandidateError
 
-    with pytest.raises(NoCandidateError, match="no recorded signature could be built"):
-        tune_llm(xpupack.Only(xpupack.InductorBackend()), make=lambda: tiny_mistral(sliding_window=10))
+    with pytest.raises(NoCandidateError, match="sliding-window layers keep a Python-side count"):
+        tune_llm(xpupack.Only(xpupack.AOTIBackend()), make=lambda: tiny_mistral(sliding_window=10))
 
 
 def test_a_call_whose_tokens_fill_the_window_is_never_replayed():
@@ -477,6 +551,10 @@ def test_a_call_whose_tokens_fill_the_window_is_never_replayed():
     assert counters.path(cache, (4,), (1,)) == counters.path(cache, (90,), (1,)) == (FULL,)
     assert counters.path(cache, (3,), (2,)) is None  # the window becomes full inside the call
     assert counters.path(cache, (4,), (3,)) is None  # several tokens into a full window
+    # what a compile runs ahead for the other path of a decode step, on a scratch copy
+    assert counters.other_paths(cache, (2,), (1,)) == [(4,)]
+    assert counters.other_paths(cache, (90,), (1,)) == [(3,)]
+    assert counters.other_paths(cache, (0,), (8,)) == []  # a prefill
 
 
 # -- the package ---------------------------------------------------------------------------------

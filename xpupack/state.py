@@ -22,6 +22,9 @@ recording is made and replayed per path, never across a path change, the
 counter is advanced after each replay as the call would have, and while a
 call is captured the layer's reads of its length go through a tensor, so
 that no position is baked into the recording (docs/language-models.md).
+Inductor needs none of that: with sizes as symbols Dynamo makes the int a
+symbol, and `SlidingWindowCounters.other_paths` gives the counts it compiles
+the other path at ahead.
 """
 
 from __future__ import annotations
@@ -379,6 +382,32 @@ class SlidingWindowCounters:
             else:
                 return None
         return tuple(paths)
+
+    def other_paths(self, cache: Any, before: tuple[int, ...], added: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Counts that put a decode step (one token per layer) on each path of `path` but the one it took from
+        ``before``: every window filling (its last step), every window full (its first step). Empty for a
+        call of several tokens (a prefill: at a count of 0 in every ``generate()``).
+
+        Args:
+            cache: a ``StaticCache``.
+            before: the counts the call started from.
+            added: what the call added to them.
+
+        Returns:
+            Counts, one per sliding-window layer, for each other path.
+        """
+        if any(tokens != 1 for tokens in added):
+            return []
+        layers = _sliding_layers(cache)
+        taken = self.path(cache, before, added)
+        return [
+            counts
+            for counts in (
+                tuple(layer.max_cache_len - 1 for layer in layers),
+                tuple(layer.max_cache_len for layer in layers),
+            )
+            if min(counts, default=0) > 0 and self.path(cache, counts, added) not in (None, taken)
+        ]
 
     def tensors(self, cache: Any) -> list[torch.Tensor]:
         """xpupack's count tensor of each sliding layer whose window is full (made on first use)."""

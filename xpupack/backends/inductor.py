@@ -85,6 +85,13 @@ NOT_COMPILED = (
 )
 
 
+#: why a sliding-window call is not compiled per shape
+STATIC_COUNTS = (
+    "a sliding-window call compiled per shape, whose Python-side token count Dynamo would guard on (it would "
+    "compile again for every position); its calls run the original module"
+)
+
+
 class InductorRunner(Runner):
     """Runs each signature through compiled code and knows what compiling recorded (`_Compiled`).
 
@@ -288,10 +295,25 @@ class InductorRunner(Runner):
         serving) and checks that Dynamo left compiled code for it."""
         if index in self.not_compiled:
             raise RuntimeError(f"not compiled: {self.not_compiled[index]}")
+        before = [
+            counters.read(obj) for counters, obj in self.signatures[index].state_counters(flatten(args, kwargs)[0])
+        ]
+        if any(before) and not self.is_symbolic(index):
+            raise RuntimeError(f"not compiled: {STATIC_COUNTS}")
         entry, function = self._compiled_for(index)
         output = function(*args, **kwargs)
         if _has_compiled_code(entry):
             self._ready[index] = function
+            if any(before):
+                try:
+                    self._compile_other_paths(index, function, args, kwargs, before)
+                except Exception as exc:  # the call itself ran: its output stands, another path compiles when met
+                    log.warning(
+                        "%s: compiling the other paths of %s ahead failed (%s); each compiles on its first call",
+                        self.path or "<model>",
+                        self.signatures[index].describe(),
+                        error_line(exc),
+                    )
         else:
             self.not_compiled[index] = NOT_COMPILED
             self.supported.discard(index)
@@ -302,6 +324,27 @@ class InductorRunner(Runner):
                 NOT_COMPILED,
             )
         return output
+
+    def _compile_other_paths(
+        self, index: int, function: Callable[..., Any], args: tuple, kwargs: dict, before: list[tuple]
+    ) -> None:
+        """Compiles the other Python paths of a sliding-window decode step (`SlidingWindowCounters.other_paths`:
+        the window filling, the window full) now, on a scratch copy of the call (``before``: its counts before
+        it ran) moved onto each: else the first call on another path would compile on the caller's path, and a
+        package would not carry its graph. Its count is a symbol in each graph, so no position compiles again."""
+        leaves = flatten(args, kwargs)[0]
+        signature = self.signatures[index]
+        others = [
+            counters.other_paths(obj, counts, tuple(now - then for now, then in zip(counters.read(obj), counts)))
+            for (counters, obj), counts in zip(signature.state_counters(leaves), before)
+        ]
+        if not any(others):  # a prefill, or a cache without sliding-window layers
+            return
+        scratch_args, scratch_kwargs = scratch_copy(args, kwargs, signature.state_tensors(leaves))
+        for (counters, obj), paths in zip(signature.state_counters(flatten(scratch_args, scratch_kwargs)[0]), others):
+            for counts in paths:
+                counters.write(obj, counts)
+                function(*scratch_args, **scratch_kwargs)
 
     def add_signature(self, index: int, signature: Signature, args: tuple, kwargs: dict) -> Future | None:
         """A new size of a tuned signature with state: compiled off the caller's path (`prepare`).
@@ -777,7 +820,7 @@ class InductorBackend(ComposedBackend):
         """A runner that runs the original module until the worker has compiled every signature it can
         and checked the compiled module against the original; one that fails keeps the original."""
         runner = self._runner(target, spec, device, symbolic_state=symbolic_state)
-        runner.supported.update(index for index in range(len(spec.signatures)) if _compiles(spec, index))
+        runner.supported.update(index for index in range(len(spec.signatures)) if _compiles(runner, spec, index))
 
         def compile_and_check() -> None:
             with _device.on_device(device):
@@ -937,10 +980,11 @@ SPEED_SETTINGS: dict[str, type | range] = {
 }
 
 
-def _compiles(spec: ModuleSpec, index: int) -> bool:
-    """Whether Inductor takes signature ``index``: not a sliding-window decode step, whose Python-side
-    token count Dynamo guards on (it would compile again for every position, up to its recompile limit)."""
-    return spec.samples is None or not spec.samples.counted(index)
+def _compiles(runner: InductorRunner, spec: ModuleSpec, index: int) -> bool:
+    """Whether Inductor takes signature ``index``: a sliding-window call only with sizes as symbols, where its
+    Python-side token count is a symbol too (compiled per shape, Dynamo would guard on its value and compile
+    again for every position, up to its recompile limit)."""
+    return spec.samples is None or not spec.samples.counted(index) or runner.is_symbolic(index)
 
 
 class _SymbolicSizesFailed(Exception):
@@ -954,7 +998,7 @@ def _compile_examples(runner: InductorRunner, spec: ModuleSpec) -> int:
     """
     attempted = 0
     for index in range(len(spec.signatures)):
-        if not _compiles(spec, index):
+        if not _compiles(runner, spec, index):
             continue
         runner.supported.add(index)
         attempted += 1
