@@ -499,16 +499,6 @@ def test_inductor_serves_sliding_window_decode_steps_with_one_compile_per_path_a
 
 
 @pytest.mark.slow
-def test_the_default_strategy_times_inductor_on_a_sliding_window_model_on_a_cpu():
-    """No graphs on a CPU: Inductor is built, checked against eager and timed (eager wins where it is faster)."""
-    model = tiny_mistral(sliding_window=10)
-    xpupack.tune(model, [prompt()], run=lambda m, ids: generate(m, ids, 12))
-    report = {entry.backend: entry for entry in xpupack.tuned.session_of(model).modules[""].report}
-    assert report["inductor"].speedup is not None, report["inductor"]
-    assert whole(model)["backend"] in ("inductor", "eager")
-
-
-@pytest.mark.slow
 def test_a_sliding_window_inductor_package_serves_a_fresh_process(tmp_path, run_python):
     model, reference = tiny_mistral(sliding_window=10), tiny_mistral(sliding_window=10)
     xpupack.tune(
