@@ -328,7 +328,7 @@ def test_an_inductor_compile_off_the_callers_path_that_fails_or_answers_wrong_le
 ):
     # an eager "compile": this test is about what a failure leaves, not about Inductor
     monkeypatch.setattr(torch, "compile", lambda function, **settings: function)
-    monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
+    monkeypatch.setattr("xpupack._torch_compat.has_compiled_code", lambda entry: True)
     model = xpupack.tune(
         make_stack(), stack_samples(), modules=["layers.*.mlp"], strategy=xpupack.Only(xpupack.InductorBackend())
     )

@@ -475,7 +475,7 @@ def test_a_load_compiles_in_its_own_process_where_tuning_leaves_inductor_its_wor
         return function
 
     monkeypatch.setattr(torch, "compile", spy)
-    monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
+    monkeypatch.setattr("xpupack._torch_compat.has_compiled_code", lambda entry: True)
     model = xpupack.tune(
         make_stack(), stack_samples(), modules=["layers.0.mlp"], strategy=xpupack.Only(xpupack.InductorBackend())
     )

@@ -37,3 +37,55 @@ def test_a_package_compiled_without_its_weights_runs_on_the_tensors_it_is_handed
     assert torch.allclose(out, module.bias.detach().expand(2, 3), atol=1e-6)
     with pytest.raises(RuntimeError):  # every constant must be handed in
         _torch_compat.aoti_use_constants(_torch_compat.aoti_load(path), {"weight": module.weight.detach()})
+
+
+def test_inductors_cache_folder_follows_its_variable(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    assert _torch_compat.inductor_cache_dir() == (tmp_path / "cache").absolute()
+
+
+def test_dynamo_says_whether_it_holds_compiled_code_for_a_function():
+    def double(x):
+        return x * 2
+
+    compiled = torch.compile(double, backend="eager")
+    assert not _torch_compat.has_compiled_code(double)
+    compiled(torch.ones(2))
+    assert _torch_compat.has_compiled_code(double)
+
+
+def test_dynamos_compile_lock_is_reentrant():
+    lock = _torch_compat.compile_lock()
+    with lock, lock:  # the artifact record is taken under it, and compiles inside take it again
+        pass
+
+
+def test_a_compile_inside_a_fresh_record_records_its_artifacts_and_shows_its_sources():
+    """What a package's Inductor artifacts are made of: the record of one compile's cache artifacts (hits
+    included) and the C++ sources it wrote or found; the outer record gets them back afterwards."""
+    sources = []
+
+    def shifted(x):
+        return (x + 3).sin()
+
+    with _torch_compat.compile_lock():
+        with (
+            _torch_compat.fresh_artifact_record() as recorded,
+            _torch_compat.observing_sources(lambda path, extension: sources.append((path, extension))),
+        ):
+            torch.compile(shifted)(torch.randn(8))
+            artifacts = recorded()
+        _torch_compat.forget_loaded_kernels()
+    assert artifacts and all(hasattr(artifact, "type") for artifact in artifacts)
+    assert any(extension.endswith("cpp") and path.is_file() for path, extension in sources)
+    with _torch_compat.fresh_artifact_record() as recorded:
+        _torch_compat.add_to_artifact_record(artifacts)
+        assert recorded() == artifacts
+
+
+def test_inductors_vector_isa_probes_and_settings_are_readable():
+    programs = _torch_compat.vec_isa_programs()
+    assert programs and all(isinstance(program, bytes) and b"#include" in program for program in programs)
+    assert _torch_compat.mode_options("max-autotune-no-cudagraphs").get("max_autotune") is True
+    settings = _torch_compat.inductor_settings()
+    assert "max_fusion_size" in settings and "coordinate_descent_tuning" in settings

@@ -145,7 +145,7 @@ def test_a_step_that_takes_no_symbolic_sizes_is_compiled_per_shape(monkeypatch, 
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     # the fake static compile counts as compiled code (Dynamo holds none for it)
-    monkeypatch.setattr("xpupack.backends.inductor._has_compiled_code", lambda entry: True)
+    monkeypatch.setattr("xpupack._torch_compat.has_compiled_code", lambda entry: True)
     xpupack.register_state(RunningCache, lambda cache: [cache.total, cache.steps])
     model, cache = Accumulator().eval(), RunningCache()
     xpupack.tune(

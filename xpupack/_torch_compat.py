@@ -13,14 +13,36 @@ Each item, what xpupack uses it for, and the torch releases it was checked on (`
   ones included.
 - ``torch._C._tensors_data_ptrs_at_indices_equal``: a storage watch's check of every weight's address in
   one C loop (absent: a Python loop does it).
+
+Inductor's caches, for the artifacts a package carries (`xpupack.backends.inductor`):
+
+- ``torch._inductor.runtime.cache_dir_utils.cache_dir``: where Inductor keeps its on-disk cache.
+- ``torch._dynamo.eval_frame._debug_get_cache_entry_list``: whether Dynamo holds compiled code for a code
+  object (absent: assumed so).
+- ``torch._dynamo.convert_frame.compile_lock``: Dynamo's compile lock, held while a compile's artifacts are
+  recorded so that no other thread's land in the record.
+- ``torch._inductor.codecache.write``: every C++ source Inductor writes or finds passes through it (the
+  kernel libraries of a compile are found that way; they have no record of their own).
+- ``torch._inductor.codecache.PyCodeCache`` and ``torch._inductor.async_compile.CompiledTritonKernels``
+  (``cache_clear``): kernels a process loaded before, reused from memory unless forgotten.
+- ``torch.compiler._cache.CacheArtifactManager`` (``with_fresh_cache``, ``_new_cache_artifacts``,
+  ``_seen_artifacts``) and ``CacheArtifact``: a fresh record of cache artifacts for one compile.
+- ``torch._inductor.cpu_vec_isa``'s ``VecISA`` classes and their ``*_code`` programs: the vector-ISA probe
+  libraries a CPU compile builds first.
+- ``torch._inductor.list_mode_options`` and ``torch._inductor.config.get_config_copy``: a mode's settings,
+  and every setting's current value.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 
 #: the torch releases these entry points were checked on
 CHECKED_ON = ("2.11", "2.13")
@@ -69,3 +91,104 @@ def aoti_use_constants(loader: Any, constants: dict[str, torch.Tensor]) -> None:
 def aoti_run(loader: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """One call of the package: its flat tensor outputs."""
     return loader.run(inputs)
+
+
+# -- Inductor's caches ----------------------------------------------------------------------------
+
+
+def inductor_cache_dir() -> Path:
+    """Inductor's on-disk cache folder (``TORCHINDUCTOR_CACHE_DIR`` or its default), absolute."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()).absolute()
+
+
+def has_compiled_code(function: Callable[..., Any]) -> bool:
+    """Whether Dynamo holds compiled code for ``function``'s code object (True where this torch cannot tell)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return True
+    return bool(_debug_get_cache_entry_list(function.__code__))
+
+
+def compile_lock() -> Any:
+    """Dynamo's compile lock (a ``threading.RLock``): held, no other thread compiles."""
+    from torch._dynamo.convert_frame import compile_lock as lock
+
+    return lock
+
+
+@contextlib.contextmanager
+def observing_sources(observe: Callable[[Path, str], None]) -> Iterator[None]:
+    """Within the block, ``observe(path, extension)`` hears of every source Inductor writes or finds in its
+    cache (``codecache.write``, which it calls before it builds or loads a library)."""
+    from torch._inductor import codecache
+
+    write = codecache.write
+
+    def observed_write(content: Any, extension: str, *args: Any, **kwargs: Any) -> Any:
+        key, path = write(content, extension, *args, **kwargs)
+        observe(Path(path).absolute(), extension)
+        return key, path
+
+    codecache.write = observed_write
+    try:
+        yield
+    finally:
+        codecache.write = write
+
+
+def forget_loaded_kernels() -> None:
+    """Makes the compiles that follow load each generated module and Triton kernel again through Inductor's
+    on-disk caches, instead of reusing the ones this process loaded before from memory."""
+    from torch._inductor.codecache import PyCodeCache
+
+    PyCodeCache.cache_clear()
+    try:
+        from torch._inductor.async_compile import CompiledTritonKernels
+    except ImportError:  # a torch without that cache of kernels by source
+        return
+    CompiledTritonKernels.cache_clear()
+
+
+@contextlib.contextmanager
+def fresh_artifact_record() -> Iterator[Callable[[], list[CacheArtifact]]]:
+    """A fresh record of PyTorch's cache artifacts for the block; yields what returns the artifacts recorded
+    in it so far (PyTorch records each artifact once per process, cache hits included)."""
+    with CacheArtifactManager.with_fresh_cache():
+        yield lambda: list(chain.from_iterable(CacheArtifactManager._new_cache_artifacts.values()))
+
+
+def add_to_artifact_record(artifacts: Iterable[CacheArtifact]) -> None:
+    """Adds recorded artifacts to PyTorch's current record, as ``CacheArtifactManager.record_artifact`` does
+    (which cannot take them: it encodes its input again)."""
+    for artifact in artifacts:
+        if artifact not in CacheArtifactManager._seen_artifacts:
+            CacheArtifactManager._new_cache_artifacts[artifact.type()].append(artifact)
+            CacheArtifactManager._seen_artifacts.add(artifact)
+
+
+def vec_isa_programs() -> set[bytes]:
+    """The C++ programs of Inductor's vector-ISA probe libraries (one per ISA it knows)."""
+    from torch._inductor import cpu_vec_isa
+
+    return {
+        value.encode()
+        for isa in vars(cpu_vec_isa).values()
+        if isinstance(isa, type) and issubclass(isa, cpu_vec_isa.VecISA)
+        for name, value in vars(isa).items()
+        if name.endswith("_code") and isinstance(value, str)
+    }
+
+
+def mode_options(mode: str) -> dict[str, Any]:
+    """The Inductor settings a ``torch.compile`` mode stands for."""
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def inductor_settings() -> dict[str, Any]:
+    """Every Inductor setting's current value (``torch._inductor.config``)."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.get_config_copy()

@@ -38,16 +38,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from itertools import chain, count
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.compiler._cache import CacheArtifact, CacheArtifactManager
 
-from .. import _background, _device
+from .. import _background, _device, _torch_compat
 from .._compare import mismatch
 from ..errors import PackageFormatError, error_line
 from ..manifest import CACHE, KERNELS, artifact_file
 from ..module_spec import ModuleSpec, Target
+
+if TYPE_CHECKING:
+    from torch.compiler._cache import CacheArtifact
 from ..signature import Signature, Unsynthesizable, flatten
 from ..state import scratch_copy
 from ._facts import INDUCTOR_DEPENDS_ON, INDUCTOR_MODES, settings_tag
@@ -60,12 +62,6 @@ CACHE_FILE = "cache.bin"
 STATE_SIZES, PER_SHAPE = "state_sizes", "per shape"
 #: what Inductor builds from a C++ source ``name.cpp`` in its cache: ``name.so`` (``name.o``: a part linked later)
 _BUILT_SUFFIXES = (".so", ".o")
-
-
-def _inductor_cache_dir() -> Path:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()).absolute()
 
 
 @dataclass
@@ -302,7 +298,7 @@ class InductorRunner(Runner):
             raise RuntimeError(f"not compiled: {STATIC_COUNTS}")
         entry, function = self._compiled_for(index)
         output = function(*args, **kwargs)
-        if _has_compiled_code(entry):
+        if _torch_compat.has_compiled_code(entry):
             self._ready[index] = function
             if any(before):
                 try:
@@ -431,15 +427,6 @@ class _CompiledCode(Runner):
         self.run = runner.run_compiled  # type: ignore[method-assign]
 
 
-def _has_compiled_code(entry: Callable[..., Any]) -> bool:
-    """Whether Dynamo holds compiled code for ``entry`` (True where this torch cannot tell)."""
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:
-        return True
-    return bool(_debug_get_cache_entry_list(entry.__code__))
-
-
 @contextlib.contextmanager
 def _collecting_artifacts(*, reload_kernels: bool = False) -> Iterator[_Compiled]:
     """Records what the compiles inside the block produce or use.
@@ -458,68 +445,29 @@ def _collecting_artifacts(*, reload_kernels: bool = False) -> Iterator[_Compiled
 
     Dynamo's compile lock, held throughout, keeps other threads' compiles out.
 
-    ``reload_kernels``: `_forget_loaded_kernels` first, so that the tuning results of kernels this
+    ``reload_kernels``: `_torch_compat.forget_loaded_kernels` first, so that the tuning results of kernels this
     process tuned before are recorded too (at tune time: a load records nothing it will save).
     """
-    from torch._dynamo.convert_frame import compile_lock
-    from torch._inductor import codecache
-
     compiled = _Compiled()
-    root = _inductor_cache_dir()
-    write = codecache.write
+    root = _torch_compat.inductor_cache_dir()
 
-    def observed_write(content, extension, *args, **kwargs):
-        key, path = write(content, extension, *args, **kwargs)
-        source = Path(path).absolute()
+    def observe(source: Path, extension: str) -> None:
         if extension.endswith("cpp") and source.is_relative_to(root):
             compiled.sources[source.relative_to(root).as_posix()] = source
-        return key, path
 
-    with compile_lock:
+    with _torch_compat.compile_lock():
         if reload_kernels:
-            _forget_loaded_kernels()
-        with CacheArtifactManager.with_fresh_cache():
-            codecache.write = observed_write
-            try:
-                yield compiled
-            finally:
-                codecache.write = write
-            compiled.artifacts = list(chain.from_iterable(CacheArtifactManager._new_cache_artifacts.values()))
-        _add_to_record(compiled.artifacts)
-
-
-def _forget_loaded_kernels() -> None:
-    """Makes the compiles that follow load each generated module and Triton kernel again, through Inductor's
-    on-disk caches.
-
-    A kernel this process loaded before (for another module, or for a candidate of a thorough search
-    with the same kernel source) is otherwise reused from memory as it is, already tuned: its tuning
-    result (coordinate descent's block sizes, the autotuned config) is then never read from the
-    autotune cache, the read that records it, and a load of the package would tune it again.
-    """
-    from torch._inductor.codecache import PyCodeCache
-
-    PyCodeCache.cache_clear()
-    try:
-        from torch._inductor.async_compile import CompiledTritonKernels
-    except ImportError:  # a torch without that cache of kernels by source
-        return
-    CompiledTritonKernels.cache_clear()
-
-
-def _add_to_record(artifacts: Iterable[CacheArtifact]) -> None:
-    """Adds recorded artifacts to PyTorch's current record, as ``CacheArtifactManager.record_artifact`` does
-    (which cannot take them: it encodes its input again)."""
-    for artifact in artifacts:
-        if artifact not in CacheArtifactManager._seen_artifacts:
-            CacheArtifactManager._new_cache_artifacts[artifact.type()].append(artifact)
-            CacheArtifactManager._seen_artifacts.add(artifact)
+            _torch_compat.forget_loaded_kernels()
+        with _torch_compat.fresh_artifact_record() as recorded, _torch_compat.observing_sources(observe):
+            yield compiled
+            compiled.artifacts = recorded()
+        _torch_compat.add_to_artifact_record(compiled.artifacts)
 
 
 def _serialize(artifacts: Iterable[CacheArtifact]) -> bytes | None:
     """The mega-cache of exactly these artifacts (None when there are none)."""
-    with CacheArtifactManager.with_fresh_cache():
-        _add_to_record(artifacts)
+    with _torch_compat.fresh_artifact_record():
+        _torch_compat.add_to_artifact_record(artifacts)
         saved = torch.compiler.save_cache_artifacts()
     return None if saved is None else saved[0]
 
@@ -559,15 +507,7 @@ def _vec_isa_probes(root: Path) -> dict[str, Path]:
     of this backend's), so it is found by its programs, torch's own, not recorded.
     Probes built by other torch versions or compilers in the same cache come along too.
     """
-    from torch._inductor import cpu_vec_isa
-
-    programs = {
-        value.encode()
-        for isa in vars(cpu_vec_isa).values()
-        if isinstance(isa, type) and issubclass(isa, cpu_vec_isa.VecISA)
-        for name, value in vars(isa).items()
-        if name.endswith("_code") and isinstance(value, str)
-    }
+    programs = _torch_compat.vec_isa_programs()
     sizes = {len(program) for program in programs}
     return {
         source.relative_to(root).as_posix(): source
@@ -703,7 +643,7 @@ class InductorBackend(ComposedBackend):
         if not options:
             return {"mode": self.mode}
         # torch.compile takes a mode or options, not both: the mode's own options go first
-        return {"options": {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), **options}}
+        return {"options": {**(_torch_compat.mode_options(self.mode) if self.mode else {}), **options}}
 
     def _runner(
         self, target: Target, spec: ModuleSpec, device: torch.device, *, symbolic_state: bool
@@ -852,7 +792,7 @@ class InductorBackend(ComposedBackend):
             config[CACHE] = CACHE_FILE
         sources = {relative: source for record in compiled for relative, source in record.sources.items()}
         if sources:
-            sources.update(_vec_isa_probes(_inductor_cache_dir()))
+            sources.update(_vec_isa_probes(_torch_compat.inductor_cache_dir()))
         config[KERNELS] = _save_kernels(sources, folder / KERNELS)
         return config
 
@@ -903,7 +843,7 @@ class InductorBackend(ComposedBackend):
         """Puts the package's cache artifacts and kernels into the local Inductor cache."""
         if cache is not None:
             torch.compiler.load_cache_artifacts(cache.read_bytes())
-        root = _inductor_cache_dir()
+        root = _torch_compat.inductor_cache_dir()
         for relative, source in zip(kernels, sources):
             destination = root / relative
             if not destination.exists():  # never overwrite what this machine built itself
@@ -1054,9 +994,7 @@ def _checked_compile_options(options: Any) -> dict[str, Any]:
         return {}
     if not isinstance(options, dict):
         raise ValueError(f"InductorBackend(compile_options={options!r}): give a dict of Inductor settings")
-    import torch._inductor.config as inductor_config
-
-    settings = inductor_config.get_config_copy()
+    settings = _torch_compat.inductor_settings()
     where = "InductorBackend(compile_options=...)"
     for key, value in options.items():
         if not isinstance(key, str) or key not in settings or key.startswith("_"):
