@@ -89,3 +89,16 @@ def test_inductors_vector_isa_probes_and_settings_are_readable():
     assert _torch_compat.mode_options("max-autotune-no-cudagraphs").get("max_autotune") is True
     settings = _torch_compat.inductor_settings()
     assert "max_fusion_size" in settings and "coordinate_descent_tuning" in settings
+
+
+def test_the_stable_private_names_xpupack_imports_are_there():
+    import torch._dynamo
+    import torch.utils._cxx_pytree as cxx_pytree
+    import torch.utils._pytree as pytree
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    leaves, spec = cxx_pytree.tree_flatten(((torch.ones(1), 2), {"a": torch.zeros(1)}))
+    assert len(leaves) == 3 and cxx_pytree.tree_unflatten(leaves, spec)[0][1] == 2
+    assert pytree.tree_leaves([1, (2, 3)]) == [1, 2, 3]
+    assert callable(torch._dynamo.mark_static_address)
+    assert hasattr(TorchDispatchMode, "__torch_dispatch__")

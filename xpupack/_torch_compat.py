@@ -31,6 +31,16 @@ Inductor's caches, for the artifacts a package carries (`xpupack.backends.induct
   libraries a CPU compile builds first.
 - ``torch._inductor.list_mode_options`` and ``torch._inductor.config.get_config_copy``: a mode's settings,
   and every setting's current value.
+
+Imported where they are used, being stable in all but name (canaries here too):
+
+- ``torch.utils._cxx_pytree`` / ``torch.utils._pytree``: flattening a call's arguments (`xpupack.signature`,
+  the AOTInductor backend's output layout).
+- ``torch._dynamo.mark_static_address``: a StaticCache's tensors, as transformers marks them (`xpupack.state`).
+- ``torch.utils._python_dispatch.TorchDispatchMode``: seeing the operators a recorded call runs
+  (`xpupack._device`).
+- the mega-cache container of ``torch.utils._appending_byte_serializer`` (read without torch by
+  `xpupack.backends._megacache`, its format version checked there).
 """
 
 from __future__ import annotations
