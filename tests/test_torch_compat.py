@@ -39,6 +39,18 @@ def test_a_package_compiled_without_its_weights_runs_on_the_tensors_it_is_handed
         _torch_compat.aoti_use_constants(_torch_compat.aoti_load(path), {"weight": module.weight.detach()})
 
 
+@pytest.mark.slow  # a C++ compile
+def test_an_aoti_compile_leaves_the_processs_inductor_settings_as_they_were(tmp_path):
+    """Regression: ``aoti_compile_and_package`` wrote the package's metadata into the process-wide
+    ``aot_inductor.metadata``; Inductor keys its graphs on the settings, so an Inductor package built later
+    in the process carried graphs a fresh process never looked up (2 misses at its load)."""
+    before = repr(_torch_compat.inductor_settings())
+    with torch.no_grad():
+        exported = torch.export.export(nn.Linear(4, 3), (torch.randn(2, 4),), strict=False)
+        _torch_compat.aoti_compile(exported, tmp_path / "linear.pt2")
+    assert repr(_torch_compat.inductor_settings()) == before
+
+
 def test_inductors_cache_folder_follows_its_variable(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     assert _torch_compat.inductor_cache_dir() == (tmp_path / "cache").absolute()

@@ -10,7 +10,7 @@ Each item, what xpupack uses it for, and the torch releases it was checked on (`
   user-managed constants (no copy of the weights).
 - ``torch._inductor.aoti_compile_and_package`` with ``aot_inductor.package_constants_in_so=False`` and
   ``always_keep_tensor_constants=True``: compiles without copying the weights into the library, small
-  ones included.
+  ones included; it writes ``aot_inductor.metadata`` in place (kept from the process's setting here).
 - ``torch._C._tensors_data_ptrs_at_indices_equal``: a storage watch's check of every weight's address in
   one C loop (absent: a Python loop does it).
 
@@ -65,14 +65,19 @@ def aoti_compile(exported: Any, path: Path) -> Path:
     """Compiles an exported program into an AOTInductor package at ``path``, the weights left out of the
     library (a load hands it the model's own tensors: `aoti_load`)."""
     import torch._inductor
+    import torch._inductor.config as inductor_config
 
-    result = torch._inductor.aoti_compile_and_package(
-        exported,
-        package_path=str(path),
-        # every parameter and buffer stays a constant the loader hands in: Inductor otherwise inlines small
-        # ones (1-d with up to 8 values, scalars) into the code, where a changed model would never reach them
-        inductor_configs={"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True},
-    )
+    # torch writes the package's metadata into the process-wide ``aot_inductor.metadata`` in place, and every
+    # later Inductor compile of the process keys its graphs on it: a package built after an AOTInductor
+    # candidate carried graphs no fresh process looks up. A copy of its own takes the writes.
+    with inductor_config.patch({"aot_inductor.metadata": dict(inductor_config.aot_inductor.metadata)}):
+        result = torch._inductor.aoti_compile_and_package(
+            exported,
+            package_path=str(path),
+            # every parameter and buffer stays a constant the loader hands in: Inductor otherwise inlines small
+            # ones (1-d with up to 8 values, scalars) into the code, where a changed model would never reach them
+            inductor_configs={"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True},
+        )
     return Path(result)
 
 
