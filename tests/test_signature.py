@@ -53,6 +53,20 @@ def test_kwargs_order_does_not_matter():
     assert key_of(x, a=1.0, b=None) == key_of(x, b=None, a=1.0)
 
 
+def test_the_key_order_of_a_dict_in_a_call_does_not_matter():
+    """transformers hands Gemma 2 and 3 their masks as a dict built in the order of a set of strings, which
+    another process (its own string hashing) may order the other way (issue 31)."""
+    full, sliding = torch.zeros(1, 1, 8, 13), torch.zeros(1, 1, 8, 8)
+    one = {"full_attention": full, "sliding_attention": sliding}
+    other = {"sliding_attention": sliding, "full_attention": full}
+    assert key_of(x=[one]) == key_of(x=[other])
+    assert fit_key((), {"mask": one})[1] == fit_key((), {"mask": other})[1] == [full, sliding]
+    recorded = Signature.of_call((), {"mask": one})
+    assert Signature.from_json(recorded.to_json()).key == Signature.of_call((), {"mask": other}).key
+    mixed = {2: full, "a": sliding}  # keys that do not sort keep their order
+    assert fit_key((mixed,), {})[1] == [full, sliding]
+
+
 def test_json_round_trip_keeps_the_key():
     x = torch.randn(2, 3)
     signature = Signature.of_call(

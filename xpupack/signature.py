@@ -42,10 +42,30 @@ class Unsynthesizable(ValueError):
 
 def flatten(args: tuple, kwargs: dict) -> tuple[list, Any]:
     """Flattens a call's ``(args, kwargs)`` into leaves and their tree (a pytree ``TreeSpec``; keyword order
-    ignored)."""
-    if len(kwargs) > 1:
-        kwargs = {name: kwargs[name] for name in sorted(kwargs)}
-    return pytree.tree_flatten((args, kwargs))
+    and the key order of the dicts in it ignored: `unflatten` rebuilds them in sorted order)."""
+    return pytree.tree_flatten(_keys_sorted((args, kwargs)))
+
+
+def _keys_sorted(tree: Any) -> Any:
+    """``tree`` with each plain dict in it (inside tuples, lists and dicts) in sorted key order, or ``tree``
+    itself where that changes nothing. A pytree keeps a dict's insertion order in its leaves and tree, and
+    that order may change from one process to the next: transformers builds the masks of a model with
+    several layer types (Gemma 2 and 3) as a dict in the order of a set of strings, which each process's
+    string hashing orders its own way, so a package's recorded calls fitted no call of another process."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        items = [_keys_sorted(item) for item in tree]
+        return tree if all(new is old for new, old in zip(items, tree)) else kind(items)
+    if kind is not dict:
+        return tree
+    values = {key: _keys_sorted(value) for key, value in tree.items()}
+    try:
+        keys = sorted(values)
+    except TypeError:  # keys that do not compare (a str beside an int): their order stays
+        keys = list(values)
+    if keys == list(tree) and all(values[key] is tree[key] for key in keys):
+        return tree
+    return {key: values[key] for key in keys}
 
 
 def map_tensors(function: Callable[[torch.Tensor], Any], tree: Any) -> Any:
