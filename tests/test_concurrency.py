@@ -166,4 +166,5 @@ def test_loading_while_another_process_saves_gives_one_package_or_a_clean_error(
         assert "error" in result or result["seeds"] in ([0], [1]), result
         if "error" in result:
             assert result["error"].startswith(("IntegrityError", "PackageFormatError")), result
-    assert sorted(os.listdir(tmp_path)) == ["pkg", "xpupack-cache"]  # and the loads' remembered verifications
+    # nothing left behind but the package and, once a load verified it whole, the remembered verifications
+    assert "pkg" in os.listdir(tmp_path) and set(os.listdir(tmp_path)) <= {"pkg", "xpupack-cache"}
