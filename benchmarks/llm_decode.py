@@ -35,6 +35,8 @@ what ran. Ratios (quantized ÷ bf16, xpupack ÷ hand graph) compare variants of 
     python benchmarks/llm_decode.py --device cuda --out llm_decode.json
     python benchmarks/llm_decode.py --device cuda --variants xpupack_bf16,xpupack_int8 --batch 1 --profile
     python benchmarks/llm_decode.py --device cpu --tiny --new-tokens 8   # smoke test of the whole script
+    python benchmarks/llm_decode.py --llama3-8b --batch 1 \
+        --variants xpupack_bf16,xpupack_int8,xpupack_int4,xpupack_float8,hand_graph_inductor   # issue 34
 """
 
 from __future__ import annotations
@@ -78,6 +80,24 @@ TINY_CONFIG = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
+#: ``--llama3-8b``: Llama-3-8B's shapes (LlamaConfig's other defaults), where users quantize: its batch-1 decode
+#: is bound by reading the weights, which quantization halves or quarters
+LLAMA3_8B_CONFIG = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+}
+
+
+def model_config(tiny: bool = False, llama3_8b: bool = False) -> dict:
+    """The Llama configuration of a run: the 886M default, ``--tiny``'s or ``--llama3-8b``'s."""
+    return TINY_CONFIG if tiny else LLAMA3_8B_CONFIG if llama3_8b else CONFIG
+
+
 PROMPT, NEW_TOKENS, HBM_BYTES_PER_S = 32, 128, 4.8e12
 #: variant -> (TorchAO config name, SQNR floor for its candidates; None: the backend's default). Random
 #: weights quantize worse than trained ones: int8's default 30 dB floor is lowered to 20 here
@@ -107,7 +127,7 @@ TARGETS = {
 # --- the model, its inputs, timing ---------------------------------------------------------------
 
 
-def build(device: str, tiny: bool = False):
+def build(device: str, tiny: bool = False, llama3_8b: bool = False):
     """The benchmark's Llama (random weights, seed 0): bf16 on a GPU; ``tiny`` on a CPU stays float32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -115,14 +135,21 @@ def build(device: str, tiny: bool = False):
     torch.manual_seed(0)
     dtype = torch.float32 if tiny and device == "cpu" else torch.bfloat16
     with torch.device(device):
-        return LlamaForCausalLM(LlamaConfig(**(TINY_CONFIG if tiny else CONFIG))).to(dtype).eval()
+        if llama3_8b:  # made in bf16: in float32 first, 8B parameters would take 32 GB
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                return LlamaForCausalLM(LlamaConfig(**model_config(tiny, llama3_8b))).eval()
+            finally:
+                torch.set_default_dtype(default)
+        return LlamaForCausalLM(LlamaConfig(**model_config(tiny, llama3_8b))).to(dtype).eval()
 
 
-def ids_on(device: str, batch: int = 1, tiny: bool = False):
+def ids_on(device: str, batch: int = 1, tiny: bool = False, llama3_8b: bool = False):
     """The prompt: ``batch`` rows of `PROMPT` random tokens (row 0 the same at every batch size)."""
     import torch
 
-    vocab = (TINY_CONFIG if tiny else CONFIG)["vocab_size"]
+    vocab = model_config(tiny, llama3_8b)["vocab_size"]
     generator = torch.Generator().manual_seed(1)
     return torch.randint(3, vocab, (batch, PROMPT), generator=generator).to(device)
 
@@ -156,13 +183,14 @@ class Settings:
 
     def __init__(self, args: argparse.Namespace):
         self.device, self.tiny, self.new_tokens = args.device, args.tiny, args.new_tokens
+        self.llama3_8b = args.llama3_8b
         self.batches = [int(b) for b in str(args.batch).split(",")]
         self.workdir = Path(args.workdir) if args.workdir else None
         self.compile_options, self.quant_search = args.compile_options, args.quant_search
         self.bandwidth, self.profile = args.hbm_bytes_per_s, args.profile
 
     def ids(self, batch: int = 1):
-        return ids_on(self.device, batch, self.tiny)
+        return ids_on(self.device, batch, self.tiny, self.llama3_8b)
 
     def cache(self, model):
         from support.language_models import static_cache
@@ -170,7 +198,8 @@ class Settings:
         return static_cache(model, cache_length(self.new_tokens))
 
     def reference_file(self, batch: int) -> Path:
-        return self.workdir / f"reference-{'tiny-' if self.tiny else ''}b{batch}-n{self.new_tokens}.pt"
+        shape = "tiny-" if self.tiny else "8b-" if self.llama3_8b else ""
+        return self.workdir / f"reference-{shape}b{batch}-n{self.new_tokens}.pt"
 
 
 def loop_tokens_per_s(model, settings: Settings, batch: int, step=None) -> tuple[float, list, int]:
@@ -418,7 +447,7 @@ def step_tune(name: str, settings: Settings) -> None:
     if kwargs is None:
         emit(not_available=how)
         return
-    model = build(settings.device, settings.tiny)
+    model = build(settings.device, settings.tiny, settings.llama3_8b)
     step_reference(settings, model)
 
     def run(m, sample):
@@ -452,7 +481,7 @@ def step_load(name: str, settings: Settings) -> None:
 
     device = settings.device
     torch.zeros(1, device=device)  # device context creation, which any program on that device pays
-    model = build(device, settings.tiny)
+    model = build(device, settings.tiny, settings.llama3_8b)
     sync(device)
     tuned_here = watch_coordinate_descent()
     modules_before = set(sys.modules)
@@ -661,7 +690,7 @@ def step_reference_row(name: str, settings: Settings) -> None:
         import xpupack  # noqa: F401  (the point: importing it must not slow transformers down)
     import torch
 
-    model = build(settings.device, settings.tiny)
+    model = build(settings.device, settings.tiny, settings.llama3_8b)
     step_reference(settings, model)
     parameters = weight_bytes(model)["all"]
     for batch in settings.batches:
@@ -734,7 +763,7 @@ class Runner:
         ]
         if args.compile_options:
             options += ["--compile-options", json.dumps(args.compile_options)]
-        return options + ["--tiny"] * args.tiny + ["--profile"] * args.profile
+        return options + ["--tiny"] * args.tiny + ["--llama3-8b"] * args.llama3_8b + ["--profile"] * args.profile
 
     def step(self, step: str, name: str, entry: dict) -> str:
         """Runs ``step`` of variant ``name`` in a fresh process, merging its results into ``entry`` as
@@ -903,7 +932,7 @@ def assemble(args: argparse.Namespace, results: dict, elapsed: float) -> dict:
         "benchmark": "llm_decode",
         "device": args.device,
         "tiny": args.tiny,
-        "config": TINY_CONFIG if args.tiny else CONFIG,
+        "config": model_config(args.tiny, args.llama3_8b),
         "prompt": PROMPT,
         "new_tokens": args.new_tokens,
         "batches": batches,
@@ -985,6 +1014,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (default 1,8)")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama (2 layers, hidden 64), for a smoke test")
+    parser.add_argument(
+        "--llama3-8b",
+        action="store_true",
+        help="Llama-3-8B's shapes instead of the 886M Llama (quantized decode where users quantize; one GPU)",
+    )
     parser.add_argument(
         "--time-budget",
         type=float,
@@ -1082,6 +1116,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [name for name in names if name not in ALL]
     if unknown:
         raise SystemExit(f"llm_decode.py: unknown variant(s) {', '.join(unknown)}; known: {', '.join(ALL)}")
+    if args.tiny and args.llama3_8b:
+        raise SystemExit("llm_decode.py: --tiny and --llama3-8b are two sizes; give one")
     settings = Settings(args)
     if args.step:
         {"tune": step_tune, "load": step_load, "run": step_reference_row}[args.step](args.variant, settings)

@@ -226,3 +226,22 @@ def test_the_load_step_names_each_kernel_coordinate_descent_tunes_and_keeps_the_
         tuner.setLevel(saved[0])
         tuner.propagate = saved[1]
         tuner.handlers[:] = saved[2]
+
+
+def test_llama3_8b_shapes_reach_every_process_of_a_run_and_exclude_tiny():
+    """``--llama3-8b`` (quantized decode where users quantize): its shapes in the report and the model, the
+    option handed to each child process, its own reference tokens; ``--tiny`` with it is refused."""
+    chosen = settings("--llama3-8b")
+    chosen.tiny = False
+    assert llm_decode.model_config(llama3_8b=True)["hidden_size"] == 4096
+    assert llm_decode.model_config(llama3_8b=True)["num_hidden_layers"] == 32
+    assert llm_decode.model_config()["hidden_size"] == 2048 and llm_decode.model_config(tiny=True)["hidden_size"] == 64
+    chosen.workdir = Path("w")
+    assert chosen.reference_file(1).name == "reference-8b-b1-n128.pt"
+    args = llm_decode.parser().parse_args(["--device", "cpu", "--llama3-8b"])
+    assert "--llama3-8b" in llm_decode.Runner(args, chosen, {}).child_options()
+    with torch.device("meta"):  # the shapes, not the weights
+        model = llm_decode.build("meta", llama3_8b=True)
+    assert model.config.hidden_size == 4096 and next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(SystemExit, match="two sizes"):
+        llm_decode.main(["--device", "cpu", "--tiny", "--llama3-8b"])
