@@ -81,7 +81,7 @@ def test_the_quick_search_is_the_default_strategy_unchanged(monkeypatch):
     monkeypatch.setattr(
         xpupack.strategies,
         "default_strategy",  # what tune uses unless told otherwise
-        lambda device: asked.append(device) or xpupack.FirstWins([xpupack.EagerBackend()]),
+        lambda device, **gate: asked.append(device) or xpupack.FirstWins([xpupack.EagerBackend()]),
     )
     for options in ({}, {"search": "quick"}):
         xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"], **options)
@@ -560,3 +560,41 @@ def test_a_package_tuned_with_coordinate_descent_loads_on_a_fresh_machine_withou
     counters = json.loads(result.stdout.strip().splitlines()[-1])
     assert counters.get("fxgraph_cache_miss", 0) == 0 and counters.get("fxgraph_cache_hit", 0) >= 1, counters
     assert {name: counters.get(name, 0) for name in BENCHMARKS} == dict.fromkeys(BENCHMARKS, 0), counters
+
+
+def test_build_and_tune_map_a_search_to_a_strategy_in_one_place(tmp_path, monkeypatch):
+    """``xpupack build --search`` and ``tune(search=...)`` both go through `strategies.search_strategy`
+    (written once, with the CLI's gate and margin), not a mapping of their own."""
+    asked = []
+    real = xpupack.strategies.search_strategy
+
+    def recording(search, device=None, quantize=False, **gate):
+        asked.append((search, quantize, gate))
+        return real(search, device, quantize, **gate)
+
+    monkeypatch.setattr(xpupack.strategies, "search_strategy", recording)
+    monkeypatch.setattr("xpupack.tuning.search_strategy", recording)
+    out = tmp_path / "pkg"
+    result = CliRunner().invoke(
+        main,
+        [
+            "build",
+            *DEMO,
+            "--modules",
+            "layers.*.mlp",
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--min-speedup",
+            "none",
+            "--startup-margin",
+            "1.2",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    xpupack.tune(make_stack(), stack_samples(), modules=["layers.0.mlp"], search="quick")
+    assert asked == [
+        ("quick", False, {"min_speedup": None, "startup_margin": 1.2}),
+        ("quick", False, {}),
+    ]

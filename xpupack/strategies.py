@@ -828,13 +828,20 @@ def default_backends(device: torch.device | None = None) -> list[Backend]:
 DEFAULT_STARTUP_MARGIN = 1.05
 
 
-def default_strategy(device: torch.device | None = None) -> Strategy:
+def default_strategy(
+    device: torch.device | None = None,
+    *,
+    min_speedup: float | None = 1.0,
+    startup_margin: float | None = DEFAULT_STARTUP_MARGIN,
+) -> Strategy:
     """The strategy `xpupack.tune` uses when given none (docs/tuning.md).
 
     ``FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)``.
 
     Args:
         device: the device tuned on (decides whether graph-over-Inductor is tried first).
+        min_speedup: the speed gate (`Strategy`); ``xpupack build --min-speedup``.
+        startup_margin: what compiled code must gain over the lighter candidate after it (`Strategy`).
 
     Returns:
         A new `FirstWins`.
@@ -843,7 +850,7 @@ def default_strategy(device: torch.device | None = None) -> Strategy:
         >>> default_strategy(torch.device("cuda")).backends
         [GraphBackend(base={'name': 'inductor', 'options': {}}), GraphBackend(), InductorBackend(), EagerBackend()]
     """
-    return FirstWins(default_backends(device), startup_margin=DEFAULT_STARTUP_MARGIN)
+    return FirstWins(default_backends(device), min_speedup=min_speedup, startup_margin=startup_margin)
 
 
 #: what `xpupack.tune`'s ``search`` takes: ``"quick"``, the default strategy (`default_strategy`), or
@@ -958,17 +965,30 @@ def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend
     return backends
 
 
-def thorough_strategy(device: torch.device | None = None, quantize: bool | Sequence[str | Backend] = False) -> Strategy:
+def thorough_strategy(
+    device: torch.device | None = None,
+    quantize: bool | Sequence[str | Backend] = False,
+    *,
+    min_speedup: float | None = 1.0,
+    startup_margin: float | None = DEFAULT_STARTUP_MARGIN,
+) -> Strategy:
     """``Fastest(thorough_backends(device, quantize), startup_margin=DEFAULT_STARTUP_MARGIN)``: every
     candidate checked and timed against eager, the fastest kept, compiled code only where it is worth its
-    start-up against the plain device graph."""
-    return Fastest(thorough_backends(device, quantize), startup_margin=DEFAULT_STARTUP_MARGIN)
+    start-up against the plain device graph (the gate and margin as `default_strategy` takes them)."""
+    return Fastest(thorough_backends(device, quantize), min_speedup=min_speedup, startup_margin=startup_margin)
 
 
 def search_strategy(
-    search: str, device: torch.device | None = None, quantize: bool | Sequence[str | Backend] = False
+    search: str,
+    device: torch.device | None = None,
+    quantize: bool | Sequence[str | Backend] = False,
+    *,
+    min_speedup: float | None = 1.0,
+    startup_margin: float | None = DEFAULT_STARTUP_MARGIN,
 ) -> Strategy:
-    """The strategy ``xpupack.tune(..., search=search, quantize=quantize)`` uses when given none."""
+    """The strategy ``xpupack.tune(..., search=search, quantize=quantize)`` uses when given none, and
+    ``xpupack build --search`` with its ``--min-speedup`` and ``--startup-margin``: the one place a search
+    becomes a strategy."""
     if search not in SEARCHES:
         raise ValueError(f"search={search!r}: choose {' or '.join(map(repr, SEARCHES))}")
     if quantize and search != "thorough":
@@ -976,4 +996,5 @@ def search_strategy(
             f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
             "search='thorough' too, or put xpupack.TorchAOBackend in a strategy"
         )
-    return thorough_strategy(device, quantize) if search == "thorough" else default_strategy(device)
+    gate = {"min_speedup": min_speedup, "startup_margin": startup_margin}
+    return thorough_strategy(device, quantize, **gate) if search == "thorough" else default_strategy(device, **gate)

@@ -351,21 +351,16 @@ def build(
         import xpupack
 
         from .. import _device
-        from ..strategies import default_backends, thorough_backends
+        from ..strategies import default_backends, search_strategy
 
         device = _device.resolve(device)
-        if search == "thorough":
-            chosen = xpupack.Fastest(
-                thorough_backends(device, configs),
-                min_speedup=gate,
-                startup_margin=margin,
-            )
-        elif strategy == "fastest":
+        if strategy == "fastest" and search != "thorough":
             candidates = parse_backends(backends) if backends is not None else default_backends(device)
             chosen = xpupack.Fastest(candidates, min_speedup=gate)
-        else:
-            candidates = parse_backends(backends) if backends is not None else default_backends(device)
-            chosen = xpupack.FirstWins(candidates, min_speedup=gate, startup_margin=margin)
+        elif backends is not None:
+            chosen = xpupack.FirstWins(parse_backends(backends), min_speedup=gate, startup_margin=margin)
+        else:  # xpupack's own candidates, as tune(search=..., quantize=...) takes them
+            chosen = search_strategy(search, device, configs, min_speedup=gate, startup_margin=margin)
         progress("building the model")
         model = build_model(make_model, model_factory)
         samples = make_samples()
