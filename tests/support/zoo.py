@@ -14,6 +14,8 @@ from support.language_models import TINY, VOCAB, tiny_gemma2, tiny_gemma3, tiny_
 HEAD = dict(head_dim=16)
 #: a mixture of experts: few and small
 EXPERTS = dict(num_experts_per_tok=2)
+#: `TINY` for the families that name their feed-forward size their own way and have no KV-head count
+NO_KV_HEADS = {key: value for key, value in TINY.items() if key not in ("intermediate_size", "num_key_value_heads")}
 
 
 def _tiny(config_name: str, model_name: str, **config):
@@ -42,45 +44,9 @@ DECODERS = {
     "gemma3": tiny_gemma3,
     "phi3": _tiny("Phi3Config", "Phi3ForCausalLM", **TINY),
     "gpt2": tiny_gpt2,
-    "gpt-neox": _tiny(
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    "opt": _tiny(
-        "OPTConfig",
-        "OPTForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        word_embed_proj_dim=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    "falcon": _tiny(
-        "FalconConfig",
-        "FalconForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
+    "gpt-neox": _tiny("GPTNeoXConfig", "GPTNeoXForCausalLM", **NO_KV_HEADS, intermediate_size=128),
+    "opt": _tiny("OPTConfig", "OPTForCausalLM", **NO_KV_HEADS, word_embed_proj_dim=64, ffn_dim=128),
+    "falcon": _tiny("FalconConfig", "FalconForCausalLM", **NO_KV_HEADS),
     "stablelm": _tiny("StableLmConfig", "StableLmForCausalLM", **TINY),
     "granite": _tiny("GraniteConfig", "GraniteForCausalLM", **TINY),
     "olmo2": _tiny("Olmo2Config", "Olmo2ForCausalLM", **TINY),

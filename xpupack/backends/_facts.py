@@ -115,6 +115,8 @@ class BackendFacts(Composition):
     rebuildable: bool = True
     #: device types its own part runs on (None: all)
     runs_on: tuple[str, ...] | None = None
+    #: why its own part does not run on other device types, where there is more to say than that
+    not_elsewhere: str | None = None
     #: it runs only the recorded shapes and pads a smaller batch up to one (graph, Inductor)
     pads_calls: bool = False
     #: the settings its label shows (`settings_tag`)
@@ -127,8 +129,8 @@ class BackendFacts(Composition):
         return self.runs_on is None or device.type in self.runs_on
 
     def _own_why_unavailable(self, device: Any) -> str:
-        if self.name == "aoti":
-            return AOTI_NOT_ON_GPUS
+        if self.not_elsewhere is not None:
+            return self.not_elsewhere
         return no_graphs_on(device) if self.name == "graph" else super()._own_why_unavailable(device)
 
 
@@ -149,7 +151,12 @@ AOTI_NOT_ON_GPUS = (
 
 #: the AOTInductor backend's facts (it takes no options)
 AOTI = BackendFacts(
-    "aoti", own_depends_on=AOTI_DEPENDS_ON, own_compiled_artifacts=True, pads_calls=True, runs_on=("cpu",)
+    "aoti",
+    own_depends_on=AOTI_DEPENDS_ON,
+    own_compiled_artifacts=True,
+    pads_calls=True,
+    runs_on=("cpu",),
+    not_elsewhere=AOTI_NOT_ON_GPUS,
 )
 
 
