@@ -46,6 +46,33 @@ def writing(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManage
     return torch.no_grad()
 
 
+def compiled_code_mode(leaves: list, stateless: bool) -> contextlib.AbstractContextManager:
+    """The mode a call of compiled code runs in: for a call without state whose tensors are all normal
+    tensors, `torch.no_grad` outside inference mode also where the caller is inside it; the caller's mode
+    for any other call.
+
+    Compiled code guards on each input's dispatch keys, which inference mode changes: tuning and loading
+    compile outside it (`normal_tensors`), so a caller's first call under `torch.inference_mode()` would
+    compile again, on the caller's path, at every signature. Normal tensors give the same answer outside
+    inference mode and come back as normal tensors, which inference mode takes. A call with an inference
+    tensor or with state (a cache it writes, perhaps made under inference mode) keeps the caller's mode:
+    only there may an inference tensor be written.
+    """
+    if (
+        stateless
+        and torch.is_inference_mode_enabled()
+        and not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves)
+    ):
+        return _outside_inference_mode_without_grad()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _outside_inference_mode_without_grad() -> Iterator[None]:
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def normal_tensors(model: nn.Module) -> contextlib.AbstractContextManager:
     """A block whose new tensors are normal tensors whatever mode the caller is in, autograd on or off as the
     caller had it (``torch.inference_mode(False)`` alone would switch it on). `tune` and `load` run in one:

@@ -548,15 +548,15 @@ def _check_claims(target: Target, spec: ModuleSpec, context: Context) -> ModuleS
     pads calls, the loader sees for itself whether the module writes its inputs in place or its own
     buffers (`xpupack.recorder.observe_calls`), and checks the batch axes it would pad by
     (`xpupack.padding.check_loaded`). Returns the spec with what it found (docs/calls-and-fallback.md)."""
-    claimed = bool(spec.batch_axes)
+    claimed = bool(spec.batch_axes), bool(spec.length_axes)
     spec = observe_calls(target.forward, target.module, spec)
     spec = padding.check_loaded(spec, target.forward, trusted=context.trusted)
-    if claimed and not spec.batch_axes:
-        log.warning(
-            "%s: the package's batch axes are not used, calls of other batch sizes run the original module: %s",
-            target.path or "<model>",
-            spec.padding_refused,
-        )
+    for was_claimed, axes, what, why in (
+        (claimed[0], spec.batch_axes, "batch axes are not used, calls of other batch sizes", spec.padding_refused),
+        (claimed[1], spec.length_axes, "length axes are not used, shorter sequences", spec.lengths_refused),
+    ):
+        if was_claimed and not axes:
+            log.warning("%s: the package's %s run the original module: %s", target.path or "<model>", what, why)
     return spec
 
 

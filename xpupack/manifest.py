@@ -512,25 +512,27 @@ def read_spec(root: Path, entry: dict) -> dict:
 
 
 def _check_batch_axes(spec: dict) -> None:
-    """Raises ``ValueError`` unless the spec's ``batch_axes`` (which the schema checked for types) has one
-    entry per signature, each naming an axis only of a tensor leaf that has it, in a signature without state.
+    """Raises ``ValueError`` unless the spec's ``batch_axes`` and ``length_axes`` (which the schema checked
+    for types) have one entry per signature, each naming an axis only of a tensor leaf that has it, in a
+    signature without state.
 
     Torch-free, so that `inspect` and `verify` refuse what `xpupack.load` refuses (`xpupack.spec` then
     checks that the axes give each signature one batch)."""
-    entries = spec.get("batch_axes") or []
     signatures = spec["signatures"]
-    if entries and len(entries) != len(signatures):
-        raise ValueError(f"batch_axes has {len(entries)} entries for {len(signatures)} signatures")
-    for index, (axes, signature) in enumerate(zip(entries, signatures)):
-        if axes is None:
-            continue
-        leaves = signature["leaves"]
-        fits = len(axes["inputs"]) == len(leaves) and all(
-            leaf["kind"] != "state" and (axis is None or (leaf["kind"] == "tensor" and axis < len(leaf["shape"])))
-            for axis, leaf in zip(axes["inputs"], leaves)
-        )
-        if not fits:
-            raise ValueError(f"the batch axes of signature {index} do not fit its leaves")
+    for name in ("batch_axes", "length_axes"):
+        entries = spec.get(name) or []
+        if entries and len(entries) != len(signatures):
+            raise ValueError(f"{name} has {len(entries)} entries for {len(signatures)} signatures")
+        for index, (axes, signature) in enumerate(zip(entries, signatures)):
+            if axes is None:
+                continue
+            leaves = signature["leaves"]
+            fits = len(axes["inputs"]) == len(leaves) and all(
+                leaf["kind"] != "state" and (axis is None or (leaf["kind"] == "tensor" and axis < len(leaf["shape"])))
+                for axis, leaf in zip(axes["inputs"], leaves)
+            )
+            if not fits:
+                raise ValueError(f"the {name.replace('_', ' ')} of signature {index} do not fit its leaves")
 
 
 #: pytree node types a stored tree may name. torch's parser also knows node types

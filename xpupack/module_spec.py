@@ -64,6 +64,12 @@ class ModuleSpec:
     batch_axes: dict[int, BatchAxes] = field(default_factory=dict)
     #: why this module's calls are never padded (its rows mix), or None
     padding_refused: str | None = None
+    #: signature index -> its length axes, for the signatures a shorter sequence may be padded up to with
+    #: zeros (`xpupack.padding`: the module keeps zero positions out of the real ones, by a mask or causal
+    #: attention); empty when no length is padded
+    length_axes: dict[int, BatchAxes] = field(default_factory=dict)
+    #: why shorter sequences are not padded where another size (the batch) is, or None
+    lengths_refused: str | None = None
     #: eager changed an input tensor in place on a recorded sample (a replay would change its copy); at
     #: load, also when the loader sees the module do it (a package's false is only its word)
     mutates_inputs: bool = False

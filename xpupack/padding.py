@@ -39,48 +39,132 @@ _Tensor = torch.Tensor
 
 
 def find_batch_axes(spec: ModuleSpec, forward: Callable[..., Any], references: list[list[Any]]) -> ModuleSpec:
-    """``spec`` with ``batch_axes`` for the signatures that may be padded into, or with ``padding_refused``.
+    """``spec`` with the axes its calls may be padded along, or with ``padding_refused``.
 
-    ``references[i][k]`` is eager's output for recorded sample ``k`` of signature ``i`` (``spec.samples``).
+    ``batch_axes``: rows that never mix, padded with any filler; ``length_axes``: sequence positions that
+    the module keeps out of the real ones when they are zeros (a padding mask of 0, causal attention), padded
+    with zeros only. Within a call structure (a family), each size that changes across the recorded
+    signatures (a batch, a sequence length; two at most) is checked on its own, among the signatures that
+    agree on the other. ``references[i][k]`` is eager's output for recorded sample ``k`` of signature ``i``
+    (``spec.samples``).
     """
-    batch_axes: dict[int, BatchAxes] = {}
+    found: dict[str, dict[int, BatchAxes]] = {"batch": {}, "length": {}}
     groups: dict[tuple, list[int]] = {}
     for index, signature in enumerate(spec.signatures):
         if not signature.state_slots and signature.tensor_leaves:  # calls with state are never padded
             groups.setdefault(signature.family, []).append(index)
+    lengths_refused = None
     for members in groups.values():
-        if len(members) < 2:
+        sizes = _changing_sizes(spec, members) if len(members) > 1 else []
+        for size in sizes:
+            for group in _agreeing_on_the_others(spec, members, size, sizes):
+                problem = _axes_of_one_size(spec, forward, group, references, found)
+                if problem and len(sizes) == 1:  # the one size of these calls mixes rows: nothing is padded
+                    return replace(spec, batch_axes={}, length_axes={}, padding_refused=problem)
+                lengths_refused = lengths_refused or problem  # the other size pads as it may
+    return replace(
+        spec,
+        batch_axes=found["batch"],
+        length_axes=found["length"],
+        padding_refused=None,
+        lengths_refused=None if found["length"] else lengths_refused,
+    )
+
+
+def _changing_sizes(spec: ModuleSpec, members: list[int]) -> list[list[tuple[int, int]]]:
+    """The sizes that change across the signatures ``members`` of one family, each as the input ``(leaf
+    position, axis)`` pairs that change together (the same size in every signature); none where more than
+    two change (nothing is padded then)."""
+    together: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for position, column in enumerate(zip(*(spec.signatures[index].leaves for index in members))):
+        if not isinstance(column[0], TensorLeaf):
             continue
-        found = _batch_axes(spec, members, references)
-        if isinstance(found, str):
-            continue  # the sizes differ in another way than a batch: nothing to pad
-        axes, batches = found
-        problem = _why_not_paddable(spec, forward, members, axes, batches)
-        if problem:
-            return replace(spec, batch_axes={}, padding_refused=problem)
-        batch_axes.update({index: axes for index in members})
-    return replace(spec, batch_axes=batch_axes, padding_refused=None)
+        for axis in range(len(column[0].shape)):
+            values = tuple(leaf.shape[axis] for leaf in column)
+            if len(set(values)) > 1:
+                together.setdefault(values, []).append((position, axis))
+    return list(together.values()) if len(together) <= 2 else []
 
 
-def _batch_axes(spec: ModuleSpec, members: list[int], references: list[list[Any]]) -> tuple[BatchAxes, list[int]] | str:
-    """The batch axes shared by the signatures ``members`` (of one family) and each one's batch size,
-    or why there are none."""
+def _agreeing_on_the_others(
+    spec: ModuleSpec, members: list[int], size: list[tuple[int, int]], sizes: list[list[tuple[int, int]]]
+) -> list[list[int]]:
+    """``members`` grouped by the values of every changing size but ``size`` (groups of two or more)."""
+    others = [other[0] for other in sizes if other is not size]
+    groups: dict[tuple, list[int]] = {}
+    for index in members:
+        leaves = spec.signatures[index].leaves
+        groups.setdefault(tuple(leaves[p].shape[a] for p, a in others), []).append(index)  # type: ignore[union-attr]
+    return [group for group in groups.values() if len(group) > 1]
+
+
+def _axes_of_one_size(
+    spec: ModuleSpec,
+    forward: Callable[..., Any],
+    members: list[int],
+    references: list[list[Any]],
+    found: dict[str, dict[int, BatchAxes]],
+) -> str | None:
+    """Adds the axes of the one size that changes across ``members`` to ``found``: as a batch where every
+    output follows it and rows never mix, else as a length where the inputs are a sequence (an integer or
+    boolean input changes along it: token ids, a mask) and zeros after the real positions leave them as
+    they are. Returns why neither holds where a check failed, else None."""
+    axes = _batch_axes(spec, members, references)
+    if isinstance(axes, str):
+        return None  # the sizes differ in another way than a batch or a length: nothing to pad
+    padding_axes, sizes, outputs_kept_whole = axes
+    taken = {kind: any(index in found[kind] for index in members) for kind in found}
+    sequence = _is_a_sequence(spec.signatures[members[0]], padding_axes)
+    problem = None
+    if not outputs_kept_whole:
+        problem = _why_not_paddable(spec, forward, members, padding_axes, sizes, "batch")
+        if problem is None:  # positions that never mix (causal attention) pass too: a sequence is a length
+            kind = "length" if sequence or taken["batch"] else "batch"
+            if not taken[kind]:
+                found[kind].update(dict.fromkeys(members, padding_axes))
+            return None
+    if sequence and not taken["length"]:
+        length_problem = _why_not_paddable(spec, forward, members, padding_axes, sizes, "length")
+        if length_problem is None:
+            found["length"].update(dict.fromkeys(members, padding_axes))
+            return None
+        problem = problem or length_problem
+    return problem
+
+
+def _is_a_sequence(signature: Signature, axes: BatchAxes) -> bool:
+    """Whether an integer or boolean input (token ids, a mask) changes along ``axes`` past its first axis
+    (``[batch, length]``): what makes zeros after the real positions mean "no token" rather than a value
+    that happens to change nothing."""
+    return any(
+        axis and isinstance(leaf, TensorLeaf) and not leaf.dtype.is_floating_point
+        for axis, leaf in zip(axes.inputs, signature.leaves)
+    )
+
+
+def _batch_axes(
+    spec: ModuleSpec, members: list[int], references: list[list[Any]]
+) -> tuple[BatchAxes, list[int], bool] | str:
+    """The axes along which the one size that changes across the signatures ``members`` (of one family)
+    lies, each signature's size, and whether some output tensor keeps its shape across them (kept whole
+    by a padded call: a pooled output); or why they change in another way."""
     found = _input_batch_axes([spec.signatures[index].leaves for index in members])
     if isinstance(found, str):
         return found
-    inputs, batches = found
-    outputs = _output_batch_axes([references[index][0] for index in members], batches)
+    inputs, sizes = found
+    outputs = _output_batch_axes([references[index][0] for index in members], sizes)
     if isinstance(outputs, str):
         return outputs
-    return BatchAxes(inputs, outputs), batches
+    output_axes, kept_whole = outputs
+    return BatchAxes(inputs, output_axes), sizes, kept_whole
 
 
 def _input_batch_axes(leaves: list[tuple[Any, ...]]) -> tuple[tuple[int | None, ...], list[int]] | str:
     """The axis each input leaf changes size in across the signatures' ``leaves`` (None: it does not, or is
-    no tensor) and the signatures' batch sizes, or why the inputs have no batch axes: a batch is one size
-    that every changing input shares."""
+    no tensor) and the signatures' sizes there, or why the inputs have no such axes: one size that every
+    changing input shares."""
     inputs: list[int | None] = []
-    batches: list[int] | None = None
+    sizes: list[int] | None = None
     for position, column in enumerate(zip(*leaves)):
         if not isinstance(column[0], TensorLeaf):
             inputs.append(None)
@@ -90,31 +174,37 @@ def _input_batch_axes(leaves: list[tuple[Any, ...]]) -> tuple[tuple[int | None, 
             return f"input {position} changes in more than one axis"
         inputs.append(axis)
         if axis is not None:
-            sizes = [leaf.shape[axis] for leaf in column]
-            if batches is not None and sizes != batches:
+            changed = [leaf.shape[axis] for leaf in column]
+            if sizes is not None and changed != sizes:
                 return "inputs change size independently"
-            batches = sizes
-    if batches is None:
+            sizes = changed
+    if sizes is None:
         return "no input changes size"
-    return tuple(inputs), batches
+    return tuple(inputs), sizes
 
 
-def _output_batch_axes(outputs: list[Any], batches: list[int]) -> tuple[int | None, ...] | str:
-    """The batch axis of each output tensor across the signatures' reference ``outputs``, or why there is
-    none: a padded call's outputs are cut back along it, so every output tensor must follow the batch."""
+def _output_batch_axes(outputs: list[Any], sizes: list[int]) -> tuple[tuple[int | None, ...], bool] | str:
+    """The axis of each output tensor that follows the inputs' ``sizes`` across the signatures' reference
+    ``outputs`` (a padded call's outputs are cut back along it; None: no tensor, or one that keeps its shape)
+    and whether some output tensor keeps its shape; or why the outputs change in another way."""
     flat = [flatten((output,), {}) for output in outputs]
     if any(structure != flat[0][1] for _, structure in flat):
         return "the outputs' structure changes with the batch"
     axes: list[int | None] = []
+    kept_whole = False
     for position, column in enumerate(zip(*(leaves for leaves, _ in flat))):
         if not isinstance(column[0], _Tensor):
             axes.append(None)
             continue
         axis = _varying_axis([tuple(tensor.shape) for tensor in column])
-        if axis is None or axis == -1 or [tensor.shape[axis] for tensor in column] != batches:
+        if axis is None:
+            kept_whole = True
+        elif axis == -1 or [tensor.shape[axis] for tensor in column] != sizes:
             return f"output {position} does not follow the batch"
         axes.append(axis)
-    return tuple(axes)
+    if all(axis is None for axis in axes):
+        return "no output follows the batch"
+    return tuple(axes), kept_whole
 
 
 def _varying_axis(shapes: list[tuple[int, ...]]) -> int | None:
@@ -132,29 +222,38 @@ def _varying_axis(shapes: list[tuple[int, ...]]) -> int | None:
 ROWS_SQNR_DB = 25.0
 
 
+#: what each kind of padding fills in, and what its check fills in besides (`_rows_mix`)
+FILLERS = {"batch": ("zeros", "other"), "length": ("zeros",)}
+
+
 def _why_not_paddable(
-    spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes, batches: list[int]
+    spec: ModuleSpec, forward: Callable[..., Any], members: list[int], axes: BatchAxes, sizes: list[int], kind: str
 ) -> str | None:
-    """Runs eager on each recorded sample of a batch above 1 with its last rows replaced (`_rows_mix`)."""
+    """Runs eager on each recorded sample of a size above 1 with its last rows (positions for a ``kind``
+    of ``"length"``) replaced (`_rows_mix`)."""
     refused = _side_effects_refusal(spec)
     if refused:
         return refused
     generator = torch.Generator().manual_seed(0)
-    for index, batch in zip(members, batches):
-        if batch < 2:
+    for index, size in zip(members, sizes):
+        if size < 2:
             continue
         described = spec.signatures[index].describe()
         for args, kwargs in spec.samples.inputs[index]:
             try:
-                problem = _rows_mix(forward, args, kwargs, axes, batch, batch // 2, generator, described)
+                problem = _rows_mix(forward, args, kwargs, axes, size, size // 2, generator, described, kind)
             except Exception as exc:  # a module that cannot run the check's calls is not padded; the tune goes on
                 return (
-                    f"the padding check's call of {described} cut to {batch // 2} row(s) failed to run "
+                    f"the padding check's call of {described} cut to {size // 2} {_UNITS[kind]} failed to run "
                     f"({type(exc).__name__}: {exc})"
                 )
             if problem:
-                return f"rows mix: {problem}"
+                return f"{'rows' if kind == 'batch' else 'positions'} mix: {problem}"
     return None
+
+
+#: how a kind of padding counts what it cuts, in messages
+_UNITS = {"batch": "row(s)", "length": "position(s)"}
 
 
 def _side_effects_refusal(spec: ModuleSpec) -> str | None:
@@ -175,17 +274,19 @@ def _rows_mix(
     rows: int,
     generator: torch.Generator,
     described: str,
+    kind: str = "batch",
 ) -> str | None:
-    """Runs eager on a call of ``batch`` rows cut to its first ``rows``, then with the rest filled in again,
-    once by zeros (what padding fills in) and once by other values: the real rows must come out as eager
-    gives them alone. Returns what differed (the call ``described``), or None."""
+    """Runs eager on a call of ``batch`` rows cut to its first ``rows``, then with the rest filled in again
+    by each of the ``kind``'s `FILLERS`: zeros (what padding fills in) and, for a batch, other values: the
+    real rows must come out as eager gives them alone. A ``kind`` of ``"length"`` does this along a
+    sequence: rows are positions. Returns what differed (the call ``described``), or None."""
     leaves, tree = flatten(*snapshot((args, kwargs)))
     # contiguous: a caller's smaller call is a tensor of its own, not a strided view (GPT-2's Conv1D views)
     real = [_cut(leaf, axis, rows, contiguous=True) for leaf, axis in zip(leaves, axes.inputs)]
     real_args, real_kwargs = unflatten(real, tree)
     with torch.no_grad():
         expected = _cut_outputs(forward(*real_args, **real_kwargs), axes, rows)
-        for filler in ("zeros", "other"):
+        for filler in FILLERS[kind]:
             padded = [
                 _pad(leaf, axis, batch, filler, generator, source)
                 for leaf, axis, source in zip(real, axes.inputs, leaves)
@@ -198,9 +299,10 @@ def _rows_mix(
                 low_precision_sqnr_db=ROWS_SQNR_DB,
             )
             if problem:
+                unit = _UNITS[kind]
                 return (
-                    f"{rows} real row(s) of {described} padded with {filler} to {batch} came out unlike "
-                    f"eager on the real rows alone ({problem})"
+                    f"{rows} real {unit} of {described} padded with {filler} to {batch} came out unlike "
+                    f"eager on the real {unit[:-3]}s alone ({problem})"
                 )
     return None
 
@@ -223,7 +325,18 @@ def check_loaded(spec: ModuleSpec, forward: Callable[..., Any], *, trusted: bool
     leaves vary from batch to batch; integer and boolean ones are zeros (the only values valid for any
     embedding), so a signature whose batched inputs are all integers gives the check nothing to vary:
     its padding is kept only from a ``trusted`` source (docs/calls-and-fallback.md).
+
+    Length axes pad a sequence of token ids or a mask, which no synthesised input stands for (a mask of
+    zeros hides every position): they too are kept only from a ``trusted`` source, and only where the
+    module leaves its inputs and buffers alone; the first padded call into each recording is then
+    checked on the caller's inputs (`xpupack.tuned.TunedModule`).
     """
+    if spec.length_axes:
+        refused = _side_effects_refusal(spec) or (
+            None if trusted else "the loader cannot check sequence padding and the source is not trusted"
+        )
+        if refused:
+            spec = replace(spec, length_axes={}, lengths_refused=f"{refused} (checked at load)")
     problem = _loaded_axes_problem(spec, forward, trusted) if spec.batch_axes else None
     if problem:
         return replace(spec, batch_axes={}, padding_refused=f"{problem} (checked at load)")
@@ -295,8 +408,10 @@ def _pad(
         return leaf
     shape = list(leaf.shape)
     shape[axis] = batch
-    padded = leaf.new_zeros(shape)
-    padded.narrow(axis, 0, leaf.shape[axis]).copy_(leaf)
+    # an inference tensor only where the caller's is one: compiled code guards on which it is
+    with torch.inference_mode(leaf.is_inference()):
+        padded = leaf.new_zeros(shape)
+        padded.narrow(axis, 0, leaf.shape[axis]).copy_(leaf)
     if filler == "other":
         rest = padded.narrow(axis, leaf.shape[axis], batch - leaf.shape[axis])
         if leaf.dtype.is_floating_point or leaf.dtype.is_complex:
@@ -398,16 +513,18 @@ def signature_batch(signature: Signature, axes: BatchAxes) -> tuple[tuple, int]:
 class PadTable:
     """Finds, for a call no recording fits, a recorded signature it can be padded up to.
 
-    Built from the spec's batch axes; looked up only after the exact fit check missed.
+    Built from the spec's batch and length axes (a call is padded along one of them); looked up only after
+    the exact fit check missed.
     """
 
     def __init__(self, spec: ModuleSpec, active: set[int]):
-        #: batch axes -> {the fit key without batch sizes: sorted [(batch, signature index)]}
+        #: batch or length axes -> {the fit key without those sizes: sorted [(size, signature index)]}
         self.groups: dict[BatchAxes, dict[tuple, list[tuple[int, int]]]] = {}
-        for index, axes in spec.batch_axes.items():
-            if index in active:
-                masked, batch = signature_batch(spec.signatures[index], axes)
-                bisect.insort(self.groups.setdefault(axes, {}).setdefault(masked, []), (batch, index))
+        for padding_axes in (spec.batch_axes, spec.length_axes):
+            for index, axes in padding_axes.items():
+                if index in active:
+                    masked, batch = signature_batch(spec.signatures[index], axes)
+                    bisect.insort(self.groups.setdefault(axes, {}).setdefault(masked, []), (batch, index))
 
     def __bool__(self) -> bool:
         return bool(self.groups)

@@ -146,8 +146,8 @@ def describe_options(options: Any, prefix: str = "") -> list[str]:
 
 
 def _padding(spec: dict, entry: dict) -> str | None:
-    """What the module's spec says about padding calls up to a recorded batch; None for a backend that
-    runs any batch itself (eager, TorchAO): it never pads."""
+    """What the module's spec says about padding calls up to a recorded batch or sequence length; None for a
+    backend that runs any shape itself (eager, TorchAO): it never pads."""
     try:
         if not _backend(entry["backend"]["name"], entry["backend"]["options"]).pads_calls:
             return None
@@ -155,19 +155,27 @@ def _padding(spec: dict, entry: dict) -> str | None:
         pass  # a backend this xpupack does not know: the spec says what it may do
     if spec.get("padding_refused"):
         return "never padded: " + spec["padding_refused"]
-    axes = spec.get("batch_axes") or []
-    if any(axes):
-        batches = sorted(
-            {
-                s["leaves"][i]["shape"][a]
-                for s, entry in zip(spec["signatures"], axes)
-                if entry
-                for i, a in enumerate(entry["inputs"])
-                if a is not None
-            }
-        )
-        return "smaller batches padded up to " + ", ".join(map(str, batches))
-    return None
+    lines = []
+    if batches := _padded_sizes(spec, "batch_axes"):
+        lines.append("smaller batches padded up to " + batches)
+    if lengths := _padded_sizes(spec, "length_axes"):
+        lines.append("shorter sequences padded up to lengths " + lengths)
+    elif spec.get("lengths_refused"):
+        lines.append("shorter sequences not padded: " + spec["lengths_refused"])
+    return "\n".join(lines) or None
+
+
+def _padded_sizes(spec: dict, name: str) -> str:
+    """The recorded sizes along the spec's ``batch_axes`` or ``length_axes`` (``name``) that calls are padded
+    up to, as text ("" where none)."""
+    sizes = {
+        signature["leaves"][i]["shape"][a]
+        for signature, entry in zip(spec["signatures"], spec.get(name) or [])
+        if entry
+        for i, a in enumerate(entry["inputs"])
+        if a is not None
+    }
+    return ", ".join(map(str, sorted(sizes)))
 
 
 def _recorded(entry: dict) -> dict | None:

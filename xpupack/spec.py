@@ -27,17 +27,16 @@ def spec_to_json(path: str, spec: ModuleSpec) -> dict:
         "signature_calls": [
             spec.signature_calls[i] if i < len(spec.signature_calls) else 0 for i in range(len(spec.signatures))
         ],
-        **(
-            {
-                "batch_axes": [
-                    spec.batch_axes[i].to_json() if i in spec.batch_axes else None for i in range(len(spec.signatures))
-                ]
-            }
-            if spec.batch_axes
-            else {}
-        ),
+        **_axes_json("batch_axes", spec.batch_axes, len(spec.signatures)),
         **({"padding_refused": spec.padding_refused} if spec.padding_refused else {}),
+        **_axes_json("length_axes", spec.length_axes, len(spec.signatures)),
+        **({"lengths_refused": spec.lengths_refused} if spec.lengths_refused else {}),
     }
+
+
+def _axes_json(name: str, axes: dict[int, BatchAxes], count: int) -> dict:
+    """``{name: one entry or null per signature}``, or nothing where no signature has axes."""
+    return {name: [axes[i].to_json() if i in axes else None for i in range(count)]} if axes else {}
 
 
 def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
@@ -56,6 +55,7 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
         if counts and len(counts) != len(signatures):
             raise ValueError(f"signature_calls has {len(counts)} entries for {len(signatures)} signatures")
         batch_axes = _batch_axes(data.get("batch_axes", []), signatures)
+        length_axes = _batch_axes(data.get("length_axes", []), signatures)
     except ValueError as exc:
         raise PackageFormatError(f"{where}: {exc}; the package is damaged — rebuild it", path=entry["spec"]) from None
     return ModuleSpec(
@@ -66,12 +66,14 @@ def read_module_spec(root: Path, entry: dict) -> ModuleSpec:
         mutates_inputs=data.get("mutates_inputs", False),
         batch_axes=batch_axes,
         padding_refused=data.get("padding_refused"),
+        length_axes=length_axes,
+        lengths_refused=data.get("lengths_refused"),
     )
 
 
 def _batch_axes(data: list, signatures: list[Signature]) -> dict[int, BatchAxes]:
-    """The spec's ``batch_axes`` (one entry or null per signature; `read_spec` checked that each fits its
-    signature's leaves), each checked to give its signature one batch."""
+    """The spec's ``batch_axes`` or ``length_axes`` (one entry or null per signature; `read_spec` checked
+    that each fits its signature's leaves), each checked to give its signature one size."""
     found = {}
     for index, entry in enumerate(data):
         if entry is None:

@@ -171,12 +171,17 @@ class TunedModule:
         self.compiling = 0
         #: calls served by padding up to a recorded batch (`xpupack.padding`)
         self.padded = 0
-        self._padding = PadTable(spec, set(self._table.values())) if backend.pads_calls and spec.batch_axes else None
+        pads = backend.pads_calls and bool(spec.batch_axes or spec.length_axes)
+        self._padding = PadTable(spec, set(self._table.values())) if pads else None
         self._pads_in_place = runner.run_padded
-        #: signatures whose padded calls are known to agree with the original module: all of them when
-        #: tuning checked the batch axes on its samples; none after a load, whose axes are the package's
-        #: claim (the first padded call into each is checked, `_check_first_padded_call`)
-        self._padding_checked: set[int] = set(self._table.values()) if padding_checked else set()
+        #: (signature, the axes it is padded along) whose padded calls are known to agree with the original
+        #: module: all of them when tuning checked the axes on its samples; none after a load, whose axes
+        #: are the package's claim (the first padded call into each is checked, `_check_first_padded_call`)
+        self._padding_checked: set[tuple[int, BatchAxes]] = (
+            {(i, axes) for kind in (spec.batch_axes, spec.length_axes) for i, axes in kind.items()}
+            if padding_checked
+            else set()
+        )
         #: every padded call checked against the original module (``verify_padding="always"``)
         self.verify_every_padded_call = check_verify_padding(verify_padding) == "always"
         #: padded calls checked against the original module (the first per recording after a load, or all)
@@ -326,14 +331,14 @@ class TunedModule:
         ``padded``). The first padded call into a loaded package's recording is checked against the
         original module, which must see the buffers as the caller left them (the padded run may have
         written them)."""
-        check = self.verify_every_padded_call or index not in self._padding_checked
+        check = self.verify_every_padded_call or (index, padding[1]) not in self._padding_checked
         buffers = BufferWatch(self.target.module) if check else None
         try:
             outputs = self._run_padded(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
             return self._backend_failed(index, key, exc, args, kwargs, leaves)
         if buffers is not None:
-            return self._check_first_padded_call(index, outputs, args, kwargs, leaves, buffers)
+            return self._check_first_padded_call(index, padding[1], outputs, args, kwargs, leaves, buffers)
         self.padded += 1
         return outputs
 
@@ -374,9 +379,10 @@ class TunedModule:
         return False
 
     def _check_first_padded_call(
-        self, index: int, outputs: Any, args: tuple, kwargs: dict, leaves: list, buffers: BufferWatch
+        self, index: int, axes: BatchAxes, outputs: Any, args: tuple, kwargs: dict, leaves: list, buffers: BufferWatch
     ) -> Any:
-        """A loaded package's first padded call into signature ``index``: the buffers go back to what they
+        """A loaded package's first padded call into signature ``index`` along ``axes`` (its batch or its
+        length): the buffers go back to what they
         were before it, the original module runs the call (once: its buffers see it once), and its outputs
         are compared with the padded ones on the caller's rows. The load checked the batch axes on inputs of
         its own (`xpupack.padding.check_loaded`); this sees the caller's. On a mismatch that signature is no
@@ -393,7 +399,7 @@ class TunedModule:
             else padded_rows_differ(self.backend, outputs, expected)
         )
         if problem is None:
-            self._padding_checked.add(index)
+            self._padding_checked.add((index, axes))
             self.padded += 1
             return outputs
         if written:

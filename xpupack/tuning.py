@@ -74,7 +74,9 @@ def tune(
             call. Smaller batches than a recorded one are then padded up to it where the module
             allows; each tuned module's own batch axes are found from the recorded sizes.
         batch_axis: the samples' batch axis for ``batch_sizes`` (default 0); e.g. 1 for
-            ``[sequence, batch, hidden]`` inputs, whose axis 0 must not be resized.
+            ``[sequence, batch, hidden]`` inputs, whose axis 0 must not be resized. Token ids
+            ``[batch, length]`` with ``batch_axis=1`` make sequence-length buckets: shorter sequences
+            are then padded up to them with zeros where the module allows (docs/serving-shapes.md).
         progress: called with short status messages (the CLI shows them): each sample recorded, each
             module, each candidate built, checked and timed. None: the ``xpupack`` logger's INFO messages.
         search: without a ``strategy``, ``"quick"`` (the default above) or ``"thorough"``: every

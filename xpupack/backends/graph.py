@@ -421,9 +421,10 @@ class GraphRunner(Runner):
             recording.set_outputs(outputs)
         finally:
             recording.live = {}
-        axes = self.spec.batch_axes.get(index)
-        if axes is not None:  # padded calls will be cut by these axes: they must fit (a package's are a claim)
-            check_output_axes(outputs, axes, signature_batch(self.signatures[index], axes)[1])
+        for padding_axes in (self.spec.batch_axes, self.spec.length_axes):
+            axes = padding_axes.get(index)
+            if axes is not None:  # padded calls are cut by these axes: they must fit (a package's are a claim)
+                check_output_axes(outputs, axes, signature_batch(self.signatures[index], axes)[1])
         # its static inputs, and what its capture added to the shared pool (outputs, work space)
         recording.memory = pool_memory + sum(static[slot].untyped_storage().nbytes() for slot in recording.tensor_slots)
         return recording

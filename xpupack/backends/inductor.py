@@ -44,6 +44,7 @@ import torch
 
 from .. import _background, _device, _torch_compat
 from .._compare import mismatch
+from .._inference import compiled_code_mode
 from ..errors import PackageFormatError, error_line
 from ..manifest import CACHE, KERNELS, artifact_file
 from ..module_spec import ModuleSpec, Target
@@ -211,10 +212,11 @@ class InductorRunner(Runner):
         Returns:
             The module's output.
         """
-        function = self._ready.get(index)
-        if function is not None:
-            return function(*args, **kwargs)
-        return self._first_call(index, args, kwargs)
+        with compiled_code_mode(leaves, stateless=not self.signatures[index].state_slots):
+            function = self._ready.get(index)
+            if function is not None:
+                return function(*args, **kwargs)
+            return self._first_call(index, args, kwargs)
 
     def failed_upgrade(self) -> tuple[str, str] | None:
         """``("eager", why)`` once the compile off the caller's path failed (`Runner.failed_upgrade`)."""

@@ -291,7 +291,8 @@ def _progress(out: Console, first: str) -> Iterator[Callable[[str], None]]:
     type=int,
     default=None,
     metavar="AXIS",
-    help="The samples' batch axis for --batch-sizes (default 0).",
+    help="The samples' batch axis for --batch-sizes (default 0); 1 for token ids [batch, length] makes "
+    "--batch-sizes sequence-length buckets that shorter sequences are padded up to.",
 )
 @click.option("--no-weights", is_flag=True, help="Do not store the weights; loaders keep their model's own.")
 @click.option(
