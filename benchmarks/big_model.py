@@ -40,8 +40,9 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
 - ``tokens_equal``, ``first_differing_position``: the package's greedy tokens against eager's (the same
   weights, deactivated); bf16 may differ where two logits are within rounding;
 - ``device``, ``device_name``, ``torch``, ``transformers``, the settings, ``tuned_backends`` (what tuning
-  chose); ``phases`` (each phase: ``ok``, ``error`` or ``skipped``), ``errors`` (phase -> error) and
-  ``skipped`` (phase -> why). A failed phase records its error and the others still run. In the last tenth
+  chose) and ``tuned_candidates`` (each candidate's verdict, as ``xpupack inspect`` shows it);
+  ``phases`` (each phase: ``ok``, ``error`` or ``skipped``), ``errors`` (phase -> error) and ``skipped``
+  (phase -> why). A failed phase records its error and the others still run. In the last tenth
   of ``--budget`` (30 s at most) no phase starts; a process still running at the budget is stopped, its
   running phase recorded as an error. The JSON is printed in every case.
 
@@ -55,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import statistics
@@ -235,6 +237,11 @@ class Phases:
 def step_build(shape: Shape, package: Path, phases: Phases) -> None:
     import torch
 
+    # tuning's progress (each candidate built, checked, timed) goes to the build process's log
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logging.getLogger("xpupack").addHandler(handler)
+    logging.getLogger("xpupack").setLevel(logging.INFO)
     emit(device_name=torch.cuda.get_device_name() if shape.device.startswith("cuda") else shape.device)
     built: dict = {}
     phases.run("tune", lambda: tune(shape, built))
@@ -258,7 +265,11 @@ def tune(shape: Shape, built: dict) -> dict:
     started = time.perf_counter()
     with torch.inference_mode():
         xpupack.tune(model, ["loop", "generate"], run=run, device=shape.device)
-    return {"tune_s": round(time.perf_counter() - started, 2), "tuned_backends": backends(model)}
+    return {
+        "tune_s": round(time.perf_counter() - started, 2),
+        "tuned_backends": backends(model),
+        "tuned_candidates": candidates(model),
+    }
 
 
 def save(model, package: Path) -> dict:
@@ -275,6 +286,15 @@ def backends(model) -> dict:
     import xpupack
 
     return {path or "<model>": entry["backend"] for path, entry in xpupack.stats(model).items()}
+
+
+def candidates(model) -> dict:
+    """Each tuned module's candidates, one `xpupack.candidate.Candidate.summary` line each (why one was
+    chosen, refused or slower), as `xpupack inspect` shows them."""
+    import xpupack
+
+    session = xpupack.tuned.session_of(model)
+    return {path or "<model>": [c.summary() for c in module.report] for path, module in session.modules.items()}
 
 
 # --- the serve process: load on empty caches, serve, compare with hand-compiled code -------------------
@@ -602,6 +622,7 @@ def report_head(args: argparse.Namespace) -> dict:
         "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__} | {"seconds": args.seconds},
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
+        "tuned_candidates": None,
         "phases": {},
         "errors": {},
         "skipped": {},

@@ -104,7 +104,9 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
     assert full_speed is None or 0 < full_speed <= series[-1][0]
     assert all(isinstance(name, str) for name in report["threads_alive_after_load"])
     stats = report["stats"]
-    assert stats["calls"] > 0 and set(stats["backends"]) == set(report["tuned_backends"]) == {"<model>"}
+    assert stats["calls"] > 0 and set(stats["backends"]) == set(report["tuned_backends"]) == set(
+        report["tuned_candidates"]
+    ) == {"<model>"}
     assert 0 <= report["prefill_fallbacks"] <= stats["fallbacks"]
     assert isinstance(report["tokens_equal"], bool)
     assert (report["first_differing_position"] is None) == report["tokens_equal"]
