@@ -163,3 +163,25 @@ def test_real_graphs_of_a_language_model_tuned_under_inference_mode_replay_in_ev
         stats = xpupack.stats(loaded)[""]
         assert stats["fallbacks"] == 0 and stats["recordings"] >= 1, (serve_mode, stats)  # prefills included
     assert fallback_calls == []
+
+
+def _compiles() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("tensors_made_in", ["inference_mode", "no_grad"])
+def test_inductor_code_serves_calls_under_inference_mode_without_compiling_again(tensors_made_in, fallback_calls):
+    """Tuning compiles outside inference mode; a call under it (its tensors made there or outside) runs
+    that code, not a new compile on the caller's path, and answers as eager does."""
+    model, reference = make_stack(), make_stack()
+    with torch.inference_mode():
+        xpupack.tune(model, stack_samples(), strategy=xpupack.Only(xpupack.InductorBackend()))
+    before = _compiles()
+    with MODES[tensors_made_in]():
+        x = torch.randn(4, 8)
+    with torch.inference_mode():
+        out = model(x)
+    assert _compiles() == before and fallback_calls == []
+    with torch.no_grad():
+        torch.testing.assert_close(out, reference(x.clone()))
+    assert not out.is_inference()  # a normal tensor, which inference mode takes

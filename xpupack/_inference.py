@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 P = ParamSpec("P")
@@ -46,25 +47,24 @@ def writing(tensors: Iterable[torch.Tensor]) -> contextlib.AbstractContextManage
     return torch.no_grad()
 
 
-def compiled_code_mode(leaves: list, stateless: bool) -> contextlib.AbstractContextManager:
-    """The mode a call of compiled code runs in: for a call without state whose tensors are all normal
-    tensors, `torch.no_grad` outside inference mode also where the caller is inside it; the caller's mode
-    for any other call.
+def normal_call(args: tuple, kwargs: dict, leaves: list) -> tuple[contextlib.AbstractContextManager, tuple, dict]:
+    """A call of compiled code under inference mode, made the call that tuning and loading compiled for:
+    outside inference mode without autograd (`normal_tensors`), its inference tensors copied to normal
+    ones. Returns ``(the mode to call in, args, kwargs)``; outside inference mode, the call as it is.
 
-    Compiled code guards on each input's dispatch keys, which inference mode changes: tuning and loading
-    compile outside it (`normal_tensors`), so a caller's first call under `torch.inference_mode()` would
-    compile again, on the caller's path, at every signature. Normal tensors give the same answer outside
-    inference mode and come back as normal tensors, which inference mode takes. A call with an inference
-    tensor or with state (a cache it writes, perhaps made under inference mode) keeps the caller's mode:
-    only there may an inference tensor be written.
+    Compiled code guards on each input's dispatch keys, which inference mode changes: a caller's first
+    call under `torch.inference_mode()` would otherwise compile again, on the caller's path, at every
+    signature (a second or more each). Only for a call that writes nothing of the caller's (no state, no
+    input written in place): an inference tensor may be written only inside inference mode, and a copy's
+    writes would never reach the caller. Its outputs are normal tensors, which inference mode takes.
     """
-    if (
-        stateless
-        and torch.is_inference_mode_enabled()
-        and not any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves)
-    ):
-        return _outside_inference_mode_without_grad()
-    return contextlib.nullcontext()
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext(), args, kwargs
+    if any(isinstance(leaf, torch.Tensor) and leaf.is_inference() for leaf in leaves):
+        args, kwargs = pytree.tree_map_only(
+            torch.Tensor, lambda t: own_copy(t) if t.is_inference() else t, (args, kwargs)
+        )
+    return _outside_inference_mode_without_grad(), args, kwargs
 
 
 @contextlib.contextmanager

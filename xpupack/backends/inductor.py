@@ -44,7 +44,7 @@ import torch
 
 from .. import _background, _device, _torch_compat
 from .._compare import mismatch
-from .._inference import compiled_code_mode
+from .._inference import normal_call
 from ..errors import PackageFormatError, error_line
 from ..manifest import CACHE, KERNELS, artifact_file
 from ..module_spec import ModuleSpec, Target
@@ -212,7 +212,10 @@ class InductorRunner(Runner):
         Returns:
             The module's output.
         """
-        with compiled_code_mode(leaves, stateless=not self.signatures[index].state_slots):
+        mode = contextlib.nullcontext()
+        if not (self.signatures[index].state_slots or self.spec.mutates_inputs):  # it writes nothing of the caller's
+            mode, args, kwargs = normal_call(args, kwargs, leaves)
+        with mode:
             function = self._ready.get(index)
             if function is not None:
                 return function(*args, **kwargs)
