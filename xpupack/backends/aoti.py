@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import _device, _torch_compat
+from .._compare import LOW_PRECISION_SQNR_DB
 from ..errors import error_line
 from ..manifest import artifact_file
 from ..module_spec import ModuleSpec, Target
@@ -302,8 +303,8 @@ class AOTIBackend(Backend):
     compiled_artifacts = True
     compiles_at_load = False
     pads_calls = True
-    #: the SQNR floor the Inductor backend applies to low-precision outputs (same kernels, same rounding)
-    LOW_PRECISION_SQNR_DB = 25.0
+    #: the SQNR floor Inductor applies to low-precision outputs (same kernels, same rounding)
+    LOW_PRECISION_SQNR_DB = LOW_PRECISION_SQNR_DB
 
     def available(self, device: torch.device) -> bool:
         """On a CPU only (`_facts.AOTI_NOT_ON_GPUS`: torch's loader crashed the process on CUDA).

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _background, _device, _torch_compat
-from .._compare import mismatch
+from .._compare import LOW_PRECISION_SQNR_DB, mismatch
 from .._inference import normal_call
 from ..errors import PackageFormatError, error_line
 from ..manifest import CACHE, KERNELS, artifact_file
@@ -551,7 +551,7 @@ class InductorBackend(ComposedBackend):
     #: SQNR (dB) a bfloat16/float16 output missing the elementwise tolerance must still reach: fusions
     #: round differently from eager's op-by-op kernels, and through a deep model (an LLM's logits)
     #: that adds up past any elementwise bound fit for one op, while a wrong kernel falls far below
-    LOW_PRECISION_SQNR_DB = 25.0
+    LOW_PRECISION_SQNR_DB = LOW_PRECISION_SQNR_DB
     own_compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
     own_depends_on = INDUCTOR_DEPENDS_ON
     supports_autocast = True  # Dynamo guards on the autocast state and compiles again
