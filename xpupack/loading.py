@@ -149,8 +149,10 @@ def load(
             another source. A refused capture runs the module with the next backend.
         limits: the most the package may make this load allocate or do (`LoadLimits`). None:
             the defaults, or the ``XPUPACK_MAX_*`` environment variables where set.
-        defer_compile: False (the default): the load returns once everything is compiled and
-            recorded, and nothing of it runs on afterwards (no thread, no compiler in the background).
+        defer_compile: False (the default): the load returns once everything it can reach is compiled
+            and recorded, and nothing of it runs on afterwards (no thread, no compiler in the background).
+            A call with a KV cache is compiled and recorded at its first call, on the caller's path: only
+            a real call brings the cache (docs/cold-start.md).
             True (opt-in, for Inductor packages whose compile at load takes seconds): a device graph over
             Inductor's compiled code (``graph+inductor``) records the original module now and serves
             those recordings while a background thread loads the compiled code; each signature's next
