@@ -169,6 +169,7 @@ def _compiles() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tensors_made_in", ["inference_mode", "no_grad"])
 def test_inductor_code_serves_calls_under_inference_mode_without_compiling_again(tensors_made_in, fallback_calls):
     """Tuning compiles outside inference mode; a call under it (its tensors made there or outside) runs

@@ -158,6 +158,7 @@ def compiles() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_inductor_serves_a_length_between_recorded_ones_without_a_compile_also_after_load(tmp_path, fallback_calls):
     """The bar of issue 31: a BERT tuned on two lengths serves a third, padded up, with no compile on the
     caller's path (tuned here, and loaded with its compiled code)."""

@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "low_precision_rounding.py"
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", "128", "--vocab", "256"]
 
 
+@pytest.mark.slow
 def test_a_tiny_run_reports_each_pairs_sqnr_against_the_floor(tmp_path):
     command = [sys.executable, str(BENCHMARK), *TINY, "--heads", "4", "--kv-heads", "2", "--prompt", "8"]
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PATH": "/usr/bin:/bin"}
