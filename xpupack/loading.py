@@ -15,6 +15,7 @@ from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,6 +58,7 @@ from .tuned import (
     detach,
     find_session,
 )
+from .warmup import check_warmup, warm_up
 
 log = logging.getLogger("xpupack")
 
@@ -109,6 +111,7 @@ def load(
     limits: LoadLimits | None = None,
     defer_compile: bool = False,
     verify_padding: str = "first",
+    warmup: Callable[[nn.Module], Any] | str | None = None,
 ) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
@@ -165,6 +168,14 @@ def load(
             original module too and compared; ``"always"``: every padded call is — one more eager run per
             padded call, for a module whose rows may mix only for some inputs (docs/serving-shapes.md).
             A call that disagrees gets the original's answer, and its recording is no longer padded into.
+        warmup: calls made inside the load, once it is active, so that what only a real call can compile
+            (a language model's prefill and decode steps, which need its KV cache) is compiled and recorded
+            before ``load`` returns rather than at the caller's first call: a function of the model (e.g.
+            ``lambda m: m.generate(ids, max_new_tokens=128, cache_implementation="static")``), or
+            ``"auto"``: a greedy ``generate()`` with a static cache of each batch, prompt length and cache
+            length the package's prefills were tuned on (a model tuned as a whole that has ``generate``;
+            nothing for others). None (the default): no warm-up. Its calls are not counted in
+            `xpupack.stats`; one that raises is logged as a warning and the load stands (docs/cold-start.md).
 
     Returns:
         The same model object, tuned modules active.
@@ -192,6 +203,7 @@ def load(
     check_model(model, "load")
     _check_options(on_mismatch, compile_options, record_collectives)
     check_verify_padding(verify_padding)
+    check_warmup(warmup)
     limits = limits if limits is not None else LoadLimits.from_environment()
     clock = _Phases()
     verified = _verify(
@@ -214,6 +226,10 @@ def load(
     )
     if previous is not None:
         previous.deactivate()  # its modules now run the new session: this only frees its recordings
+    session = find_session(model)
+    if warmup is not None and session is not None:
+        warm_up(model, session, warmup, progress)
+        clock.lap("warmup")
     _log_loaded(verified.source, clock)
     return model
 

@@ -541,6 +541,12 @@ class TunedModule:
                     hint,
                 )
 
+    def forget_calls(self) -> None:
+        """Sets the call counts of `stats` back to zero (after a load's warm-up calls, `xpupack.warmup`);
+        what the calls prepared (compiled code, recordings, retired signatures) stays."""
+        self.calls = self.fallbacks = self.padded = self.padding_checks = self.compiling = 0
+        self.fallback_reasons = {}
+
     def stats(self) -> dict:
         """This module's entry of `xpupack.stats`."""
         described = self.runner.describe()

@@ -1,0 +1,104 @@
+"""``xpupack.load(..., warmup=...)``: what only a real call can compile (a language model's calls with a KV
+cache) is compiled inside the load, so the first ``generate()`` after it compiles nothing (issue 35)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import xpupack
+from support.language_models import NEW_TOKENS, generate, prompt, tiny_llama, tune_llm, whole
+from support.models import make_stack, stack_samples
+from support.strategies import GRAPH
+from xpupack import warmup
+
+
+def compiles() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def only(model) -> dict:
+    """The `xpupack.stats` entry of the one tuned module."""
+    (entry,) = xpupack.stats(model).values()
+    return entry
+
+
+@pytest.fixture
+def stack_package(emulated_graphs, tmp_path):
+    model = make_stack()
+    xpupack.tune(model, stack_samples(), strategy=GRAPH)
+    return xpupack.save(model, tmp_path / "pkg")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend", [xpupack.InductorBackend(), xpupack.GraphBackend(base=xpupack.InductorBackend())], ids=str
+)
+def test_auto_warmup_compiles_a_language_models_prefill_and_decode_inside_load(
+    emulated_graphs, tmp_path, fallback_calls, backend
+):
+    model, reference = tune_llm(xpupack.Only(backend))
+    root = xpupack.save(model, tmp_path / "pkg")
+    before = compiles()
+    loaded = xpupack.load(tiny_llama(), root, warmup="auto")
+    assert compiles() > before  # the prefill and the decode step, compiled in load()
+    assert whole(loaded)["calls"] == 0  # the warm-up's calls are not the caller's
+    before = compiles()
+    tokens = generate(loaded, prompt(seed=3), NEW_TOKENS)
+    assert compiles() == before  # nothing compiles on the caller's path
+    assert torch.equal(tokens, generate(reference, prompt(seed=3), NEW_TOKENS, eager=True))
+    assert whole(loaded)["fallbacks"] == 0 and fallback_calls == []
+
+
+def test_the_auto_warmup_generates_each_tuned_prompt_and_cache_length(emulated_graphs, tmp_path, monkeypatch):
+    model, _ = tune_llm(GRAPH)
+    root = xpupack.save(model, tmp_path / "pkg")
+    made = []
+    monkeypatch.setattr(warmup, "_greedy_generate", lambda *shape: made.append(shape) or (lambda m: None))
+    xpupack.load(tiny_llama(), root, warmup="auto")
+    # batch 1, the 8-token prompt, a static cache of 8 + NEW_TOKENS - 1 positions (what generate() sizes)
+    assert made == [(1, 8, 8 + NEW_TOKENS - 1)]
+
+
+def test_a_warmup_function_runs_once_inside_load_and_its_calls_are_not_counted(stack_package):
+    seen = []
+
+    def warm(model):
+        seen.append((torch.is_grad_enabled(), only(model)["calls"]))
+        model(stack_samples()[0])
+
+    loaded = xpupack.load(make_stack(), stack_package, warmup=warm)
+    assert seen == [(False, 0)]  # under no_grad, the package already active
+    assert only(loaded)["calls"] == 0
+
+
+def test_a_failing_warmup_is_a_warning_and_the_load_stands(stack_package, caplog):
+    def broken(model):
+        raise RuntimeError("no tokenizer here")
+
+    with caplog.at_level(logging.WARNING, logger="xpupack"):
+        loaded = xpupack.load(make_stack(), stack_package, warmup=broken)
+    assert "the warm-up failed (RuntimeError: no tokenizer here)" in caplog.text
+    reference = make_stack()
+    x = stack_samples()[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), reference(x))
+    assert only(loaded)["fallbacks"] == 0
+
+
+def test_auto_warms_nothing_for_a_package_without_a_tuned_prefill(stack_package):
+    loaded = xpupack.load(make_stack(), stack_package, warmup="auto")
+    assert warmup.generate_calls(loaded, xpupack.tuned.session_of(loaded)) == []
+
+
+@pytest.mark.parametrize("value", ["always", 1, True])
+def test_warmup_is_none_auto_or_a_function(stack_package, value):
+    model = make_stack()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="give None, 'auto'"):
+        xpupack.load(model, stack_package, warmup=value)
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())

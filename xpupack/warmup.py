@@ -1,0 +1,107 @@
+"""Warm-up calls inside `xpupack.load`: what only a real call can compile, compiled before the load returns.
+
+A call with a KV cache (a language model's prefill and decode steps) cannot be compiled or recorded from
+its signature alone: only a real call brings the cache. Without a warm-up, the first such call after a
+load compiles on the caller's path (seconds, docs/cold-start.md). ``load(..., warmup=...)`` makes those
+calls inside the load instead: the caller's own function, or ``"auto"``, a greedy ``generate()`` of each
+prompt length and cache length the package was tuned on, for a model tuned as a whole with a static cache.
+The warm-up runs under `torch.no_grad` (``generate()``'s own mode), outside inference mode: a call with
+state that the caller makes under `torch.inference_mode()` compiles its own variant at its first call.
+Its calls are not counted in `xpupack.stats`; a warm-up that fails leaves the model as the load made it
+(its calls then compile at their first call, as without one) and says why in a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .signature import Signature, StateLeaf, TensorLeaf, unflatten
+from .state import STATIC_CACHE
+from .tuned import Session
+
+log = logging.getLogger("xpupack")
+
+#: what ``load(warmup=...)`` takes besides a function of the model
+WARMUP_CHOICES = (None, "auto")
+
+
+def check_warmup(warmup: Any) -> None:
+    """Raises ``ValueError`` unless ``warmup`` is None, ``"auto"`` or a function of the model."""
+    if warmup not in WARMUP_CHOICES and not callable(warmup):
+        raise ValueError(
+            f"warmup={warmup!r}: give None, 'auto' (a generate() of each tuned prompt and cache length) "
+            "or a function that calls the model as your server will, e.g. lambda m: m.generate(ids, ...)"
+        )
+
+
+def warm_up(model: nn.Module, session: Session, warmup: Any, progress: Callable[[str], None] | None) -> None:
+    """Runs ``warmup`` (`check_warmup`) on the loaded ``model``, then forgets its calls in ``session``'s
+    counts. Never raises for the warm-up's own failure: it is logged, and the model serves as loaded."""
+    if warmup is None:
+        return
+    calls = generate_calls(model, session) if warmup == "auto" else [warmup]
+    for number, call in enumerate(calls, 1):
+        if progress:
+            progress(f"warming up ({number}/{len(calls)})")
+        try:
+            with torch.no_grad():  # generate()'s own mode; a call that needs autograd is no served call
+                call(model)
+        except Exception as exc:  # the model is loaded and serves; its first calls compile as without one
+            log.warning(
+                "xpupack.load: the warm-up failed (%s: %s); calls it would have compiled compile at their first call",
+                type(exc).__name__,
+                exc,
+            )
+            break
+    for module in session.modules.values():
+        module.forget_calls()
+
+
+def generate_calls(model: nn.Module, session: Session) -> list[Callable[[nn.Module], Any]]:
+    """For a model tuned as a whole (``""``) that has ``generate()``: a greedy ``generate()`` with a static
+    cache for each (batch, prompt length, cache length) of a tuned prefill; none for any other package."""
+    tuned = session.modules.get("")
+    if tuned is None or not callable(getattr(model, "generate", None)):
+        return []
+    shapes = sorted({shape for signature in tuned.spec.signatures if (shape := _prefill_shape(signature))})
+    return [_greedy_generate(batch, length, cache_length) for batch, length, cache_length in shapes]
+
+
+def _prefill_shape(signature: Signature) -> tuple[int, int, int] | None:
+    """``(batch, prompt length, cache length)`` of a prefill into a StaticCache (token ids of more than one
+    position and a cache), or None for any other call."""
+    caches = [leaf for leaf in signature.leaves if isinstance(leaf, StateLeaf) and leaf.type_name == STATIC_CACHE]
+    if not caches or not caches[0].tensors:
+        return None
+    args, kwargs = unflatten(list(signature.leaves), signature.tree)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, TensorLeaf) or len(ids.shape) != 2 or ids.shape[1] < 2:
+        return None
+    layouts = [shape for shape, _, _, _ in caches[0].tensors if len(shape) == 4]  # [batch, KV heads, length, size]
+    if not layouts or layouts[0][2] < ids.shape[1]:
+        return None
+    return ids.shape[0], ids.shape[1], layouts[0][2]
+
+
+def _greedy_generate(batch: int, length: int, cache_length: int) -> Callable[[nn.Module], Any]:
+    def call(model: nn.Module) -> Any:
+        device = next(model.parameters()).device
+        ids = torch.ones((batch, length), dtype=torch.long, device=device)
+        new = cache_length - length + 1  # generate() sizes a static cache one short of its whole length
+        generate: Callable[..., Any] = getattr(model, "generate")  # noqa: B009 (nn.Module types it a Tensor)
+        return generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            cache_implementation="static",
+            disable_compile=True,  # transformers' own torch.compile of the forward is not the package's
+        )
+
+    return call
