@@ -11,7 +11,8 @@ Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``;
   ``generate(..., cache_implementation="static")`` and a hand-written decode loop on a caller-held
   ``StaticCache`` (``llm_decode.py``'s samples), then ``xpupack.save`` (weights included);
 - **serve**: the model built and the package's files read once (page cache warm) before the clock; then
-  ``xpupack.load`` and back-to-back ``generate()`` calls until ``--seconds`` after the load started; then
+  ``xpupack.load`` (with ``warmup="auto"`` unless ``--warmup none``: the prefill and decode steps compiled
+  inside it) and back-to-back ``generate()`` calls until ``--seconds`` after the load started; then
   the decode loop and the prefill through the package, and the same through hand-compiled code of the same
   model in the same process (after ``xpupack.deactivate``).
 
@@ -279,7 +280,16 @@ def save(model, package: Path) -> dict:
     xpupack.save(model, package)
     seconds = time.perf_counter() - started
     size = folder_bytes(package)
-    return {"save_s": round(seconds, 2), "package_gb": round(size / GB, 6), "save_gb_s": round(size / GB / seconds, 3)}
+    return {
+        "save_s": round(seconds, 2),
+        "package_gb": round(size / GB, 6),
+        "save_gb_s": significant(size / GB / seconds),
+    }
+
+
+def significant(value: float) -> float:
+    """``value`` to 4 significant digits (a tiny package's GB/s stays above 0)."""
+    return float(f"{value:.4g}")
 
 
 def backends(model) -> dict:
@@ -303,8 +313,8 @@ def candidates(model) -> dict:
 class Server:
     """A fresh server's view of the package: each method is one phase of `step_serve`."""
 
-    def __init__(self, shape: Shape, package: Path):
-        self.shape, self.package = shape, package
+    def __init__(self, shape: Shape, package: Path, warmup: str | None):
+        self.shape, self.package, self.warmup = shape, package, warmup
         self.model = None
         self.started = 0.0  # perf_counter when load() started
         self.prefill_fallbacks = 0
@@ -325,13 +335,13 @@ class Server:
         self.started = time.perf_counter()
         import xpupack
 
-        xpupack.load(self.model, self.package, device=device)
+        xpupack.load(self.model, self.package, device=device, warmup=self.warmup)
         seconds = time.perf_counter() - self.started
         threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         self.count_prefill_fallbacks()
         return {
             "load_s": round(seconds, 3),
-            "load_gb_s": round(folder_bytes(self.package) / GB / seconds, 3),
+            "load_gb_s": significant(folder_bytes(self.package) / GB / seconds),
             "extra_device_memory_gb": round(device_memory_growth(device, before) / GB, 3),
             "threads_alive_after_load": threads,
         }
@@ -534,8 +544,8 @@ def device_memory_growth(device: str, before: int) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
-def step_serve(shape: Shape, package: Path, seconds: float, phases: Phases) -> None:
-    server = Server(shape, package)
+def step_serve(shape: Shape, package: Path, seconds: float, warmup: str, phases: Phases) -> None:
+    server = Server(shape, package, warmup=None if warmup == "none" else warmup)
     phases.run("prepare", server.prepare)
     phases.run("load", server.load, needs=("prepare",))
     phases.run("series", lambda: server.series(seconds, phases.left), needs=("load",))
@@ -604,7 +614,7 @@ def unfinished(found: dict, step: str, why: str) -> None:
 
 
 def child_arguments(args: argparse.Namespace) -> list[str]:
-    names = ["device", "dtype", *LLAMA3_8B, "prompt", "new_tokens", "batch", "seconds"]
+    names = ["device", "dtype", *LLAMA3_8B, "prompt", "new_tokens", "batch", "seconds", "warmup"]
     return [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
 
 
@@ -619,7 +629,8 @@ def report_head(args: argparse.Namespace) -> dict:
         "device_name": None,
         "torch": torch.__version__,
         "transformers": version("transformers"),
-        "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__} | {"seconds": args.seconds},
+        "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__}
+        | {"seconds": args.seconds, "warmup": args.warmup},
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
         "tuned_candidates": None,
@@ -641,6 +652,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per generate() (default 128)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=60, help="the time series' window after load() starts")
+    parser.add_argument(
+        "--warmup",
+        choices=["auto", "none"],
+        default="auto",
+        help="xpupack.load's warmup: 'auto' compiles the prefill and decode steps inside load() (default)",
+    )
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--workdir", default=None, help="package, caches and logs (default: a temporary folder)")
@@ -657,7 +674,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.step == "build":
             step_build(shape, package, phases)
         else:
-            step_serve(shape, package, args.seconds, phases)
+            step_serve(shape, package, args.seconds, args.warmup, phases)
         return {}
     started = time.perf_counter()
     deadline = time.time() + args.budget if args.budget else None

@@ -92,7 +92,7 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
     assert json.loads(capsys.readouterr().out) == report
     assert report["errors"] == {} and report["skipped"] == {}, report
     assert set(report["phases"]) == {name for names in big_model.PHASES.values() for name in names}
-    assert set(report["phases"].values()) == {"ok"}
+    assert set(report["phases"].values()) == {"ok"} and report["settings"]["warmup"] == "auto"
     for field in POSITIVE:
         assert isinstance(report[field], (int, float)) and report[field] > 0, field
     assert report["extra_device_memory_gb"] >= 0
