@@ -192,3 +192,26 @@ def test_buckets_made_from_one_sample_along_its_sequence_axis(emulated_graphs, f
     assert sorted(spec_of(model).length_axes) == [0, 1, 2]  # the sample's own 12, then 8 and 16
     assert_serves_like_eager(model, reference, token_batch(14, seed=6))
     assert xpupack.stats(model)[""]["padded"] == 1 and fallback_calls == []
+
+
+class AttendsEverywhere(nn.Module):
+    """Token ids in, every position attending to every other (no mask), one output along the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.attention = nn.Embedding(VOCAB, 16), nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def test_a_sequence_whose_positions_mix_is_refused_by_the_length_check(emulated_graphs):
+    """Its outputs all follow the length, so the batch check runs first and fails too; the reason given is
+    the length check's, the one that matters for a sequence."""
+    torch.manual_seed(0)
+    model = AttendsEverywhere().eval()
+    xpupack.tune(model, [token_batch(length)["input_ids"] for length in LENGTHS], strategy=GRAPH)
+    spec = spec_of(model)
+    assert spec.length_axes == {} and spec.batch_axes == {}
+    assert spec.padding_refused.startswith("positions mix: 4 real position(s) of (i64[2,8]) padded with zeros")

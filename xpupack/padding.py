@@ -128,7 +128,7 @@ def _axes_of_one_size(
         if length_problem is None:
             found["length"].update(dict.fromkeys(members, padding_axes))
             return None
-        problem = problem or length_problem
+        problem = length_problem  # for a sequence, what the length check saw is the reason that matters
     return problem
 
 
