@@ -76,6 +76,16 @@ def test_a_warmup_function_runs_once_inside_load_and_its_calls_are_not_counted(s
     assert only(loaded)["calls"] == 0
 
 
+def test_a_load_under_inference_mode_warms_up_there(stack_package):
+    """Compiled code guards on the mode of a call with state: a server that loads under inference mode
+    serves there, so its warm-up runs there too."""
+    seen = []
+    with torch.inference_mode():
+        xpupack.load(make_stack(), stack_package, warmup=lambda m: seen.append(torch.is_inference_mode_enabled()))
+    xpupack.load(make_stack(), stack_package, warmup=lambda m: seen.append(torch.is_inference_mode_enabled()))
+    assert seen == [True, False]
+
+
 def test_a_failing_warmup_is_a_warning_and_the_load_stands(stack_package, caplog):
     def broken(model):
         raise RuntimeError("no tokenizer here")

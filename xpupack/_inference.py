@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Concatenate, ParamSpec, TypeVar
 
@@ -107,7 +108,22 @@ def outside_inference_mode(function: Callable[Concatenate[nn.Module, P], R]) -> 
 
     @functools.wraps(function)
     def wrapper(model: nn.Module, *args: P.args, **kwargs: P.kwargs) -> R:
-        with normal_tensors(model):
-            return function(model, *args, **kwargs)
+        outer = getattr(_caller, "inference_mode", False)
+        _caller.inference_mode = torch.is_inference_mode_enabled()
+        try:
+            with normal_tensors(model):
+                return function(model, *args, **kwargs)
+        finally:
+            _caller.inference_mode = outer
 
     return wrapper
+
+
+#: per thread, whether the caller of the `outside_inference_mode` function running was in inference mode
+_caller = threading.local()
+
+
+def caller_in_inference_mode() -> bool:
+    """Whether the caller of the `outside_inference_mode` function running on this thread (`load`) called it
+    under `torch.inference_mode()`: the mode it will most likely serve in (a load's warm-up runs there)."""
+    return getattr(_caller, "inference_mode", False)

@@ -174,7 +174,9 @@ def load(
             ``lambda m: m.generate(ids, max_new_tokens=128, cache_implementation="static")``), or
             ``"auto"``: a greedy ``generate()`` with a static cache of each batch, prompt length and cache
             length the package's prefills were tuned on (a model tuned as a whole that has ``generate``;
-            nothing for others). None (the default): no warm-up. Its calls are not counted in
+            nothing for others). None (the default): no warm-up. It runs under `torch.inference_mode()`
+            where ``load`` is called under it, else under `torch.no_grad` (compiled code guards on the mode
+            of a call with state: load in the mode you serve in). Its calls are not counted in
             `xpupack.stats`; one that raises is logged as a warning and the load stands (docs/cold-start.md).
 
     Returns:

@@ -5,8 +5,9 @@ its signature alone: only a real call brings the cache. Without a warm-up, the f
 load compiles on the caller's path (seconds, docs/cold-start.md). ``load(..., warmup=...)`` makes those
 calls inside the load instead: the caller's own function, or ``"auto"``, a greedy ``generate()`` of each
 prompt length and cache length the package was tuned on, for a model tuned as a whole with a static cache.
-The warm-up runs under `torch.no_grad` (``generate()``'s own mode), outside inference mode: a call with
-state that the caller makes under `torch.inference_mode()` compiles its own variant at its first call.
+The warm-up runs under `torch.inference_mode()` where ``load`` was called under it, else under
+`torch.no_grad` (``generate()``'s own mode): compiled code guards on the mode of a call with state, so a
+server that loads in one mode and serves in the other compiles its own variant at its first call.
 Its calls are not counted in `xpupack.stats`; a warm-up that fails leaves the model as the load made it
 (its calls then compile at their first call, as without one) and says why in a warning.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._inference import caller_in_inference_mode
 from .signature import Signature, StateLeaf, TensorLeaf, unflatten
 from .state import STATIC_CACHE
 from .tuned import Session
@@ -45,11 +47,13 @@ def warm_up(model: nn.Module, session: Session, warmup: Any, progress: Callable[
     if warmup is None:
         return
     calls = generate_calls(model, session) if warmup == "auto" else [warmup]
+    # compiled code guards on the mode of a call with state: warm up in the one the caller loads in
+    mode = torch.inference_mode if caller_in_inference_mode() else torch.no_grad
     for number, call in enumerate(calls, 1):
         if progress:
             progress(f"warming up ({number}/{len(calls)})")
         try:
-            with torch.no_grad():  # generate()'s own mode; a call that needs autograd is no served call
+            with mode():
                 call(model)
         except Exception as exc:  # the model is loaded and serves; its first calls compile as without one
             log.warning(
