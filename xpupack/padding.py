@@ -244,16 +244,16 @@ def _why_not_paddable(
                 problem = _rows_mix(forward, args, kwargs, axes, size, size // 2, generator, described, kind)
             except Exception as exc:  # a module that cannot run the check's calls is not padded; the tune goes on
                 return (
-                    f"the padding check's call of {described} cut to {size // 2} {_UNITS[kind]} failed to run "
+                    f"the padding check's call of {described} cut to {size // 2} {_UNITS[kind]}(s) failed to run "
                     f"({type(exc).__name__}: {exc})"
                 )
             if problem:
-                return f"{'rows' if kind == 'batch' else 'positions'} mix: {problem}"
+                return f"{_UNITS[kind]}s mix: {problem}"
     return None
 
 
-#: how a kind of padding counts what it cuts, in messages
-_UNITS = {"batch": "row(s)", "length": "position(s)"}
+#: what a kind of padding cuts, in messages
+_UNITS = {"batch": "row", "length": "position"}
 
 
 def _side_effects_refusal(spec: ModuleSpec) -> str | None:
@@ -301,8 +301,8 @@ def _rows_mix(
             if problem:
                 unit = _UNITS[kind]
                 return (
-                    f"{rows} real {unit} of {described} padded with {filler} to {batch} came out unlike "
-                    f"eager on the real {unit[:-3]}s alone ({problem})"
+                    f"{rows} real {unit}(s) of {described} padded with {filler} to {batch} came out unlike "
+                    f"eager on the real {unit}s alone ({problem})"
                 )
     return None
 

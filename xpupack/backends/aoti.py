@@ -303,8 +303,8 @@ class AOTIBackend(Backend):
     compiled_artifacts = True
     compiles_at_load = False
     pads_calls = True
-    #: the SQNR floor Inductor applies to low-precision outputs (same kernels, same rounding)
-    LOW_PRECISION_SQNR_DB = LOW_PRECISION_SQNR_DB
+    #: Inductor's kernels: the same rounding
+    low_precision_sqnr_db = LOW_PRECISION_SQNR_DB
 
     def available(self, device: torch.device) -> bool:
         """On a CPU only (`_facts.AOTI_NOT_ON_GPUS`: torch's loader crashed the process on CUDA).
@@ -327,12 +327,6 @@ class AOTIBackend(Backend):
             One sentence.
         """
         return _facts.AOTI.why_unavailable(device)
-
-    def compare(self, actual: Any, expected: Any) -> str | None:
-        """Elementwise, with the Inductor backend's SQNR floor for bfloat16/float16 outputs."""
-        from .._compare import mismatch
-
-        return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=self.LOW_PRECISION_SQNR_DB)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         """Exports and compiles every recorded signature. See `Backend.build`.

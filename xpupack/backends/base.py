@@ -288,6 +288,10 @@ class Backend:
     #: True when the runner takes only the recorded shapes (graph, Inductor): a smaller batch is
     #: then padded up to a recorded one where the module allows it (`xpupack.padding`)
     pads_calls: ClassVar[bool] = False
+    #: SQNR (dB) against eager that a bfloat16/float16 output missing the elementwise tolerance must still
+    #: reach, for compiled or replayed code whose kernels round otherwise than eager's
+    #: (`xpupack._compare.LOW_PRECISION_SQNR_DB`); None: the elementwise tolerance alone
+    low_precision_sqnr_db: ClassVar[float | None] = None
 
     def available(self, device: torch.device) -> bool:
         """Whether the backend can run on ``device`` at all (no device graphs on a CPU).
@@ -417,8 +421,9 @@ class Backend:
     def compare(self, actual: Any, expected: Any) -> str | None:
         """Why the candidate's output ``actual`` is not acceptable against eager's ``expected``, or None.
 
-        Elementwise within `tolerances` by default; a backend that changes
-        numerics on purpose overrides this with a measure suited to it.
+        Elementwise within `tolerances` by default, bfloat16/float16 outputs down to
+        `low_precision_sqnr_db` where it is set; a backend that changes numerics on purpose
+        overrides this with a measure suited to it.
 
         Args:
             actual: the candidate's output (for a call with state, with the state after it).
@@ -427,7 +432,7 @@ class Backend:
         Returns:
             A short reason, or None when ``actual`` is acceptable.
         """
-        return mismatch(actual, expected, self.tolerances())
+        return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=self.low_precision_sqnr_db)
 
     def options(self) -> dict:
         """Constructor options as JSON, so that a loader can rebuild the same backend.

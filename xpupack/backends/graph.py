@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from .. import _background, _device
-from .._compare import LOW_PRECISION_SQNR_DB, mismatch
+from .._compare import LOW_PRECISION_SQNR_DB
 from .._inference import own_copy
 from ..distributed import is_sharded
 from ..errors import TuningError, error_line
@@ -969,6 +969,9 @@ class GraphBackend(ComposedBackend):
 
     name = "graph"
     pads_calls = True
+    #: a replay may run other kernels than eager did (cuBLAS picks others under capture), and through a deep
+    #: model that rounding adds up past any elementwise bound (an 8B Llama's logits: 30.3 dB from eager's)
+    low_precision_sqnr_db = LOW_PRECISION_SQNR_DB
 
     def __init__(
         self,
@@ -999,21 +1002,6 @@ class GraphBackend(ComposedBackend):
         self.copy_outputs = copy_outputs
         self.max_memory = max_memory
         self.record_collectives = record_collectives
-
-    def _own_compare(self, actual: Any, expected: Any) -> str | None:
-        """Elementwise, with an SQNR floor for bfloat16/float16 outputs (`xpupack._compare.LOW_PRECISION_SQNR_DB`):
-        a replay may run other kernels than eager did (cuBLAS picks others under capture), and through a deep
-        model that rounding adds up past any elementwise bound (an 8B Llama's logits: 30.3 dB from eager's).
-        With a base, the base's measure is used instead (`ComposedBackend.compare`).
-
-        Args:
-            actual: the replay's output.
-            expected: eager's output.
-
-        Returns:
-            A short reason, or None when ``actual`` is acceptable.
-        """
-        return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=LOW_PRECISION_SQNR_DB)
 
     def options(self) -> dict:
         """The constructor options that differ from their defaults, the base's included."""

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _background, _device, _torch_compat
-from .._compare import LOW_PRECISION_SQNR_DB, mismatch
+from .._compare import LOW_PRECISION_SQNR_DB
 from .._inference import normal_call
 from ..errors import PackageFormatError, error_line
 from ..manifest import CACHE, KERNELS, artifact_file
@@ -548,10 +548,9 @@ class InductorBackend(ComposedBackend):
 
     name = "inductor"
     pads_calls = True
-    #: SQNR (dB) a bfloat16/float16 output missing the elementwise tolerance must still reach: fusions
-    #: round differently from eager's op-by-op kernels, and through a deep model (an LLM's logits)
+    #: fusions round differently from eager's op-by-op kernels, and through a deep model (an LLM's logits)
     #: that adds up past any elementwise bound fit for one op, while a wrong kernel falls far below
-    LOW_PRECISION_SQNR_DB = LOW_PRECISION_SQNR_DB
+    low_precision_sqnr_db = LOW_PRECISION_SQNR_DB
     own_compiled_artifacts = True  # grad-mode calls fall back: tuning compiled for inference only
     own_depends_on = INDUCTOR_DEPENDS_ON
     supports_autocast = True  # Dynamo guards on the autocast state and compiles again
@@ -588,20 +587,6 @@ class InductorBackend(ComposedBackend):
     def _own_label(self) -> str:
         """``inductor``, with its settings where they are not the defaults (``inductor[coordinate_descent_tuning]``)."""
         return self.name + settings_tag(self.options())
-
-    def _own_compare(self, actual: Any, expected: Any) -> str | None:
-        """Elementwise, with an SQNR floor for bfloat16/float16 outputs (`LOW_PRECISION_SQNR_DB`): fused
-        kernels round differently from eager's. With a base, the base's measure is used instead
-        (`ComposedBackend.compare`).
-
-        Args:
-            actual: the candidate's output.
-            expected: eager's output.
-
-        Returns:
-            A short reason, or None when ``actual`` is acceptable.
-        """
-        return mismatch(actual, expected, self.tolerances(), low_precision_sqnr_db=self.LOW_PRECISION_SQNR_DB)
 
     def build(self, target: Target, spec: ModuleSpec, device: torch.device) -> Runner:
         """Builds the base (if any), then compiles every recorded signature now. See `Backend.build`.
