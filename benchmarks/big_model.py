@@ -236,17 +236,22 @@ class Phases:
 
 
 def step_build(shape: Shape, package: Path, phases: Phases) -> None:
-    import torch
 
     # tuning's progress (each candidate built, checked, timed) goes to the build process's log
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logging.getLogger("xpupack").addHandler(handler)
     logging.getLogger("xpupack").setLevel(logging.INFO)
-    emit(device_name=torch.cuda.get_device_name() if shape.device.startswith("cuda") else shape.device)
+    emit_device_name(shape)
     built: dict = {}
     phases.run("tune", lambda: tune(shape, built))
     phases.run("save", lambda: save(built["model"], package), needs=("tune",))
+
+
+def emit_device_name(shape: Shape) -> None:
+    import torch
+
+    emit(device_name=torch.cuda.get_device_name() if shape.device.startswith("cuda") else shape.device)
 
 
 def tune(shape: Shape, built: dict) -> dict:
@@ -545,6 +550,7 @@ def device_memory_growth(device: str, before: int) -> int:
 
 
 def step_serve(shape: Shape, package: Path, seconds: float, warmup: str, phases: Phases) -> None:
+    emit_device_name(shape)  # also where the build ran in another call (--only serve)
     server = Server(shape, package, warmup=None if warmup == "none" else warmup)
     phases.run("prepare", server.prepare)
     phases.run("load", server.load, needs=("prepare",))
@@ -661,6 +667,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--workdir", default=None, help="package, caches and logs (default: a temporary folder)")
+    parser.add_argument(
+        "--only",
+        choices=["build", "serve"],
+        default=None,
+        help="run one of the two processes: 'serve' loads the package an earlier 'build' left in --workdir",
+    )
     parser.add_argument("--step", choices=["build", "serve"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     return parser
@@ -681,8 +693,10 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="big-model-"))
     workdir.mkdir(parents=True, exist_ok=True)
     report = report_head(args)
-    for step in ("build", "serve"):
-        if step == "serve" and report["package_gb"] is None:
+    if args.only == "serve" and not (workdir / "pkg").is_dir():
+        raise SystemExit(f"--only serve: no package in {workdir} (run --only build with this --workdir first)")
+    for step in (args.only,) if args.only else ("build", "serve"):
+        if step == "serve" and report["package_gb"] is None and not args.only:
             report["skipped"]["serve"] = "no package: the build did not finish"
         elif deadline is not None and deadline <= time.time():
             report["skipped"][step] = "the --budget ran out"

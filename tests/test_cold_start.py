@@ -295,9 +295,10 @@ def test_a_compile_on_the_worker_leaves_the_callers_random_numbers_alone():
 
 @pytest.fixture
 def busy_worker():
-    """Holds the background worker on a job of its own until the test lets go: what a load queues waits."""
+    """Holds the background worker on a job of its own (no model's code) until the test lets go: what a load
+    queues waits."""
     release, started = threading.Event(), threading.Event()
-    _background.submit(lambda: (started.set(), release.wait(timeout=60)))
+    _background.submit(lambda: (started.set(), release.wait(timeout=60)), runs_model=False)
     started.wait(timeout=60)
     yield release
     release.set()

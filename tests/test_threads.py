@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import importlib
 import threading
+import time
 
+import pytest
 import torch
 
 import xpupack
@@ -183,3 +185,77 @@ def test_a_graph_load_and_its_calls_never_wait_for_another_models_compile(emulat
     assert all(torch.allclose(output, expected, atol=1e-6) for output in outputs)
     stats = xpupack.stats(loaded[0])["layers.0.mlp"]
     assert stats["fallbacks"] == 0 and stats["recordings"] == 2, stats
+
+
+def _job_on_the_worker(seconds):
+    """Submits a job that holds xpupack's worker for ``seconds``; returns ``(started, running)`` events."""
+    from xpupack import _background
+
+    started, running = threading.Event(), threading.Event()
+
+    def job():
+        running.set()
+        started.set()
+        time.sleep(seconds)
+        running.clear()
+
+    _background.submit(job)
+    assert started.wait(30)
+    return running
+
+
+@pytest.mark.xpupack_allow_fallbacks
+def test_a_call_that_runs_the_models_python_waits_for_a_job_on_the_worker_and_a_replay_does_not(emulated_graphs):
+    """Regression: a ``defer_compile=True`` load's compile on the worker traced a tiny Llama while the caller's
+    ``generate()`` ran the same model's Python (its decode steps, before the compiled code served):
+    transformers' output capture keeps a process-wide variable while compiled code runs, which the caller's
+    forward changed under the trace, and Dynamo failed to build its guards ("Expected dict, got NoneType", 3 of
+    4 loads). Now a call that runs the model's Python (a fallback here) waits for the job; a replay does not."""
+    model, reference = _tuned()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x)  # recorded at tune time; a replay from here on
+    inside_job = []
+    model.layers[0]["mlp"].up.register_forward_pre_hook(lambda *_: inside_job.append(running.is_set()))
+
+    running = _job_on_the_worker(PAUSE_S)
+    with torch.no_grad():
+        replayed = model(x)  # replays both MLPs: no Python of theirs runs
+    replayed_during_job = running.is_set()
+    inside_job.clear()  # the emulated replays ran the Python again (a device's replay runs none)
+    running = _job_on_the_worker(PAUSE_S)
+    with torch.no_grad():
+        fell_back = model(x, scale=2.0)  # a constant no signature has: the original module runs
+    assert replayed_during_job and inside_job == [False], (replayed_during_job, inside_job)
+    assert xpupack.stats(model)["layers.0.mlp"]["fallback_reasons"] == {"signature": 1}
+    with torch.no_grad():
+        assert torch.allclose(replayed, reference(x), atol=1e-6)
+        assert torch.allclose(fell_back, reference(x, scale=2.0), atol=1e-6)
+
+
+@pytest.mark.xpupack_allow_fallbacks
+def test_a_job_on_the_worker_waits_for_a_call_that_runs_the_models_python(emulated_graphs):
+    """The other side of the exclusion: a job given while a call runs the model's Python starts after it."""
+    from xpupack import _background
+
+    model, _ = _tuned()
+    in_forward, order = threading.Event(), []
+
+    def slow_up(*_):
+        in_forward.set()
+        time.sleep(PAUSE_S)
+        order.append("call")
+
+    model.layers[0]["mlp"].up.register_forward_pre_hook(slow_up)
+
+    def call():
+        with torch.no_grad():
+            model(torch.randn(2, 8), scale=2.0)  # falls back: the original module runs
+
+    def give_job():
+        assert in_forward.wait(30)
+        _background.submit(lambda: order.append("job")).result(30)
+
+    _background.submit(lambda: None).result(30)  # the worker exists, as after any deferred load
+    _run(call, give_job)
+    assert order == ["call", "job"], order

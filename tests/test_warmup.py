@@ -3,14 +3,25 @@ cache) is compiled inside the load, so the first ``generate()`` after it compile
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import logging
 
 import pytest
 import torch
 
 import xpupack
-from support.language_models import NEW_TOKENS, generate, prompt, tiny_llama, tune_llm, whole
+from support.language_models import (
+    NEW_TOKENS,
+    decode_loop,
+    generate,
+    prompt,
+    static_cache,
+    tiny_llama,
+    tune_llm,
+    whole,
+)
 from support.models import make_stack, stack_samples
 from support.strategies import GRAPH
 from xpupack import warmup
@@ -64,6 +75,23 @@ def test_the_auto_warmup_generates_each_tuned_prompt_and_cache_length(emulated_g
     assert made == [(1, 8, 8 + NEW_TOKENS - 1)]
 
 
+def test_the_auto_warmup_leaves_out_the_prefill_of_a_hand_written_loop(emulated_graphs, tmp_path, monkeypatch):
+    """Regression: a package tuned on a decode loop (a cache of 24) and on generate() (15) warmed up with a
+    generate() of each; transformers kept the larger cache on the model and reused it for the caller's
+    generate(), whose prefill then fell back and whose decode step compiled again at load's end."""
+
+    def run(model, ids):
+        decode_loop(model, ids, 4, static_cache(model, 24))
+        return generate(model, ids, NEW_TOKENS)
+
+    model, _ = tune_llm(GRAPH, run=run)
+    root = xpupack.save(model, tmp_path / "pkg")
+    made = []
+    monkeypatch.setattr(warmup, "_greedy_generate", lambda *shape: made.append(shape) or (lambda m: None))
+    xpupack.load(tiny_llama(), root, warmup="auto")
+    assert made == [(1, 8, 8 + NEW_TOKENS - 1)]
+
+
 def test_a_warmup_function_runs_once_inside_load_and_its_calls_are_not_counted(stack_package):
     seen = []
 
@@ -76,14 +104,40 @@ def test_a_warmup_function_runs_once_inside_load_and_its_calls_are_not_counted(s
     assert only(loaded)["calls"] == 0
 
 
-def test_a_load_under_inference_mode_warms_up_there(stack_package):
-    """Compiled code guards on the mode of a call with state: a server that loads under inference mode
-    serves there, so its warm-up runs there too."""
-    seen = []
+def warmup_modes(package, *load_modes) -> list[bool]:
+    """Whether the warm-up ran under inference mode, for a load of ``package`` in each of ``load_modes``."""
+    seen: list[bool] = []
+    for mode in load_modes:
+        with mode():
+            xpupack.load(make_stack(), package, warmup=lambda m: seen.append(torch.is_inference_mode_enabled()))
+    return seen
+
+
+def test_a_load_under_inference_mode_or_no_grad_warms_up_there(stack_package):
+    """Compiled code guards on the mode of a call with state: a server that loads in a mode serves there, so
+    its warm-up runs there too."""
+    assert json.loads((stack_package / "xpupack.json").read_text())["samples_mode"] == "no_grad"
+    assert warmup_modes(stack_package, torch.inference_mode, torch.no_grad, contextlib.nullcontext) == [
+        True,
+        False,
+        False,
+    ]
+
+
+def test_a_load_in_neither_mode_warms_up_in_the_mode_the_package_was_tuned_in(emulated_graphs, tmp_path):
+    """Regression (H100, Llama-3-8B's shapes): a package tuned under inference_mode, loaded outside any mode
+    and served under inference_mode, warmed up under no_grad: its compile missed the package's artifacts
+    (load 136 s) and the first generate() compiled once more for inference mode (70 s)."""
+    model = make_stack()
     with torch.inference_mode():
-        xpupack.load(make_stack(), stack_package, warmup=lambda m: seen.append(torch.is_inference_mode_enabled()))
-    xpupack.load(make_stack(), stack_package, warmup=lambda m: seen.append(torch.is_inference_mode_enabled()))
-    assert seen == [True, False]
+        xpupack.tune(model, stack_samples(), strategy=GRAPH)
+    package = xpupack.save(model, tmp_path / "pkg")
+    assert json.loads((package / "xpupack.json").read_text())["samples_mode"] == "inference_mode"
+    assert warmup_modes(package, contextlib.nullcontext, torch.no_grad) == [True, False]
+    manifest = json.loads((package / "xpupack.json").read_text())
+    del manifest["samples_mode"]  # a package that does not say (built before it was recorded)
+    (package / "xpupack.json").write_text(json.dumps(manifest))
+    assert warmup_modes(package, contextlib.nullcontext) == [False]
 
 
 def test_a_failing_warmup_is_a_warning_and_the_load_stands(stack_package, caplog):

@@ -17,6 +17,15 @@ their compile waits until the first of them is recorded and the caller pauses
 (`Held.start`), instead of leaving the first `generate()` to run every step
 on the original module.
 
+A job must not run beside the model's own Python code on another thread. transformers' output capture
+(and the kernels package) keep a process-wide variable while compiled code runs or Dynamo traces ("not
+thread-safe when compilation is triggered", transformers says): a `generate()` on the caller's thread
+beside the worker's trace of the same model changed it under the trace, whose guards then failed to build
+(3 of 4 loads of a tiny Llama with `defer_compile=True`). So a call that runs the model's Python, eager or
+compiled, takes `model_code` (`between_jobs`), which the worker holds while a job runs: it waits for a
+running job, and a job waits for it. Replays of device graphs run no Python of the model and never wait,
+and a capture's wait stays `device_work`'s (a load never waits for another model's job).
+
 A job must not change the caller's random numbers. A compile restores the global random state it found
 when it started (Dynamo does, for every frame), which from the worker would rewind the caller's
 generators to that moment: a model built from a seed meanwhile took other weights, and sampling repeated
@@ -42,6 +51,9 @@ from typing import Any
 #: held by the worker while a job runs (see the module docstring); reentrant, so that a job that
 #: reaches a capture itself goes on
 device_work = threading.RLock()
+#: held by the worker while a job runs and by a call that runs a model's Python (`between_jobs`); taken after
+#: `device_work` where both are (a capture runs the model)
+model_code = threading.RLock()
 
 _jobs: queue.SimpleQueue = queue.SimpleQueue()
 _worker: threading.Thread | None = None
@@ -55,17 +67,19 @@ def submit(
     *,
     context: contextvars.Context | None = None,
     ready: Callable[[], bool] | None = None,
+    runs_model: bool = True,
 ) -> Future:
     """Runs ``job()`` on the worker after the jobs given before it; its future (``future``, or a new one)
     holds the result or the error.
 
     The job runs in ``context`` (by default a copy of the caller's: what its block set, a load's file
     guard). With ``ready``, the worker polls it before the job and starts the job once it returns True,
-    not holding `device_work` meanwhile (captures on the serving path go on)."""
+    not holding `device_work` meanwhile (captures on the serving path go on). A job that traces or runs no
+    model's code (``runs_model=False``) leaves `model_code` free for the callers' calls."""
     global _worker
     future = future if future is not None else Future()
     context = context if context is not None else contextvars.copy_context()
-    _jobs.put((lambda: context.run(job), future, ready))
+    _jobs.put((lambda: context.run(job), future, ready, runs_model))
     with _starting:
         if _worker is None:
             _worker = threading.Thread(target=_work, name="xpupack-background")
@@ -73,6 +87,18 @@ def submit(
             # called as the interpreter exits, before it waits for threads like this one
             threading._register_atexit(_stop)  # type: ignore[attr-defined]
     return future
+
+
+_NO_WAIT = contextlib.nullcontext()
+
+
+def between_jobs() -> contextlib.AbstractContextManager:
+    """The block runs the model's own Python code (eager or compiled, not a device-graph replay): entered,
+    no job runs until it ends, and it waits for a running job (see the module docstring). Free where no
+    worker was started, and on the worker itself."""
+    if _worker is None or threading.current_thread() is _worker:
+        return _NO_WAIT
+    return model_code
 
 
 def wait(timeout: float | None = None) -> None:
@@ -122,8 +148,8 @@ def quiet(last_call: Callable[[], float], *, pause_s: float = 0.2, at_most_s: fl
 
 def _after_fork() -> None:
     """A forked child has no worker (threads do not survive a fork), whatever its parent had."""
-    global device_work, _jobs, _worker, _starting, _stopping
-    device_work, _starting = threading.RLock(), threading.Lock()
+    global device_work, model_code, _jobs, _worker, _starting, _stopping
+    device_work, model_code, _starting = threading.RLock(), threading.RLock(), threading.Lock()
     _jobs, _worker, _stopping = queue.SimpleQueue(), None, False
     _held.clear()
 
@@ -145,7 +171,7 @@ def _work() -> None:
         item = _jobs.get()
         if item is None:
             return
-        job, future, ready = item
+        job, future, ready, runs_model = item
         while ready is not None and not _stopping and not ready():
             time.sleep(_POLL_S)
         if _stopping:
@@ -153,7 +179,7 @@ def _work() -> None:
         if not future.set_running_or_notify_cancel():
             continue
         try:
-            with device_work, _random_state_kept():
+            with device_work, model_code if runs_model else _NO_WAIT, _random_state_kept():
                 result = job()
         except BaseException as exc:  # the caller's future reports it; the worker goes on
             future.set_exception(exc)

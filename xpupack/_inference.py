@@ -108,22 +108,25 @@ def outside_inference_mode(function: Callable[Concatenate[nn.Module, P], R]) -> 
 
     @functools.wraps(function)
     def wrapper(model: nn.Module, *args: P.args, **kwargs: P.kwargs) -> R:
-        outer = getattr(_caller, "inference_mode", False)
-        _caller.inference_mode = torch.is_inference_mode_enabled()
+        outer = getattr(_caller, "mode", "")
+        _caller.mode = (
+            "inference_mode" if torch.is_inference_mode_enabled() else "" if torch.is_grad_enabled() else "no_grad"
+        )
         try:
             with normal_tensors(model):
                 return function(model, *args, **kwargs)
         finally:
-            _caller.inference_mode = outer
+            _caller.mode = outer
 
     return wrapper
 
 
-#: per thread, whether the caller of the `outside_inference_mode` function running was in inference mode
+#: per thread, the mode the caller of the `outside_inference_mode` function running was in (`caller_mode`)
 _caller = threading.local()
 
 
-def caller_in_inference_mode() -> bool:
-    """Whether the caller of the `outside_inference_mode` function running on this thread (`load`) called it
-    under `torch.inference_mode()`: the mode it will most likely serve in (a load's warm-up runs there)."""
-    return getattr(_caller, "inference_mode", False)
+def caller_mode() -> str:
+    """The mode the caller of the `outside_inference_mode` function running on this thread (`load`) called it
+    in: ``"inference_mode"``, ``"no_grad"`` (grad off, not inference mode), or ``""`` (neither: the caller
+    said nothing of the mode it will serve in)."""
+    return getattr(_caller, "mode", "")

@@ -174,9 +174,10 @@ def load(
             ``lambda m: m.generate(ids, max_new_tokens=128, cache_implementation="static")``), or
             ``"auto"``: a greedy ``generate()`` with a static cache of each batch, prompt length and cache
             length the package's prefills were tuned on (a model tuned as a whole that has ``generate``;
-            nothing for others). None (the default): no warm-up. It runs under `torch.inference_mode()`
-            where ``load`` is called under it, else under `torch.no_grad` (compiled code guards on the mode
-            of a call with state: load in the mode you serve in). Its calls are not counted in
+            nothing for others). None (the default): no warm-up. It runs in the mode ``load`` is called in
+            (`torch.inference_mode()` or `torch.no_grad()`), or called in neither, in the mode the package was
+            tuned in (compiled code guards on the mode of a call with state: load in the mode you serve in,
+            or tune in it). Its calls are not counted in
             `xpupack.stats`; one that raises is logged as a warning and the load stands (docs/cold-start.md).
 
     Returns:
@@ -388,6 +389,7 @@ def _activate(model: nn.Module, verified: _Verified, modules: dict[str, TunedMod
         strategy=verified.manifest.get("strategy", ""),
         architecture=verified.manifest["model"]["tensors"],
         devices=verified.placement.modules,
+        samples_mode=verified.manifest.get("samples_mode", ""),
     )
     attach(model, session)
     session.activate()

@@ -154,6 +154,7 @@ def _write_package(model: nn.Module, session, state: dict[str, torch.Tensor], st
         "device": str(slots[0] if slots else session.device),
         **({"devices": [str(device) for device in slots]} if len(slots) > 1 else {}),
         "strategy": session.strategy,
+        **({"samples_mode": session.samples_mode} if session.samples_mode else {}),
         "model": {
             "class": f"{type(model).__module__}.{type(model).__qualname__}",
             "tensors": session.architecture,

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _hooks
+from . import _background, _hooks
 from ._listeners import add_fallback_listener  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from ._listeners import fallback_listeners as _fallback_listeners
@@ -201,7 +201,8 @@ class TunedModule:
         if _downgrade_listeners:
             self._report_downgrade()
         if self._runs_original:
-            return self.target.forward(*args, **kwargs)
+            with _background.between_jobs():
+                return self.target.forward(*args, **kwargs)
         key, leaves = fit_key(args, kwargs)
         try:
             index = self._table.get(key)
@@ -323,7 +324,8 @@ class TunedModule:
         failed, the call falls back as a backend error."""
         if index in self._pending:
             self.compiling += 1
-            return self.target.forward(*args, **kwargs)
+            with _background.between_jobs():
+                return self.target.forward(*args, **kwargs)
         return self._fallback(args, kwargs, "backend error", leaves)
 
     def _call_padded(self, index: int, key: tuple, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -390,7 +392,7 @@ class TunedModule:
         call's outputs."""
         self.padding_checks += 1
         buffers.restore()
-        with torch.no_grad():
+        with torch.no_grad(), _background.between_jobs():
             expected = self.target.forward(*args, **kwargs)
         written = buffers.written()
         problem = (
@@ -491,7 +493,8 @@ class TunedModule:
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list, key: Any = None) -> Any:
         self._count_fallback(reason, leaves, key)
-        return self.target.forward(*args, **kwargs)
+        with _background.between_jobs():  # the model's Python never runs beside a trace on xpupack's worker
+            return self.target.forward(*args, **kwargs)
 
     def _count_fallback(self, reason: str, leaves: list, key: Any = None) -> None:
         """Counts, logs (once per reason) and reports a call that runs the original module; ``key``: the
@@ -630,6 +633,8 @@ class Session:
         architecture: state-dict name -> shape and dtype of the model as built.
         owner: the model (`attach` sets it).
         load_seconds: where a load's time went, per phase.
+        samples_mode: the mode tuning ran the samples in, ``"inference_mode"`` or ``"no_grad"`` (where
+            compiled code made from its calls guards on the mode); empty for a package that does not say.
     """
 
     modules: dict[str, TunedModule]
@@ -646,6 +651,7 @@ class Session:
     #: where a load's time went, seconds per phase (verify, weights, shared_artifacts, modules, activate);
     #: empty for a session tuned here
     load_seconds: dict[str, float] = field(default_factory=dict)
+    samples_mode: str = ""
 
     def __post_init__(self) -> None:
         advised: set = set()  # advice is given once per model, not once per tuned module

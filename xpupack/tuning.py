@@ -167,7 +167,7 @@ def _tune(
     tuned = _tune_modules(selected, specs, placed, strategy, progress)
     for module in tuned.values():
         module.verify_every_padded_call = verify_padding == "always"
-    _activate(model, tuned, device, strategy, architecture, placed)
+    _activate(model, tuned, device, strategy, architecture, placed, samples_mode)
     return model
 
 
@@ -259,6 +259,7 @@ def _activate(
     strategy: Strategy,
     architecture: dict,
     placed: dict[str, torch.device],
+    samples_mode: Callable[[], Any],
 ) -> None:
     """Attaches a new session of the tuned modules to the model and activates it."""
     session = Session(
@@ -268,6 +269,7 @@ def _activate(
         strategy=repr(strategy),
         architecture=architecture,
         devices=placed,
+        samples_mode="inference_mode" if samples_mode is torch.inference_mode else "no_grad",
     )
     attach(model, session)
     session.activate()

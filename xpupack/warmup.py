@@ -5,9 +5,11 @@ its signature alone: only a real call brings the cache. Without a warm-up, the f
 load compiles on the caller's path (seconds, docs/cold-start.md). ``load(..., warmup=...)`` makes those
 calls inside the load instead: the caller's own function, or ``"auto"``, a greedy ``generate()`` of each
 prompt length and cache length the package was tuned on, for a model tuned as a whole with a static cache.
-The warm-up runs under `torch.inference_mode()` where ``load`` was called under it, else under
-`torch.no_grad` (``generate()``'s own mode): compiled code guards on the mode of a call with state, so a
-server that loads in one mode and serves in the other compiles its own variant at its first call.
+Compiled code guards on the mode of a call with state, so a server that warms up in one mode and serves in
+the other compiles its own variant at its first call. The warm-up runs in the mode ``load`` was called in
+(`torch.inference_mode()` or `torch.no_grad()`); called in neither, in the mode the package was tuned in
+(its calls' compiled artifacts are for that mode: a warm-up in another compiles from scratch, 136 s for
+Llama-3-8B's shapes on an H100), else under `torch.no_grad` (``generate()``'s own mode).
 Its calls are not counted in `xpupack.stats`; a warm-up that fails leaves the model as the load made it
 (its calls then compile at their first call, as without one) and says why in a warning.
 """
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._inference import caller_in_inference_mode
+from ._inference import caller_mode
 from .signature import Signature, StateLeaf, TensorLeaf, unflatten
 from .state import STATIC_CACHE
 from .tuned import Session
@@ -47,8 +49,7 @@ def warm_up(model: nn.Module, session: Session, warmup: Any, progress: Callable[
     if warmup is None:
         return
     calls = generate_calls(model, session) if warmup == "auto" else [warmup]
-    # compiled code guards on the mode of a call with state: warm up in the one the caller loads in
-    mode = torch.inference_mode if caller_in_inference_mode() else torch.no_grad
+    mode = torch.inference_mode if warmup_mode(session) == "inference_mode" else torch.no_grad
     for number, call in enumerate(calls, 1):
         if progress:
             progress(f"warming up ({number}/{len(calls)})")
@@ -66,6 +67,12 @@ def warm_up(model: nn.Module, session: Session, warmup: Any, progress: Callable[
         module.forget_calls()
 
 
+def warmup_mode(session: Session) -> str:
+    """``"inference_mode"`` or ``"no_grad"``: the mode the load was called in, or where it was called in
+    neither, the mode the package was tuned in (compiled code guards on the mode of a call with state)."""
+    return caller_mode() or session.samples_mode or "no_grad"
+
+
 def generate_calls(model: nn.Module, session: Session) -> list[Callable[[nn.Module], Any]]:
     """For a model tuned as a whole (``""``) that has ``generate()``: a greedy ``generate()`` with a static
     cache for each (batch, prompt length, cache length) of a tuned prefill; none for any other package."""
@@ -76,13 +83,23 @@ def generate_calls(model: nn.Module, session: Session) -> list[Callable[[nn.Modu
     return [_greedy_generate(batch, length, cache_length) for batch, length, cache_length in shapes]
 
 
+#: keywords that ``generate()``'s decoding loop passes to the model and a hand-written loop rarely does
+GENERATE_KEYWORDS = frozenset({"return_dict", "logits_to_keep"})
+
+
 def _prefill_shape(signature: Signature) -> tuple[int, int, int] | None:
-    """``(batch, prompt length, cache length)`` of a prefill into a StaticCache (token ids of more than one
-    position and a cache), or None for any other call."""
+    """``(batch, prompt length, cache length)`` of a ``generate()``'s prefill into a StaticCache (token ids of
+    more than one position, a cache, `GENERATE_KEYWORDS`), or None for any other call. A hand-written loop's
+    prefill is left out: a warm-up ``generate()`` of its cache length would leave that cache on the model,
+    which transformers reuses for every later ``generate()`` that fits in it, so that their calls came at
+    another cache length than tuned (H100, Llama-3-8B's shapes: every prefill a fallback, the decode step
+    compiled again)."""
     caches = [leaf for leaf in signature.leaves if isinstance(leaf, StateLeaf) and leaf.type_name == STATIC_CACHE]
     if not caches or not caches[0].tensors:
         return None
     args, kwargs = unflatten(list(signature.leaves), signature.tree)
+    if not GENERATE_KEYWORDS.intersection(kwargs):
+        return None
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, TensorLeaf) or len(ids.shape) != 2 or ids.shape[1] < 2:
         return None

@@ -741,7 +741,7 @@ class GraphRunner(Runner):
                 counters.write(obj, _sum(counts, adds))  # what the call's Python would have counted
             return output
         if index in self._original_unrecordable and self._function(index) is self._original:
-            return self._original(index, args, kwargs, leaves)  # until the base serves it (`_record_state_call`)
+            return self._run_unrecorded(index, args, kwargs, leaves)  # the original, until the base serves it
         if key not in self._warm:
             if self._last_warm.setdefault(index, key[1]) != key[1]:
                 # its calls come at fresh state each time (a prefill into each generate()'s new cache): no
@@ -771,7 +771,8 @@ class GraphRunner(Runner):
                 self._start_held_upgrade()
         del self._warm[key]
         if recording is None:
-            return self._original(index, args, kwargs, leaves)  # type: ignore[misc]
+            with _background.between_jobs():
+                return self._original(index, args, kwargs, leaves)  # type: ignore[misc]
         if (
             paths and _difference(tuple(counters.read(obj) for counters, obj in counted), before) != self._added[index]
         ):  # its replays would advance the counters by what another call added
@@ -794,9 +795,10 @@ class GraphRunner(Runner):
         Dynamo compiles another graph for it, on the caller's path and missing the package's: a
         ``generate()``'s attention mask is a view."""
         function = self._function(index)
-        if self.base_runner is None or function is self._original:  # the module itself takes any call
-            return function(index, args, kwargs, leaves)
-        return function(index, *self._as_recorded(index, args, kwargs, leaves))
+        with _background.between_jobs():  # the model's Python never runs beside a trace on the worker
+            if self.base_runner is None or function is self._original:  # the module itself takes any call
+                return function(index, args, kwargs, leaves)
+            return function(index, *self._as_recorded(index, args, kwargs, leaves))
 
     def _as_recorded(self, index: int, args: tuple, kwargs: dict, leaves: list) -> tuple[tuple, dict, list]:
         """``(args, kwargs, leaves)`` of the call with each input besides the state a copy of its own, as a

@@ -172,10 +172,11 @@ class InductorRunner(Runner):
         Raises:
             RuntimeError: Dynamo left no compiled code for the signature.
         """
-        if self._original is not None and (not self._compiled_checked or not self._prepared(index, args, kwargs)):
-            self.compiling += 1  # compiled off the caller's path (a load's): not yet, or never
-            return self._original(*args, **kwargs)
-        return self.run_compiled(index, args, kwargs, leaves)
+        with _background.between_jobs():  # the model's Python never runs beside a trace on the worker
+            if self._original is not None and (not self._compiled_checked or not self._prepared(index, args, kwargs)):
+                self.compiling += 1  # compiled off the caller's path (a load's): not yet, or never
+                return self._original(*args, **kwargs)
+            return self.run_compiled(index, args, kwargs, leaves)
 
     def _prepared(self, index: int, args: tuple, kwargs: dict) -> bool:
         """After a load's compile off the caller's path: whether signature ``index`` is compiled, starting its
