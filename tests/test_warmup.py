@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import xpupack
 from support.language_models import (
@@ -25,6 +26,7 @@ from support.language_models import (
 from support.models import make_stack, stack_samples
 from support.strategies import GRAPH
 from xpupack import warmup
+from xpupack.cli import main
 
 
 def compiles() -> int:
@@ -133,6 +135,8 @@ def test_a_load_in_neither_mode_warms_up_in_the_mode_the_package_was_tuned_in(em
         xpupack.tune(model, stack_samples(), strategy=GRAPH)
     package = xpupack.save(model, tmp_path / "pkg")
     assert json.loads((package / "xpupack.json").read_text())["samples_mode"] == "inference_mode"
+    inspected = CliRunner().invoke(main, ["inspect", "--json", str(package)])
+    assert json.loads(inspected.output)["samples_mode"] == "inference_mode", inspected.output
     assert warmup_modes(package, contextlib.nullcontext, torch.no_grad) == [True, False]
     manifest = json.loads((package / "xpupack.json").read_text())
     del manifest["samples_mode"]  # a package that does not say (built before it was recorded)

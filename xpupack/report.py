@@ -283,6 +283,8 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
         "format_version": manifest["format_version"],
         "xpupack_version": manifest["xpupack_version"],
         "created": manifest["created"],
+        # the mode tuning ran in, where a load's warm-up outside any mode runs (None: the package does not say)
+        "samples_mode": manifest.get("samples_mode"),
         "device": manifest["device"],
         "devices": package_slots(manifest),
         "environment": manifest["environment"],

@@ -139,6 +139,11 @@ def _compiled_code_line(report: dict) -> str | None:
             f"{', '.join(paths['inductor anew'])}: Inductor compiles without the carried kernels {where}, "
             "as 'on load here' says"
         )
+    if lines and report.get("samples_mode"):
+        lines.append(
+            f"tuned under {report['samples_mode']}: serve there (compiled code guards on the mode of a call "
+            "with state); load(warmup=...) called outside any mode warms up there"
+        )
     return "compiled code at load: " + "; ".join(lines) if lines else None
 
 
