@@ -236,7 +236,6 @@ class Phases:
 
 
 def step_build(shape: Shape, package: Path, phases: Phases) -> None:
-
     # tuning's progress (each candidate built, checked, timed) goes to the build process's log
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))

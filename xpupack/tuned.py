@@ -201,8 +201,7 @@ class TunedModule:
         if _downgrade_listeners:
             self._report_downgrade()
         if self._runs_original:
-            with _background.between_jobs():
-                return self.target.forward(*args, **kwargs)
+            return self._run_original(args, kwargs)
         key, leaves = fit_key(args, kwargs)
         try:
             index = self._table.get(key)
@@ -324,8 +323,7 @@ class TunedModule:
         failed, the call falls back as a backend error."""
         if index in self._pending:
             self.compiling += 1
-            with _background.between_jobs():
-                return self.target.forward(*args, **kwargs)
+            return self._run_original(args, kwargs)
         return self._fallback(args, kwargs, "backend error", leaves)
 
     def _call_padded(self, index: int, key: tuple, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -392,8 +390,8 @@ class TunedModule:
         call's outputs."""
         self.padding_checks += 1
         buffers.restore()
-        with torch.no_grad(), _background.between_jobs():
-            expected = self.target.forward(*args, **kwargs)
+        with torch.no_grad():
+            expected = self._run_original(args, kwargs)
         written = buffers.written()
         problem = (
             f"the module writes its own buffers ({', '.join(written[:3])})"
@@ -493,7 +491,12 @@ class TunedModule:
 
     def _fallback(self, args: tuple, kwargs: dict, reason: str, leaves: list, key: Any = None) -> Any:
         self._count_fallback(reason, leaves, key)
-        with _background.between_jobs():  # the model's Python never runs beside a trace on xpupack's worker
+        return self._run_original(args, kwargs)
+
+    def _run_original(self, args: tuple, kwargs: dict) -> Any:
+        """The original module's forward on the call: the model's Python, which never runs beside a trace on
+        xpupack's worker (`xpupack._background.between_jobs`)."""
+        with _background.between_jobs():
             return self.target.forward(*args, **kwargs)
 
     def _count_fallback(self, reason: str, leaves: list, key: Any = None) -> None:
