@@ -20,6 +20,7 @@ from support.language_models import (
     prompt,
     static_cache,
     tiny_llama,
+    tiny_mistral,
     tune_llm,
     whole,
 )
@@ -67,14 +68,50 @@ def test_auto_warmup_compiles_a_language_models_prefill_and_decode_inside_load(
     assert whole(loaded)["fallbacks"] == 0 and fallback_calls == []
 
 
-def test_the_auto_warmup_generates_each_tuned_prompt_and_cache_length(emulated_graphs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("options", [{}, {"warmup": "auto"}], ids=["by-default", "auto"])
+def test_the_auto_warmup_generates_each_tuned_prompt_and_cache_length(emulated_graphs, tmp_path, monkeypatch, options):
     model, _ = tune_llm(GRAPH)
     root = xpupack.save(model, tmp_path / "pkg")
     made = []
     monkeypatch.setattr(warmup, "_greedy_generate", lambda *shape: made.append(shape) or (lambda m: None))
-    xpupack.load(tiny_llama(), root, warmup="auto")
+    loaded = xpupack.load(tiny_llama(), root, **options)
     # batch 1, the 8-token prompt, a static cache of 8 + NEW_TOKENS - 1 positions (what generate() sizes)
-    assert made == [(1, 8, 8 + NEW_TOKENS - 1)]
+    assert made == [(1, 8, 8 + NEW_TOKENS - 1, False)]
+    assert "warmup" in xpupack.stats(loaded, totals=True)["totals"]["load_seconds"]
+
+
+@pytest.mark.parametrize("with_mask", [True, False], ids=["with-a-mask", "without"])
+def test_the_auto_warmup_gives_generate_an_attention_mask_where_the_tuned_one_had_one(
+    emulated_graphs, tmp_path, fallback_calls, with_mask
+):
+    """transformers builds the 4-d mask of a sliding window's forward from the mask given to ``generate()``,
+    so a prefill with a mask and one without are two signatures: a warm-up with another than the tuned
+    call's would leave the tuned prefill uncompiled, and its own prefill would fall back."""
+    mask = (lambda ids: {"attention_mask": torch.ones_like(ids)}) if with_mask else (lambda ids: {})
+
+    def run(model, ids):
+        return model.generate(ids, **mask(ids), max_new_tokens=NEW_TOKENS, cache_implementation="static")
+
+    model, _ = tune_llm(GRAPH, make=lambda: tiny_mistral(sliding_window=10), run=run)
+    (shape,) = filter(None, map(warmup._prefill_shape, xpupack.tuned.session_of(model).modules[""].spec.signatures))
+    # either way the forward got a mask: both are tried; every layer slides, so the cache is the window long
+    assert shape == (1, 8, 10, (True, False))
+    root = xpupack.save(model, tmp_path / "pkg")
+    loaded = xpupack.load(tiny_mistral(sliding_window=10, seed=3), root)
+    assert fallback_calls == []  # a warm-up's own fallback (the other mask) is not the caller's
+    run(loaded, prompt(seed=4))
+    assert whole(loaded)["fallbacks"] == 0 and whole(loaded)["new_sizes"] == 0  # what the warm-up made fits
+
+
+def test_no_warmup_with_none_or_with_defer_compile(emulated_graphs, tmp_path, monkeypatch):
+    model, _ = tune_llm(GRAPH)
+    root = xpupack.save(model, tmp_path / "pkg")
+    made = []
+    monkeypatch.setattr(warmup, "_greedy_generate", lambda *shape: made.append(shape) or (lambda m: None))
+    loaded = xpupack.load(tiny_llama(), root, warmup=None)
+    assert "warmup" not in xpupack.stats(loaded, totals=True)["totals"]["load_seconds"]
+    xpupack.load(tiny_llama(), root, defer_compile=True)  # returns at once: its compiles run while calls serve
+    assert made == []
 
 
 def test_the_auto_warmup_leaves_out_the_prefill_of_a_hand_written_loop(emulated_graphs, tmp_path, monkeypatch):
@@ -91,7 +128,7 @@ def test_the_auto_warmup_leaves_out_the_prefill_of_a_hand_written_loop(emulated_
     made = []
     monkeypatch.setattr(warmup, "_greedy_generate", lambda *shape: made.append(shape) or (lambda m: None))
     xpupack.load(tiny_llama(), root, warmup="auto")
-    assert made == [(1, 8, 8 + NEW_TOKENS - 1)]
+    assert made == [(1, 8, 8 + NEW_TOKENS - 1, False)]
 
 
 def test_a_warmup_function_runs_once_inside_load_and_its_calls_are_not_counted(stack_package):

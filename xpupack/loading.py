@@ -111,7 +111,7 @@ def load(
     limits: LoadLimits | None = None,
     defer_compile: bool = False,
     verify_padding: str = "first",
-    warmup: Callable[[nn.Module], Any] | str | None = None,
+    warmup: Callable[[nn.Module], Any] | str | None = "auto",
 ) -> nn.Module:
     """Loads the package at ``path`` (a folder or a Hub repo) into ``model`` and activates it.
 
@@ -172,9 +172,11 @@ def load(
             (a language model's prefill and decode steps, which need its KV cache) is compiled and recorded
             before ``load`` returns rather than at the caller's first call: a function of the model (e.g.
             ``lambda m: m.generate(ids, max_new_tokens=128, cache_implementation="static")``), or
-            ``"auto"``: a greedy ``generate()`` with a static cache of each batch, prompt length and cache
-            length the package's prefills were tuned on (a model tuned as a whole that has ``generate``;
-            nothing for others). None (the default): no warm-up. It runs in the mode ``load`` is called in
+            ``"auto"`` (the default): a greedy ``generate()`` with a static cache of each batch, prompt length
+            and cache length the package's ``generate()`` prefills were tuned on (a model tuned as a whole that
+            has ``generate``; nothing for others; nothing with ``defer_compile=True``, whose compiles run while
+            the first calls are served). None: no warm-up (those calls then compile at the caller's first
+            call, which is slower than the ones after it). It runs in the mode ``load`` is called in
             (`torch.inference_mode()` or `torch.no_grad()`), or called in neither, in the mode the package was
             tuned in (compiled code guards on the mode of a call with state: load in the mode you serve in,
             or tune in it). Its calls are not counted in
@@ -230,8 +232,9 @@ def load(
     if previous is not None:
         previous.deactivate()  # its modules now run the new session: this only frees its recordings
     session = find_session(model)
-    if warmup is not None and session is not None:
-        warm_up(model, session, warmup, progress)
+    if defer_compile and warmup == "auto":
+        warmup = None  # the opt-in background mode returns at once; its compiles run while the first calls serve
+    if warmup is not None and session is not None and warm_up(model, session, warmup, progress):
         clock.lap("warmup")
     _log_loaded(verified.source, clock)
     return model

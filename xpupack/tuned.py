@@ -193,6 +193,8 @@ class TunedModule:
         self._runs_original = backend.name == "eager"
         #: advice already given as a warning (`_advise`); one set for all tuned modules of a model (`Session`)
         self.advised: set[type] = set()
+        #: set while a load's warm-up calls run (`xpupack.warmup`): their fallbacks are counted, not reported
+        self.warming_up = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # the per-call path: a call that fits a tuned signature runs it with no helper call in between;
@@ -503,6 +505,8 @@ class TunedModule:
         """Counts, logs (once per reason) and reports a call that runs the original module; ``key``: the
         call's fit key, for a signature the backend did not build."""
         self.fallbacks += 1
+        if self.warming_up:  # a load's own warm-up call (`xpupack.warmup`): not the caller's, nothing to report
+            return
         kind = reason
         unbuilt = _lookup(self._unbuilt, key) if reason == "signature" and self._unbuilt else None
         if unbuilt is not None:
