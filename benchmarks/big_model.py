@@ -7,8 +7,10 @@ bf16, batch 1, a 32-token prompt, 128 new tokens. ``--layers``, ``--hidden``, ``
 
 Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``; what a new server meets):
 
-- **build**: ``xpupack.tune`` with the default strategy, under ``torch.inference_mode()``, on a greedy
-  ``generate(..., cache_implementation="static")`` and a hand-written decode loop on a caller-held
+- **build**: ``xpupack.tune`` with the default strategy (with ``--quantize CONFIG``: the one quantized
+  chain, ``graph+inductor+torchao:CONFIG``, ``inductor+torchao:CONFIG`` on a CPU), under
+  ``torch.inference_mode()``, on a greedy ``generate(..., cache_implementation="static")`` and a
+  hand-written decode loop on a caller-held
   ``StaticCache`` (``llm_decode.py``'s samples), then ``xpupack.save`` (weights included);
 - **serve**: the model built and the package's files read once (page cache warm) before the clock; then
   ``xpupack.load`` (with ``warmup="auto"`` unless ``--warmup none``: the prefill and decode steps compiled
@@ -19,11 +21,13 @@ Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``;
 It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates per second):
 
 - ``tune_s``, ``save_s``, ``package_gb``, ``save_gb_s`` (package bytes ÷ save seconds);
-- ``load_s``, ``load_gb_s`` (package bytes ÷ load seconds), ``extra_device_memory_gb`` (the load's peak
-  above what was allocated before it: CUDA's ``max_memory_allocated``; on a CPU the growth of the peak
-  resident set, ``resource.getrusage``), ``threads_alive_after_load`` (threads other than the main one
-  right after ``load()`` returns; the aim is none), ``load_to_first_token_s`` (from the start of ``load()``
-  to the first token of the first ``generate()``);
+- ``load_s``, ``load_gb_s`` (package bytes ÷ load seconds), ``load_phases`` (where the load's time went:
+  verify, weights, modules, warmup, ... as ``xpupack.stats(totals=True)`` has them),
+  ``extra_device_memory_gb`` (the load's peak above what was allocated before it: CUDA's
+  ``max_memory_allocated``; on a CPU the growth of the peak resident set, ``resource.getrusage``),
+  ``threads_alive_after_load`` (threads other than the main one right after ``load()`` returns; the aim is
+  none), ``load_to_first_token_s`` (from the start of ``load()`` to the first token of the first
+  ``generate()``);
 - ``time_series``: ``[seconds since load() started, tokens/s]`` at the end of each ``generate()``;
   ``slowest_generate_tokens_s``, ``steady_tokens_s`` (median of the last third),
   ``time_to_full_speed_s`` (from the start of ``load()`` to the start of the first ``generate()`` after
@@ -49,6 +53,7 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
 
     python benchmarks/big_model.py --out big_model.json                   # Llama-3-8B shapes on a GPU
     python benchmarks/big_model.py --layers 8 --budget 540                 # a quarter of the layers
+    python benchmarks/big_model.py --quantize int8-weight-only            # a quantized package
     python benchmarks/big_model.py --device cpu --layers 2 --hidden 64 --intermediate 128 --vocab 256 \\
         --heads 4 --kv-heads 2 --new-tokens 8 --prompt 8 --seconds 3      # a smoke test on a CPU
 """
@@ -88,6 +93,7 @@ FIELDS = [
     "package_gb",
     "load_s",
     "load_gb_s",
+    "load_phases",
     "extra_device_memory_gb",
     "threads_alive_after_load",
     "load_to_first_token_s",
@@ -235,7 +241,7 @@ class Phases:
 # --- the build process: tune and save ----------------------------------------------------------------
 
 
-def step_build(shape: Shape, package: Path, phases: Phases) -> None:
+def step_build(shape: Shape, package: Path, phases: Phases, quantize: str | None = None) -> None:
     # tuning's progress (each candidate built, checked, timed) goes to the build process's log
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
@@ -243,7 +249,7 @@ def step_build(shape: Shape, package: Path, phases: Phases) -> None:
     logging.getLogger("xpupack").setLevel(logging.INFO)
     emit_device_name(shape)
     built: dict = {}
-    phases.run("tune", lambda: tune(shape, built))
+    phases.run("tune", lambda: tune(shape, built, quantize))
     phases.run("save", lambda: save(built["model"], package), needs=("tune",))
 
 
@@ -253,7 +259,20 @@ def emit_device_name(shape: Shape) -> None:
     emit(device_name=torch.cuda.get_device_name() if shape.device.startswith("cuda") else shape.device)
 
 
-def tune(shape: Shape, built: dict) -> dict:
+def quantized_chain(device: str, config: str):
+    """The one quantized candidate of ``--quantize``: TorchAO's ``config`` under Inductor, in a device graph where
+    the device has them; weight-only int8 gets the 20 dB floor of ``llm_decode.py`` (a random 8B model's
+    logits are close, so its tokens drift sooner than a trained model's)."""
+    import xpupack
+    from llm_decode import QUANTIZED
+
+    floor = dict(QUANTIZED.values()).get(config)
+    torchao = xpupack.TorchAOBackend(config, **({} if floor is None else {"min_sqnr_db": floor}))
+    inductor = xpupack.InductorBackend(base=torchao)
+    return inductor if device == "cpu" else xpupack.GraphBackend(base=inductor)
+
+
+def tune(shape: Shape, built: dict, quantize: str | None = None) -> dict:
     import torch
 
     import xpupack
@@ -267,9 +286,10 @@ def tune(shape: Shape, built: dict) -> dict:
             return decode_loop(m, shape.ids(shape.batch), min(8, shape.new_tokens), shape.cache(m))
         return greedy_generate(m, shape, shape.batch)
 
+    strategy = None if quantize is None else xpupack.Only(quantized_chain(shape.device, quantize))
     started = time.perf_counter()
     with torch.inference_mode():
-        xpupack.tune(model, ["loop", "generate"], run=run, device=shape.device)
+        xpupack.tune(model, ["loop", "generate"], run=run, device=shape.device, strategy=strategy)
     return {
         "tune_s": round(time.perf_counter() - started, 2),
         "tuned_backends": backends(model),
@@ -297,9 +317,11 @@ def significant(value: float) -> float:
 
 
 def backends(model) -> dict:
+    """Each tuned module's backend in full (``graph+inductor``; `xpupack.stats` names only the outer one)."""
     import xpupack
 
-    return {path or "<model>": entry["backend"] for path, entry in xpupack.stats(model).items()}
+    session = xpupack.tuned.session_of(model)
+    return {path or "<model>": module.backend.label for path, module in session.modules.items()}
 
 
 def candidates(model) -> dict:
@@ -343,9 +365,11 @@ class Server:
         seconds = time.perf_counter() - self.started
         threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         self.count_prefill_fallbacks()
+        phases = xpupack.stats(self.model, totals=True)["totals"]["load_seconds"]
         return {
             "load_s": round(seconds, 3),
             "load_gb_s": significant(folder_bytes(self.package) / GB / seconds),
+            "load_phases": {phase: round(phase_s, 3) for phase, phase_s in phases.items()},
             "extra_device_memory_gb": round(device_memory_growth(device, before) / GB, 3),
             "threads_alive_after_load": threads,
         }
@@ -522,7 +546,7 @@ def stats_summary(model) -> dict:
         "fallbacks": stats["totals"]["fallbacks"],
         "compiling": sum(entry.get("compiling", 0) for _, entry in modules),
         "fallback_reasons": reasons,
-        "backends": {path or "<model>": entry["backend"] for path, entry in modules},
+        "backends": backends(model),
     }
 
 
@@ -620,7 +644,8 @@ def unfinished(found: dict, step: str, why: str) -> None:
 
 def child_arguments(args: argparse.Namespace) -> list[str]:
     names = ["device", "dtype", *LLAMA3_8B, "prompt", "new_tokens", "batch", "seconds", "warmup"]
-    return [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    parts = [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    return parts + (["--quantize", args.quantize] if args.quantize else [])
 
 
 def report_head(args: argparse.Namespace) -> dict:
@@ -635,7 +660,7 @@ def report_head(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__}
-        | {"seconds": args.seconds, "warmup": args.warmup},
+        | {"seconds": args.seconds, "warmup": args.warmup, "quantize": args.quantize},
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
         "tuned_candidates": None,
@@ -647,6 +672,8 @@ def report_head(args: argparse.Namespace) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     import torch
+
+    from xpupack.strategies import QUANTIZE_CONFIGS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -662,6 +689,14 @@ def parser() -> argparse.ArgumentParser:
         choices=["auto", "none"],
         default="auto",
         help="xpupack.load's warmup: 'auto' compiles the prefill and decode steps inside load() (default)",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=QUANTIZE_CONFIGS,
+        default=None,
+        metavar="CONFIG",
+        help=f"tune one quantized candidate (graph+inductor+torchao:CONFIG) instead of the default strategy; "
+        f"one of {', '.join(QUANTIZE_CONFIGS)}",
     )
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
@@ -683,7 +718,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.step:
         package, phases = Path(args.workdir) / "pkg", Phases(args.deadline)
         if args.step == "build":
-            step_build(shape, package, phases)
+            step_build(shape, package, phases, args.quantize)
         else:
             step_serve(shape, package, args.seconds, args.warmup, phases)
         return {}

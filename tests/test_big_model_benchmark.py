@@ -73,6 +73,19 @@ def test_the_processes_get_the_runs_settings():
     args = big_model.parser().parse_args([*TINY, "--batch", "2", "--seconds", "5"])
     again = big_model.parser().parse_args(big_model.child_arguments(args))
     assert big_model.Shape.of(again) == big_model.Shape.of(args) and again.seconds == 5
+    assert again.quantize is None
+    args = big_model.parser().parse_args([*TINY, "--quantize", "int8-weight-only"])
+    assert big_model.parser().parse_args(big_model.child_arguments(args)).quantize == "int8-weight-only"
+    assert big_model.report_head(args)["settings"]["quantize"] == "int8-weight-only"
+
+
+def test_quantize_tunes_the_one_quantized_chain_with_the_int8_floor():
+    pytest.importorskip("torchao")
+    chain = big_model.quantized_chain("cpu", "int8-weight-only")
+    assert chain.label == "inductor+torchao:int8-weight-only" and chain.base.min_sqnr_db == 20
+    assert big_model.quantized_chain("cuda", "int4-weight-only").label == "graph+inductor+torchao:int4-weight-only"
+    with pytest.raises(SystemExit):
+        big_model.parser().parse_args([*TINY, "--quantize", "int3"])
 
 
 @pytest.mark.slow  # a fresh process, stopped by the budget
@@ -96,6 +109,8 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
     for field in POSITIVE:
         assert isinstance(report[field], (int, float)) and report[field] > 0, field
     assert report["extra_device_memory_gb"] >= 0
+    assert {"verify", "weights", "modules", "warmup"} <= set(report["load_phases"])  # where the load's time went
+    assert sum(report["load_phases"].values()) <= report["load_s"]
     series = report["time_series"]
     assert series and all(tokens_s > 0 for _, tokens_s in series)
     assert [t for t, _ in series] == sorted(t for t, _ in series) and series[-1][0] >= 2

@@ -203,6 +203,32 @@ def test_a_config_class_outside_the_allow_list_is_refused():
         xpupack.TorchAOBackend(Int8DynamicActivationIntxWeightConfig())
 
 
+def test_a_package_states_its_quantization_in_inspect_and_the_model_card(emulated_graphs, tmp_path):
+    from xpupack.card import package_card
+    from xpupack.cli import main
+    from xpupack.manifest import read_manifest
+    from xpupack.report import package_report
+
+    backend = xpupack.GraphBackend(base=xpupack.TorchAOBackend("int8-weight-only"))
+    root = xpupack.save(tune_quantized(strategy=xpupack.Only(backend)), tmp_path / "pkg")
+    modules = package_report(root)["modules"]
+    labelled = {(m["label"], m["quantization"]) for m in modules}
+    assert labelled == {("graph+torchao:int8-weight-only", "int8-weight-only")}
+    shown = CliRunner().invoke(main, ["inspect", str(root)], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert "quantized (TorchAO, stored as such, not quantized again at load): layers.0.mlp int8-weight-only" in (
+        " ".join(shown.output.split())
+    )
+    card = package_card(root, read_manifest(root))
+    assert "- torchao" in card and "| graph+torchao:int8-weight-only |" in card
+    assert "Quantized with TorchAO: `layers.0.mlp` (int8-weight-only), `layers.1.mlp` (int8-weight-only)" in card
+
+    plain = xpupack.save(tune_quantized(strategy=xpupack.Only(xpupack.GraphBackend())), tmp_path / "plain")
+    assert {m["quantization"] for m in package_report(plain)["modules"]} == {None}
+    card = package_card(plain, read_manifest(plain))
+    assert "Quantized" not in card and "- torchao" not in card
+
+
 def test_a_config_instance_is_packaged_and_loaded(tmp_path):
     from torchao.quantization import IntxWeightOnlyConfig, PerGroup
 

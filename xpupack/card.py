@@ -41,12 +41,13 @@ def model_card(
     Returns:
         The card's Markdown text.
     """
-    from .report import compiled_backends
+    from .report import backend_label, compiled_backends, quantization
 
     signatures = signatures or {}
     env = manifest["environment"]
     backends = sorted({m["backend"]["name"] for m in manifest["modules"]})
-    tags = ["xpupack", "pytorch", env["device_type"], *backends]
+    quantized = {m["path"]: q for m in manifest["modules"] if (q := quantization(m["backend"]))}
+    tags = ["xpupack", "pytorch", env["device_type"], *backends, *(["torchao"] if quantized else [])]
     model_class = manifest["model"]["class"]
     lines = [
         "---",
@@ -68,10 +69,17 @@ def model_card(
     ]
     for module in manifest["modules"]:
         shapes = "<br>".join(f"`{_cell(s)}`" for s in signatures.get(module["path"], [])) or "—"
-        lines.append(f"| `{module['path'] or '<model>'}` | {module['backend']['name']} | {shapes} |")
+        lines.append(f"| `{module['path'] or '<model>'}` | {_cell(backend_label(module['backend']))} | {shapes} |")
+    lines += ["", "Calls whose inputs match no recorded signature run the original module."]
+    if quantized:
+        which = ", ".join(f"`{path or '<model>'}` ({config})" for path, config in quantized.items())
+        lines += [
+            "",
+            f"Quantized with TorchAO: {which}. Their weights are stored quantized and load as such "
+            "(no `quantize_` at load, no pickle); their outputs differ from the original model's within "
+            "the signal-to-noise floor the package was checked against.",
+        ]
     lines += [
-        "",
-        "Calls whose inputs match no recorded signature run the original module.",
         "",
         "## Build environment",
         "",

@@ -81,6 +81,36 @@ def compiled_backends(manifest: dict) -> dict[str, str]:
     return compiled
 
 
+def backend_label(backend: Any) -> str:
+    """A manifest's backend entry and its bases as ``--backends`` spells them
+    (``graph+inductor+torchao:int8-weight-only``)."""
+    parts: list[str] = []
+    while isinstance(backend, dict) and len(parts) < 16:
+        options = backend.get("options")
+        config = _config_name(options) if backend.get("name") == "torchao" else None
+        parts.append(f"{backend.get('name')}" + (f":{config}" if config else ""))
+        backend = options.get("base") if isinstance(options, dict) else None
+    return "+".join(parts)
+
+
+def quantization(backend: Any) -> str | None:
+    """The TorchAO configuration a manifest's backend entry (or a base of it) stores its weights in: its
+    name (``int8-weight-only``) or config class (``Int8WeightOnlyConfig``); None for weights left as they were."""
+    while isinstance(backend, dict):
+        options = backend.get("options")
+        if backend.get("name") == "torchao":
+            return _config_name(options) or "torchao"
+        backend = options.get("base") if isinstance(options, dict) else None
+    return None
+
+
+def _config_name(options: Any) -> str | None:
+    config = options.get("config") if isinstance(options, dict) else None
+    if isinstance(config, dict):  # a torchao config in its config_to_dict form
+        config = config.get("_type")
+    return config if isinstance(config, str) else None
+
+
 def plans_here(manifest: dict, source: Source, device=None, on_mismatch: str = "rebuild") -> dict[str, dict]:
     """What `xpupack.load` with ``on_mismatch`` runs for each module on ``device`` here:
     ``{path: {"runs": backend label, "use_artifacts": bool, "compiled": bool, "status": str, "compatible": bool}}``
@@ -259,6 +289,9 @@ def package_report(source: Source | str | Path, device=None, on_mismatch: str = 
             {
                 "path": entry["path"],
                 "backend": entry["backend"]["name"],
+                "label": backend_label(entry["backend"]),
+                # the TorchAO configuration its weights are stored in (None: as the model had them)
+                "quantization": quantization(entry["backend"]),
                 "options": entry["backend"]["options"],
                 "settings": describe_options(entry["backend"]["options"]),
                 # as stored, each read through `Candidate` (a field an older xpupack did not write stays out)

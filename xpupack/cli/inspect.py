@@ -62,6 +62,9 @@ def print_report(report: dict, out) -> None:
     compiled = _compiled_code_line(report)
     if compiled:
         out.print(compiled)
+    quantized = _quantization_line(report)
+    if quantized:
+        out.print(quantized)
     table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
     for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
         column.overflow = "fold"
@@ -81,7 +84,7 @@ def print_report(report: dict, out) -> None:
         name = module["path"] or "<model>"
         if len(report["devices"]) > 1:
             name += f"\nslot {module['device_slot']}"
-        backend = "\n".join([module["backend"], *module.get("settings", [])])
+        backend = "\n".join([module.get("label") or module["backend"], *module.get("settings", [])])
         table.add_row(name, backend, signatures, candidates, module["on_load"], byte_size(module["size_bytes"]))
     out.print(table)
 
@@ -113,6 +116,15 @@ def _inductor_line(carried: dict) -> str:
     return f"inductor artifacts: {carried['graphs']} graphs, {carried['tuning_results']} tuning results, {rest}" + (
         f" (mega-cache: {by_type})" if by_type else ""
     )
+
+
+def _quantization_line(report: dict) -> str | None:
+    """``quantized (TorchAO, stored as such, not quantized again at load): layers.0.mlp int8-weight-only``;
+    None where every module keeps the model's own weights."""
+    quantized = [f"{m['path'] or '<model>'} {m['quantization']}" for m in report["modules"] if m.get("quantization")]
+    if not quantized:
+        return None
+    return "quantized (TorchAO, stored as such, not quantized again at load): " + ", ".join(quantized)
 
 
 def _compiled_code_line(report: dict) -> str | None:
