@@ -72,10 +72,9 @@ def model_card(
         lines.append(f"| `{module['path'] or '<model>'}` | {_cell(backend_label(module['backend']))} | {shapes} |")
     lines += ["", "Calls whose inputs match no recorded signature run the original module."]
     if quantized:
-        which = ", ".join(f"`{path or '<model>'}` ({config})" for path, config in quantized.items())
         lines += [
             "",
-            f"Quantized with TorchAO: {which}. Their weights are stored quantized and load as such "
+            f"Quantized with TorchAO: {_modules_with(quantized)}. Their weights are stored quantized and load as such "
             "(no `quantize_` at load, no pickle); their outputs differ from the original model's within "
             "the signal-to-noise floor the package was checked against.",
         ]
@@ -102,6 +101,11 @@ def package_card(root: Path, manifest: dict, repo_id: str | None = None, *, revi
     return model_card(manifest, signatures, repo_id, revision=revision)
 
 
+def _modules_with(what: dict[str, str]) -> str:
+    """Each module path, in backticks, with what it has in parentheses, for a sentence of the card."""
+    return ", ".join(f"`{path or '<model>'}` ({value})" for path, value in what.items())
+
+
 def _how_to_load(repo_id: str | None, revision: str | None, compiled: dict[str, str]) -> list[str]:
     source = repo_id or "path/to/this/package"
     at_revision = f', revision="{revision}"' if revision else ""
@@ -120,10 +124,9 @@ def _how_to_load(repo_id: str | None, revision: str | None, compiled: dict[str, 
         "then restores each module on the device it runs on.",
     ]
     if compiled:
-        names = ", ".join(f"`{path or '<model>'}` ({backend})" for path, backend in compiled.items())
         lines += [
             "",
-            f"Compiled artifacts ({names}) are native code. From the Hub they run only when the "
+            f"Compiled artifacts ({_modules_with(compiled)}) are native code. From the Hub they run only when the "
             'revision is pinned by a full commit hash (`revision="<commit hash>"`) or with '
             "`trust_compiled=True`; otherwise they are compiled again on your machine.",
         ]

@@ -234,7 +234,7 @@ def load(
     session = find_session(model)
     if defer_compile and warmup == "auto":
         warmup = None  # the opt-in background mode returns at once; its compiles run while the first calls serve
-    if warmup is not None and session is not None and warm_up(model, session, warmup, progress):
+    if session is not None and warm_up(model, session, warmup, progress):
         clock.lap("warmup")
     _log_loaded(verified.source, clock)
     return model

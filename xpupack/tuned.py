@@ -655,8 +655,8 @@ class Session:
     architecture: dict = field(default_factory=dict)
     #: the model this session tunes (`attach` sets it)
     owner: weakref.ref[nn.Module] | None = None
-    #: where a load's time went, seconds per phase (verify, weights, shared_artifacts, modules, activate);
-    #: empty for a session tuned here
+    #: where a load's time went, seconds per phase (verify, weights, shared_artifacts, modules, activate,
+    #: and warmup where the load made warm-up calls); empty for a session tuned here
     load_seconds: dict[str, float] = field(default_factory=dict)
     samples_mode: str = ""
 
