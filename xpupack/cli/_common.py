@@ -144,3 +144,14 @@ def console(stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     width = None if stream.isatty() else 160
     return Console(file=stream, width=width, highlight=False, emoji=False)  # a package's ":name:" stays text
+
+
+def fold_table(*headers: str):
+    """A rich table whose cells fold onto more lines when the terminal is too narrow: a package's names and
+    signatures are never cut at "…"."""
+    from rich.table import Table
+
+    made = Table(*headers)
+    for column in made.columns:
+        column.overflow = "fold"
+    return made

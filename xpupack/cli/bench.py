@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import click
 
-from ._common import build_model, byte_size, console, echo_json, handle_errors, import_object, json_option, printable
+from ._common import (
+    build_model,
+    byte_size,
+    console,
+    echo_json,
+    fold_table,
+    handle_errors,
+    import_object,
+    json_option,
+    printable,
+)
 
 
 @click.command()
@@ -71,10 +81,8 @@ def bench(package, model_factory, device, iterations, revision, as_json):
             else "nothing to time: the package recorded no signature"
         )
         return
-    from rich.table import Table
-
     rows, memory = printable(rows), printable(memory)  # module paths, signatures and reasons from the package
-    table = Table(
+    table = fold_table(
         "module",
         "signature",
         "backend",

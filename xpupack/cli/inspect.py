@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..candidate import Candidate
-from ._common import byte_size, console, echo_json, handle_errors, json_option, printable
+from ._common import byte_size, console, echo_json, fold_table, handle_errors, json_option, printable
 
 _revision = click.option("--revision", default=None, help="Hub revision (branch, tag or commit hash).")
 _on_mismatch = click.option(
@@ -28,8 +28,6 @@ def _source(package: str, revision: str | None):
 
 def print_report(report: dict, out) -> None:
     """Renders `package_report` as tables, every string in it escaped (`printable`): it comes from the package."""
-    from rich.table import Table
-
     report = printable(report)
     env = report["environment"]
     out.print(
@@ -65,9 +63,7 @@ def print_report(report: dict, out) -> None:
     quantized = _quantization_line(report)
     if quantized:
         out.print(quantized)
-    table = Table("module", "backend", "signatures", "candidates", "on load here", "size")
-    for column in table.columns:  # a long name or signature folds onto more lines; never cut at "…"
-        column.overflow = "fold"
+    table = fold_table("module", "backend", "signatures", "candidates", "on load here", "size")
     for module in report["modules"]:
         candidates = "\n".join(Candidate.from_json(entry).summary() for entry in module["candidates"])
         signatures = "\n".join(module["signatures"]) or "—"
