@@ -55,3 +55,25 @@ def watch_coordinate_descent() -> list[str]:
     tuner.setLevel(logging.DEBUG)
     tuner.propagate = False
     return names
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds the compile stack spent so far in this process, by its own timers (Dynamo's
+    ``compilation_time_metrics``), summed per timer; empty when the compile stack never loaded. The
+    difference of two readings says where a stretch of time went: tracing (``bytecode_tracing``), the
+    backend (``OutputGraph.call_user_compiler``), Inductor's code generation or cache loads."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+def compile_seconds_since(before: dict[str, float], at_least: float = 0.05) -> dict[str, float]:
+    """`compile_seconds` now less ``before``: the timers that grew by ``at_least`` seconds, longest first."""
+    grown = {name: seconds - before.get(name, 0.0) for name, seconds in compile_seconds().items()}
+    return {
+        name: round(seconds, 3)
+        for name, seconds in sorted(grown.items(), key=lambda item: -item[1])
+        if seconds >= at_least
+    }

@@ -26,8 +26,10 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
   ``extra_device_memory_gb`` (the load's peak above what was allocated before it: CUDA's
   ``max_memory_allocated``; on a CPU the growth of the peak resident set, ``resource.getrusage``),
   ``threads_alive_after_load`` (threads other than the main one right after ``load()`` returns; the aim is
-  none), ``load_to_first_token_s`` (from the start of ``load()`` to the first token of the first
-  ``generate()``);
+  none), ``load_compile_s`` (where the compile stack's time inside the load went, by its own timers:
+  ``bytecode_tracing`` is Dynamo's, ``OutputGraph.call_user_compiler`` the backend's, cache loads included),
+  ``load_compiler_counters`` (graphs traced, Inductor cache hits and misses, autotuning),
+  ``load_to_first_token_s`` (from the start of ``load()`` to the first token of the first ``generate()``);
 - ``time_series``: ``[seconds since load() started, tokens/s]`` at the end of each ``generate()``;
   ``slowest_generate_tokens_s``, ``steady_tokens_s`` (median of the last third),
   ``time_to_full_speed_s`` (from the start of ``load()`` to the start of the first ``generate()`` after
@@ -79,7 +81,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))  # support.language_models: the decode loop the tests use too
 
-from _caches import empty_compiler_caches  # noqa: E402  (found through the path set above)
+from _caches import compile_seconds, compile_seconds_since, compiler_counters, empty_compiler_caches  # noqa: E402  (found through the path set above)
 from llm_decode import MARK, emit, merge, sync, synced  # noqa: E402
 
 GB = 1e9
@@ -96,6 +98,8 @@ FIELDS = [
     "load_phases",
     "extra_device_memory_gb",
     "threads_alive_after_load",
+    "load_compile_s",
+    "load_compiler_counters",
     "load_to_first_token_s",
     "time_series",
     "slowest_generate_tokens_s",
@@ -358,8 +362,9 @@ class Server:
 
     def load(self) -> dict:
         device, before = self.shape.device, device_memory_before(self.shape.device)
+        compiled_before = compile_seconds()
         self.started = time.perf_counter()
-        import xpupack
+        import xpupack  # inside the clock: a server pays for it
 
         xpupack.load(self.model, self.package, device=device, warmup=self.warmup)
         seconds = time.perf_counter() - self.started
@@ -372,6 +377,8 @@ class Server:
             "load_phases": {phase: round(phase_s, 3) for phase, phase_s in phases.items()},
             "extra_device_memory_gb": round(device_memory_growth(device, before) / GB, 3),
             "threads_alive_after_load": threads,
+            "load_compile_s": compile_seconds_since(compiled_before),
+            "load_compiler_counters": compiler_counters(),
         }
 
     def count_prefill_fallbacks(self) -> None:

@@ -111,6 +111,9 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
     assert report["extra_device_memory_gb"] >= 0
     assert {"verify", "weights", "modules", "warmup"} <= set(report["load_phases"])  # where the load's time went
     assert sum(report["load_phases"].values()) <= report["load_s"]
+    # the warm-up's compiles hit the graphs the package carried (what still costs time is named)
+    assert report["load_compiler_counters"]["fxgraph_cache_miss"] == 0, report["load_compile_s"]
+    assert report["load_compiler_counters"]["fxgraph_cache_hit"] > 0
     series = report["time_series"]
     assert series and all(tokens_s > 0 for _, tokens_s in series)
     assert [t for t, _ in series] == sorted(t for t, _ in series) and series[-1][0] >= 2

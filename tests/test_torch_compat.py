@@ -114,3 +114,26 @@ def test_the_stable_private_names_xpupack_imports_are_there():
     assert pytree.tree_leaves([1, (2, 3)]) == [1, 2, 3]
     assert callable(torch._dynamo.mark_static_address)
     assert hasattr(TorchDispatchMode, "__torch_dispatch__")
+
+
+def test_traced_as_xpupack_traces_a_modules_float_attribute_is_a_constant_not_an_input():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = 0.5
+
+        def forward(self, x):
+            return x * self.scale
+
+    graphs = []
+
+    def backend(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(Scaled(), backend=backend, dynamic=True)  # sizes as symbols, as a decode step's
+    with _torch_compat.tracing():
+        assert compiled(torch.ones(3)).tolist() == [0.5] * 3
+    [graph] = graphs
+    inputs = [node.name for node in graph.graph.find_nodes(op="placeholder")]
+    assert inputs and not [name for name in inputs if "scale" in name], inputs  # without it: an input l_self_scale

@@ -31,6 +31,7 @@ Inductor's caches, for the artifacts a package carries (`xpupack.backends.induct
   libraries a CPU compile builds first.
 - ``torch._inductor.list_mode_options`` and ``torch._inductor.config.get_config_copy``: a mode's settings,
   and every setting's current value.
+- ``torch._dynamo.config.specialize_float``: a module's float attributes traced as constants (`tracing`).
 
 Imported where they are used, being stable in all but name (canaries here too):
 
@@ -195,6 +196,20 @@ def vec_isa_programs() -> set[bytes]:
         for name, value in vars(isa).items()
         if name.endswith("_code") and isinstance(value, str)
     }
+
+
+def tracing() -> contextlib.AbstractContextManager[None]:
+    """Dynamo's settings for xpupack's compiles, around the calls that trace.
+
+    Compiled with sizes as symbols (a decode step, a prefill of any length), Dynamo makes every float it
+    meets a symbol too, a module's float attributes included (a norm's ``eps``, a rotary embedding's
+    ``attention_scaling``, an embedding's ``norm_type``); Inductor then cannot keep some of them symbolic and
+    restarts the whole trace with them fixed: a tiny Llama's prefill was traced twice and compiled once for
+    nothing (10 of its 16 s on a 2-core CPU). Fixed from the start, the trace runs once; the floats are
+    constants of the module, guarded as such."""
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(specialize_float=True)
 
 
 def mode_options(mode: str) -> dict[str, Any]:

@@ -303,12 +303,14 @@ class InductorRunner(Runner):
         if any(before) and not self.is_symbolic(index):
             raise RuntimeError(f"not compiled: {STATIC_COUNTS}")
         entry, function = self._compiled_for(index)
-        output = function(*args, **kwargs)
+        with _torch_compat.tracing():
+            output = function(*args, **kwargs)
         if _torch_compat.has_compiled_code(entry):
             self._ready[index] = function
             if any(before):
                 try:
-                    self._compile_other_paths(index, function, args, kwargs, before)
+                    with _torch_compat.tracing():
+                        self._compile_other_paths(index, function, args, kwargs, before)
                 except Exception as exc:  # the call itself ran: its output stands, another path compiles when met
                     log.warning(
                         "%s: compiling the other paths of %s ahead failed (%s); each compiles on its first call",
