@@ -62,6 +62,14 @@ def sharded(tmp_path):
     return xpupack.save(tuned(), tmp_path / "pkg", max_shard_size=SHARD)
 
 
+@pytest.fixture(params=["from the copied bytes", "ahead"])
+def hashing(request, monkeypatch):
+    """How a load hashes its weights files: from the bytes it copies (a machine of few cores, as CI's), or
+    ahead, each in a thread of its own from the start (`xpupack.digests.hash_ahead`: cores to spare)."""
+    monkeypatch.setattr(digests, "HASH_AHEAD_CORES", 1 if request.param == "ahead" else 10**6)
+    return request.param
+
+
 def shards_of(root):
     return sorted(path.name for path in root.glob("model-*.safetensors"))
 
@@ -187,7 +195,7 @@ def test_a_tensor_larger_than_a_shard_gets_a_shard_of_its_own():
 # -- loading: refused before anything runs on them, and the model as it was --
 
 
-def test_a_tampered_shard_is_refused_and_the_model_is_unchanged(sharded):
+def test_a_tampered_shard_is_refused_and_the_model_is_unchanged(sharded, hashing):
     flip_a_data_byte(sharded / shards_of(sharded)[1])
     model = make(seed=5).train()
     before = snapshot(model)
@@ -196,7 +204,7 @@ def test_a_tampered_shard_is_refused_and_the_model_is_unchanged(sharded):
     assert_unchanged(model, before)
 
 
-def test_a_shard_damaged_in_its_header_is_reported_as_changed(sharded):
+def test_a_shard_damaged_in_its_header_is_reported_as_changed(sharded, hashing):
     """Its header no longer parses, but what is wrong is that the file changed: the digest says so first."""
     shard = sharded / shards_of(sharded)[0]
     data = bytearray(shard.read_bytes())
@@ -283,15 +291,19 @@ class Hashes:
 
     def __init__(self, monkeypatch):
         self.files: list[str] = []
+        self.by: set[str] = set()  # of the weights files: "the load" (as it streams them), "a thread" (on their own)
         weights_io = importlib.import_module("xpupack._weights_io")
         original_hashing, original_sha256 = weights_io._Hashing, digests.sha256_of
 
         def hashing(path):
             self.files.append(path.name)
+            self.by.add("the load")
             return original_hashing(path)
 
         def sha256_of(path, stop=None):
             self.files.append(path.name)
+            if path.name.endswith(".safetensors"):
+                self.by.add("a thread")
             return original_sha256(path, stop)
 
         monkeypatch.setattr(weights_io, "_Hashing", hashing)
@@ -301,10 +313,13 @@ class Hashes:
         return sorted(name for name in self.files if name.endswith(".safetensors"))
 
 
-def test_a_load_hashes_each_shard_once(sharded, monkeypatch):
+def test_a_load_hashes_each_shard_once(sharded, monkeypatch, hashing):
     hashes = Hashes(monkeypatch)
-    xpupack.load(make(seed=5), sharded)
+    model = make(seed=5)
+    xpupack.load(model, sharded)
     assert hashes.weights() == shards_of(sharded)
+    assert hashes.by == {"a thread" if hashing == "ahead" else "the load"}
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in tuned().state_dict().items())
 
 
 def test_a_verified_unchanged_file_is_not_hashed_again(sharded, monkeypatch):

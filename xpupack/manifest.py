@@ -21,7 +21,7 @@ from typing import Any
 
 from ._fsutil import interrupted_save_of, moved_aside
 from .backends._megacache import artifact_counts
-from .digests import Digests, Remembered, remembering, sha256_of
+from .digests import Digests, Remembered, hash_ahead, remembering, sha256_of
 from .errors import DestinationExistsError, IntegrityError, PackageFormatError, SaveError, XpupackError
 from .shards import check_weights, is_weights_file
 
@@ -755,7 +755,8 @@ def check_files(
     Files are hashed in worker threads. The weights files' verifications are remembered
     (`xpupack.digests`); with ``trusted``, a remembered one is not hashed again. With ``pending`` it
     returns before the weights files' digests are in, for the load that reads them to hash them as it
-    does: the returned `Digests` raises for them on `Digests.wait`.
+    does (or, where `xpupack.digests.hash_ahead`, while threads hash them): the returned `Digests` raises
+    for them on `Digests.wait`.
     """
     listed = manifest["files"]
     for relative, expected in listed.items():
@@ -782,7 +783,7 @@ def check_files(
         [relative for relative in listed if is_weights_file(relative)],
         remembered=remembered,
         trust_remembered=trusted,
-        by_reader=pending,
+        by_reader=pending and not hash_ahead(),
     )
     with weights.reported_first():
         Digests(root, listed, [relative for relative in listed if not is_weights_file(relative)]).wait()

@@ -978,6 +978,20 @@ def thorough_strategy(
     return Fastest(thorough_backends(device, quantize), min_speedup=min_speedup, startup_margin=startup_margin)
 
 
+def check_search(search: Any, quantize: Any) -> None:
+    """Raises ``ValueError`` unless ``search`` is one of `SEARCHES` and ``quantize`` comes with the thorough one."""
+    if search not in SEARCHES:
+        raise ValueError(
+            f"search={search!r}: choose 'quick' (the default strategy) or 'thorough' (every candidate timed, "
+            "Inductor settings and, with quantize=, TorchAO configurations)"
+        )
+    if quantize and search != "thorough":
+        raise ValueError(
+            f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
+            "search='thorough' too, or put xpupack.TorchAOBackend in a strategy"
+        )
+
+
 def search_strategy(
     search: str,
     device: torch.device | None = None,
@@ -989,12 +1003,6 @@ def search_strategy(
     """The strategy ``xpupack.tune(..., search=search, quantize=quantize)`` uses when given none, and
     ``xpupack build --search`` with its ``--min-speedup`` and ``--startup-margin``: the one place a search
     becomes a strategy."""
-    if search not in SEARCHES:
-        raise ValueError(f"search={search!r}: choose {' or '.join(map(repr, SEARCHES))}")
-    if quantize and search != "thorough":
-        raise ValueError(
-            f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
-            "search='thorough' too, or put xpupack.TorchAOBackend in a strategy"
-        )
+    check_search(search, quantize)
     gate = {"min_speedup": min_speedup, "startup_margin": startup_margin}
     return thorough_strategy(device, quantize, **gate) if search == "thorough" else default_strategy(device, **gate)

@@ -19,7 +19,7 @@ from .errors import TuningError
 from .module_spec import ModuleSpec, Target
 from .recorder import BufferWatch, record, run_on_copy, select_modules
 from .signature import map_tensors
-from .strategies import SEARCHES, Strategy, quantized_backends, reporting, search_strategy
+from .strategies import SEARCHES, Strategy, check_search, quantized_backends, reporting, search_strategy
 from .tuned import (
     Session,
     TunedModule,
@@ -335,21 +335,15 @@ def _drop_samples_after(spec: ModuleSpec, error: BaseException) -> None:
 def _check_search(search: Any, quantize: Any, strategy: Strategy | None) -> bool | list[Any]:
     """``search`` and ``quantize`` choose xpupack's own candidates; a ``strategy`` names its own. Returns
     ``quantize`` as a bool or a list (checked now, not after minutes of recording)."""
-    if search not in SEARCHES:
-        raise TuningError(
-            f"search={search!r}: choose 'quick' (the default strategy) or 'thorough' (every "
-            "candidate timed, Inductor settings and, with quantize=, TorchAO configurations)"
-        )
-    if strategy is not None and (search != "quick" or quantize):
+    if strategy is not None and search in SEARCHES and (search != "quick" or quantize):
         raise TuningError(
             f"strategy={strategy!r} names its candidates itself; search= and quantize= choose "
             "among xpupack's own: pass one or the other"
         )
-    if quantize and search != "thorough":
-        raise TuningError(
-            f"quantize={quantize!r} adds TorchAO configurations to the thorough search: pass "
-            "search='thorough' too, or put xpupack.TorchAOBackend in a strategy"
-        )
+    try:
+        check_search(search, quantize)
+    except ValueError as exc:
+        raise TuningError(str(exc)) from None
     if isinstance(quantize, bool):
         return quantize
     quantize = [quantize] if isinstance(quantize, str) or not isinstance(quantize, Iterable) else list(quantize)
