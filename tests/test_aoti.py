@@ -16,6 +16,8 @@ from xpupack import _torch_compat
 from xpupack.source import Source
 
 pytestmark = pytest.mark.slow  # each signature is a C++ compile (~6 s on a 2-core CPU)
+#: the tests of `aoti_package` run on one xdist worker, which builds it once (40-50 s on a 2-core CPU, per worker)
+ONE_PACKAGE = pytest.mark.xdist_group("aoti-package")
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,7 @@ def aoti_package(tmp_path_factory, _inductor_cache):
     return model, xpupack.save(model, tmp_path_factory.mktemp("aoti") / "pkg")
 
 
+@ONE_PACKAGE
 def test_each_signature_is_one_library_listed_in_the_manifest(aoti_package):
     model, root = aoti_package
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"aoti"}
@@ -36,6 +39,7 @@ def test_each_signature_is_one_library_listed_in_the_manifest(aoti_package):
     assert all(f"modules/layers.0.mlp/aoti/{p['file']}" in manifest["files"] for p in config["programs"].values())
 
 
+@ONE_PACKAGE
 def test_inspect_says_the_libraries_are_mapped_in_without_a_compile(aoti_package):
     from click.testing import CliRunner
 
@@ -49,6 +53,7 @@ def test_inspect_says_the_libraries_are_mapped_in_without_a_compile(aoti_package
     )
 
 
+@ONE_PACKAGE
 def test_a_fresh_process_serves_at_once_with_no_compiler_and_no_thread(aoti_package, run_python, tmp_path):
     _, root = aoti_package
     cache = tmp_path / "inductor-cache"
@@ -74,6 +79,7 @@ def test_a_fresh_process_serves_at_once_with_no_compiler_and_no_thread(aoti_pack
     assert not any(cache.rglob("*.so"))  # nothing compiled here
 
 
+@ONE_PACKAGE
 def test_weights_replaced_after_load_are_the_ones_it_reads(aoti_package):
     _, root = aoti_package
     model = xpupack.load(make_stack(seed=4), root)
@@ -87,6 +93,7 @@ def test_weights_replaced_after_load_are_the_ones_it_reads(aoti_package):
     assert all(s["fallbacks"] == 0 for s in xpupack.stats(model).values())
 
 
+@ONE_PACKAGE
 def test_an_untrusted_package_compiles_here_instead_of_running_its_libraries(aoti_package, monkeypatch):
     _, root = aoti_package
 
@@ -109,6 +116,7 @@ def test_an_untrusted_package_compiles_here_instead_of_running_its_libraries(aot
     assert {s["backend"] for s in xpupack.stats(model).values()} == {"aoti"}
 
 
+@ONE_PACKAGE
 def test_an_output_tree_naming_an_unregistered_type_is_refused_without_importing_it(aoti_package, tmp_path, caplog):
     import shutil
 
