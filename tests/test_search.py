@@ -562,6 +562,7 @@ def test_a_package_tuned_with_coordinate_descent_loads_on_a_fresh_machine_withou
     assert {name: counters.get(name, 0) for name in BENCHMARKS} == dict.fromkeys(BENCHMARKS, 0), counters
 
 
+@pytest.mark.slow  # the build compiles the demo's blocks with Inductor
 def test_build_and_tune_map_a_search_to_a_strategy_in_one_place(tmp_path, monkeypatch):
     """``xpupack build --search`` and ``tune(search=...)`` both go through `strategies.search_strategy`
     (written once, with the CLI's gate and margin), not a mapping of their own."""

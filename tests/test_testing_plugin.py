@@ -1,5 +1,7 @@
 """The pytest plugin that users' deploy-after-load tests rely on."""
 
+import pytest
+
 import xpupack
 import xpupack._torch_compat
 import xpupack.backends.inductor  # noqa: F401 (imported here, never first inside an in-process run: see below)
@@ -298,6 +300,7 @@ DEFERRED_TESTS = """
 """
 
 
+@pytest.mark.slow  # a pytest process of its own that tunes with Inductor
 def test_a_deploy_test_fails_when_the_compile_after_load_fails(pytester):
     """Regression (reliability round 4, item 5): with the compile off the caller's path
     (``load(defer_compile=True)``), a compile that failed after ``load()`` returned left the original module

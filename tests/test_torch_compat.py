@@ -1,6 +1,8 @@
 """Canaries for the private PyTorch entry points `xpupack._torch_compat` names: each fails loudly on a torch
 release that changes one, before a user meets the change."""
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -137,3 +139,23 @@ def test_traced_as_xpupack_traces_a_modules_float_attribute_is_a_constant_not_an
     [graph] = graphs
     inputs = [node.name for node in graph.graph.find_nodes(op="placeholder")]
     assert inputs and not [name for name in inputs if "scale" in name], inputs  # without it: an input l_self_scale
+
+
+def test_no_other_thread_compiles_while_xpupack_traces_with_its_settings():
+    got = []
+
+    def other_compile():
+        lock = _torch_compat.compile_lock()
+        if lock.acquire(timeout=0.2):
+            lock.release()
+            got.append(True)
+        else:
+            got.append(False)
+
+    with _torch_compat.tracing():
+        thread = threading.Thread(target=other_compile)
+        thread.start()
+        thread.join()
+    assert got == [False]  # the settings are process-wide: a compile of another thread waits
+    other_compile()
+    assert got == [False, True]

@@ -198,8 +198,10 @@ def vec_isa_programs() -> set[bytes]:
     }
 
 
-def tracing() -> contextlib.AbstractContextManager[None]:
-    """Dynamo's settings for xpupack's compiles, around the calls that trace.
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Dynamo's settings for xpupack's compiles, around the calls that trace, under Dynamo's compile lock: a
+    setting is process-wide, and no other thread's compile (the caller's own) may trace with it.
 
     Compiled with sizes as symbols (a decode step, a prefill of any length), Dynamo makes every float it
     meets a symbol too, a module's float attributes included (a norm's ``eps``, a rotary embedding's
@@ -209,7 +211,8 @@ def tracing() -> contextlib.AbstractContextManager[None]:
     constants of the module, guarded as such."""
     import torch._dynamo.config as dynamo_config
 
-    return dynamo_config.patch(specialize_float=True)
+    with compile_lock(), dynamo_config.patch(specialize_float=True):
+        yield
 
 
 def mode_options(mode: str) -> dict[str, Any]:
