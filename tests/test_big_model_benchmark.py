@@ -111,9 +111,11 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
     assert report["extra_device_memory_gb"] >= 0
     assert {"verify", "weights", "modules", "warmup"} <= set(report["load_phases"])  # where the load's time went
     assert sum(report["load_phases"].values()) <= report["load_s"]
-    # the warm-up's compiles hit the graphs the package carried (what still costs time is named)
+    # the warm-up's compiles hit the graphs the package carried (what still costs time is named); timed against
+    # eager on a busy machine, the compiled candidate may lose, and an eager package compiles nothing
     assert report["load_compiler_counters"]["fxgraph_cache_miss"] == 0, report["load_compile_s"]
-    assert report["load_compiler_counters"]["fxgraph_cache_hit"] > 0
+    compiled = "inductor" in report["tuned_backends"]["<model>"]
+    assert (report["load_compiler_counters"]["fxgraph_cache_hit"] > 0) == compiled, report["tuned_candidates"]
     series = report["time_series"]
     assert series and all(tokens_s > 0 for _, tokens_s in series)
     assert [t for t, _ in series] == sorted(t for t, _ in series) and series[-1][0] >= 2
