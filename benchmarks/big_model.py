@@ -680,7 +680,7 @@ def report_head(args: argparse.Namespace) -> dict:
 def parser() -> argparse.ArgumentParser:
     import torch
 
-    from xpupack.strategies import QUANTIZE_CONFIGS
+    from xpupack.searches import QUANTIZE_CONFIGS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

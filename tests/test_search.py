@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 import xpupack
+import xpupack.searches
 from support.backends import (
     CountingBackend,
     CountingRunner,
@@ -24,7 +25,7 @@ from xpupack.candidate import Candidate
 from xpupack.cli import main
 from xpupack.errors import TuningError
 from xpupack.examples import tiny_transformer, tiny_transformer_samples
-from xpupack.strategies import (
+from xpupack.searches import (
     COORDINATE_DESCENT,
     DEFAULT_STARTUP_MARGIN,
     QUANTIZE_CONFIGS,
@@ -79,7 +80,7 @@ def test_the_quick_search_is_the_default_strategy_unchanged(monkeypatch):
         assert repr(search_strategy("quick", device)) == repr(default_strategy(device))
     asked = []
     monkeypatch.setattr(
-        xpupack.strategies,
+        xpupack.searches,
         "default_strategy",  # what tune uses unless told otherwise
         lambda device, **gate: asked.append(device) or xpupack.FirstWins([xpupack.EagerBackend()]),
     )
@@ -109,7 +110,7 @@ def test_coordinate_descent_on_cuda_turns_the_static_launcher_off_where_it_loses
     sizes came from coordinate descent, and a bf16 Llama package's load ran 276 benchmarks to tune them
     again; with the launcher off, 22. Where torch keeps the mark (2.13) the candidates stay as they were,
     and off CUDA (no static launcher) too."""
-    monkeypatch.setattr(xpupack.strategies, "_STATIC_LAUNCHER_RETUNES", retunes)
+    monkeypatch.setattr(xpupack.searches, "_STATIC_LAUNCHER_RETUNES", retunes)
     expected = {"coordinate_descent_tuning": True, **({"use_static_cuda_launcher": False} if retunes else {})}
     cuda = [backend.base for backend in thorough_backends(CUDA, quantize=["int8-weight-only"])[1:3]]
     assert [backend.options()["compile_options"] for backend in cuda] == [expected, expected]
@@ -413,7 +414,7 @@ def test_build_search_thorough_times_every_candidate_and_inspect_lists_them(tmp_
         asked.append((device.type, quantize))
         return [CpuOnlyNever(), CountingBackend(offset=1.0), CountingBackend(), xpupack.EagerBackend()]
 
-    monkeypatch.setattr(xpupack.strategies, "thorough_backends", cheap_candidates)
+    monkeypatch.setattr(xpupack.searches, "thorough_backends", cheap_candidates)
     out = tmp_path / "pkg"
     result = CliRunner().invoke(
         main, ["build", *DEMO, "--out", str(out), "--device", "cpu", "--search", "thorough", "--min-speedup", "none"]
@@ -449,7 +450,7 @@ def test_build_refuses_search_options_that_do_not_fit(tmp_path, options, message
 def test_build_search_quantize_all_asks_for_every_named_config(tmp_path, monkeypatch):
     asked = []
     monkeypatch.setattr(
-        xpupack.strategies,
+        xpupack.searches,
         "thorough_backends",
         lambda device, quantize=False: asked.append(quantize) or [xpupack.EagerBackend()],
     )
@@ -518,7 +519,7 @@ LOAD_AND_COUNT = """
 TUNE_TWICE = """
     import torch, xpupack
     from xpupack.examples import tiny_transformer, tiny_transformer_samples
-    from xpupack.strategies import coordinate_descent  # the thorough search's settings on this device
+    from xpupack.searches import coordinate_descent  # the thorough search's settings on this device
 
     def tuned():
         compiled = xpupack.InductorBackend(compile_options=coordinate_descent(torch.device({device!r})))
@@ -564,16 +565,16 @@ def test_a_package_tuned_with_coordinate_descent_loads_on_a_fresh_machine_withou
 
 @pytest.mark.slow  # the build compiles the demo's blocks with Inductor
 def test_build_and_tune_map_a_search_to_a_strategy_in_one_place(tmp_path, monkeypatch):
-    """``xpupack build --search`` and ``tune(search=...)`` both go through `strategies.search_strategy`
+    """``xpupack build --search`` and ``tune(search=...)`` both go through `searches.search_strategy`
     (written once, with the CLI's gate and margin), not a mapping of their own."""
     asked = []
-    real = xpupack.strategies.search_strategy
+    real = xpupack.searches.search_strategy
 
     def recording(search, device=None, quantize=False, **gate):
         asked.append((search, quantize, gate))
         return real(search, device, quantize, **gate)
 
-    monkeypatch.setattr(xpupack.strategies, "search_strategy", recording)
+    monkeypatch.setattr(xpupack.searches, "search_strategy", recording)
     monkeypatch.setattr("xpupack.tuning.search_strategy", recording)
     out = tmp_path / "pkg"
     result = CliRunner().invoke(

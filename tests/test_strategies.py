@@ -39,7 +39,7 @@ def test_first_wins_skips_unavailable_wrong_and_broken_candidates():
 
 
 def test_default_order_is_graph_inductor_eager():
-    from xpupack.strategies import default_strategy
+    from xpupack.searches import default_strategy
 
     strategy = default_strategy()
     assert isinstance(strategy, xpupack.FirstWins)
@@ -47,7 +47,7 @@ def test_default_order_is_graph_inductor_eager():
 
 
 def test_on_a_gpu_the_default_weighs_graph_over_inductor_against_the_plain_graph():
-    from xpupack.strategies import DEFAULT_STARTUP_MARGIN, default_strategy
+    from xpupack.searches import DEFAULT_STARTUP_MARGIN, default_strategy
 
     strategy = default_strategy(torch.device("cuda"))
     assert [b.label for b in strategy.backends] == ["graph+inductor", "graph", "inductor", "eager"]

@@ -18,8 +18,9 @@ from .environment import environment, resolve_device
 from .errors import TuningError
 from .module_spec import ModuleSpec, Target
 from .recorder import BufferWatch, record, run_on_copy, select_modules
+from .searches import SEARCHES, check_search, quantized_backends, search_strategy
 from .signature import map_tensors
-from .strategies import SEARCHES, Strategy, check_search, quantized_backends, reporting, search_strategy
+from .strategies import Strategy, reporting
 from .tuned import (
     Session,
     TunedModule,
@@ -80,7 +81,7 @@ def tune(
         progress: called with short status messages (the CLI shows them): each sample recorded, each
             module, each candidate built, checked and timed. None: the ``xpupack`` logger's INFO messages.
         search: without a ``strategy``, ``"quick"`` (the default above) or ``"thorough"``: every
-            candidate of `strategies.thorough_backends` checked and timed, the fastest kept (Inductor's
+            candidate of `searches.thorough_backends` checked and timed, the fastest kept (Inductor's
             default settings, coordinate descent on a GPU, max-autotune; docs/tuning.md).
         quantize: with ``search="thorough"``, also try TorchAO configurations: True for
             int8, float8 and int4 weight-only (each where the device has it), or a list of config

@@ -127,7 +127,7 @@ def _quantize(text: str | None, search: str, backends: str | None) -> bool | lis
         )
     if text.strip().lower() == "all":
         return True
-    from ..strategies import quantized_backends
+    from ..searches import quantized_backends
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     try:
@@ -352,7 +352,7 @@ def build(
         import xpupack
 
         from .. import _device
-        from ..strategies import default_backends, search_strategy
+        from ..searches import default_backends, search_strategy
 
         device = _device.resolve(device)
         if strategy == "fastest" and search != "thorough":
