@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import doctest
+import hashlib
 import os
 import shlex
 import shutil
@@ -55,6 +56,39 @@ def pytest_configure(config):
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(folder, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(folder, "triton")
+    _memoize_the_cxx_compiler(folder)
+
+
+def _memoize_the_cxx_compiler(folder: str) -> None:
+    """``CXX`` becomes tests/support/cxx_memo.py's shim: a C++ kernel g++ built for one test (one worker, one fresh
+    process with an empty Inductor cache) is not built again for the next. ``XPUPACK_TEST_CXX_MEMO=off`` turns
+    it off; set to a folder, the memo lasts between runs (a developer's quick loop)."""
+    memo = os.environ.get("XPUPACK_TEST_CXX_MEMO") or os.path.join(folder, "cxx-memo")
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if memo == "off" or compiler is None or sys.platform != "linux":
+        return
+    import torch
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    cpu = Path("/proc/cpuinfo").read_text(errors="replace").partition("flags")[2].partition("\n")[0]
+    shim = Path(folder) / "bin" / "g++"  # named so: Inductor picks gcc's flags by the compiler's name
+    shim.parent.mkdir(parents=True)
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{ROOT / "tests/support/cxx_memo.py"}" "$@"\n')
+    shim.chmod(0o755)
+    os.environ.update(
+        CXX=str(shim),
+        XPUPACK_TEST_CXX=compiler,
+        XPUPACK_TEST_CXX_MEMO=memo,
+        XPUPACK_TEST_CXX_SALT=hashlib.sha256(
+            "\n".join((version, torch.__version__, torch.__file__, cpu)).encode()
+        ).hexdigest(),
+        XPUPACK_TEST_CXX_STABLE=os.pathsep.join(
+            {os.path.realpath(path) for path in (sys.prefix, sys.base_prefix, os.path.dirname(torch.__file__))}
+        ),
+    )
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:  # read CXX when it was imported
+        inductor_config.cpp.cxx = (None, str(shim))
 
 
 def _setup(namespace: dict) -> None:

@@ -8,7 +8,8 @@ bf16, batch 1, a 32-token prompt, 128 new tokens. ``--layers``, ``--hidden``, ``
 Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``; what a new server meets):
 
 - **build**: ``xpupack.tune`` with the default strategy (with ``--quantize CONFIG``: the one quantized
-  chain, ``graph+inductor+torchao:CONFIG``, ``inductor+torchao:CONFIG`` on a CPU), under
+  chain, ``graph+inductor+torchao:CONFIG``, ``inductor+torchao:CONFIG`` on a CPU, over random weights first
+  rounded to CONFIG's grid: ``round_to_grid`` says why), under
   ``torch.inference_mode()``, on a greedy ``generate(..., cache_implementation="static")`` and a
   hand-written decode loop on a caller-held
   ``StaticCache`` (``llm_decode.py``'s samples), then ``xpupack.save`` (weights included);
@@ -20,7 +21,8 @@ Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``;
 
 It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates per second):
 
-- ``tune_s``, ``save_s``, ``package_gb``, ``save_gb_s`` (package bytes ÷ save seconds);
+- ``tune_s``, ``save_s``, ``package_gb``, ``save_gb_s`` (package bytes ÷ save seconds); with ``--quantize``,
+  ``weights_rounded_to_grid`` (how many linear layers' weights were);
 - ``load_s``, ``load_gb_s`` (package bytes ÷ load seconds), ``load_phases`` (where the load's time went:
   verify, weights, modules, warmup, ... as ``xpupack.stats(totals=True)`` has them),
   ``extra_device_memory_gb`` (the load's peak above what was allocated before it: CUDA's
@@ -245,7 +247,9 @@ class Phases:
 # --- the build process: tune and save ----------------------------------------------------------------
 
 
-def step_build(shape: Shape, package: Path, phases: Phases, quantize: str | None = None) -> None:
+def step_build(
+    shape: Shape, package: Path, phases: Phases, quantize: str | None = None, floor: float | None = None
+) -> None:
     # tuning's progress (each candidate built, checked, timed) goes to the build process's log
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
@@ -253,7 +257,7 @@ def step_build(shape: Shape, package: Path, phases: Phases, quantize: str | None
     logging.getLogger("xpupack").setLevel(logging.INFO)
     emit_device_name(shape)
     built: dict = {}
-    phases.run("tune", lambda: tune(shape, built, quantize))
+    phases.run("tune", lambda: tune(shape, built, quantize, floor))
     phases.run("save", lambda: save(built["model"], package), needs=("tune",))
 
 
@@ -263,20 +267,45 @@ def emit_device_name(shape: Shape) -> None:
     emit(device_name=torch.cuda.get_device_name() if shape.device.startswith("cuda") else shape.device)
 
 
-def quantized_chain(device: str, config: str):
+def quantized_chain(device: str, config: str, floor: float | None = None):
     """The one quantized candidate of ``--quantize``: TorchAO's ``config`` under Inductor, in a device graph where
-    the device has them; weight-only int8 gets the 20 dB floor of ``llm_decode.py`` (a random 8B model's
-    logits are close, so its tokens drift sooner than a trained model's)."""
+    the device has them; the accuracy floor is ``--min-sqnr-db`` where given, else ``llm_decode.py``'s (20 dB
+    for weight-only int8: a random 8B model's logits are close, so its tokens drift sooner than a trained
+    model's), else the config's own."""
     import xpupack
     from llm_decode import QUANTIZED
 
-    floor = dict(QUANTIZED.values()).get(config)
+    floor = dict(QUANTIZED.values()).get(config) if floor is None else floor
     torchao = xpupack.TorchAOBackend(config, **({} if floor is None else {"min_sqnr_db": floor}))
     inductor = xpupack.InductorBackend(base=torchao)
     return inductor if device == "cpu" else xpupack.GraphBackend(base=inductor)
 
 
-def tune(shape: Shape, built: dict, quantize: str | None = None) -> dict:
+def round_to_grid(model, config: str) -> int:
+    """Rounds every linear layer's weight to what TorchAO's ``config`` stores (quantized, then dequantized in
+    place); returns how many. Random weights at full precision are no model to quantize: through 32 layers an
+    8B one's logits lost 15.5 dB to int8 weight-only and all their signal to int4 (-0.4 dB SQNR, H100), and the
+    accuracy check rightly refused both. Weights already on the grid stand for a trained model's, whose
+    quantization costs little. bf16 cannot hold every grid point times its scale, so the rounding removes a
+    part of the loss, not all (int8 on the tiny CPU model: 43-44 dB per layer before, 48 after); where the
+    check still refuses, ``--min-sqnr-db`` sets the floor and the JSON's settings say so."""
+    import torch
+    from torchao.quantization import quantize_
+
+    import xpupack
+
+    settings = xpupack.TorchAOBackend(config).config
+    linears = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    with torch.no_grad():
+        for module in linears:  # one layer's copy at a time: an 8B model has no room for two
+            probe = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+            probe.weight = torch.nn.Parameter(module.weight.detach().clone(), requires_grad=False)
+            quantize_(probe, settings)
+            module.weight.copy_(probe.weight.dequantize())
+    return len(linears)
+
+
+def tune(shape: Shape, built: dict, quantize: str | None = None, floor: float | None = None) -> dict:
     import torch
 
     import xpupack
@@ -284,17 +313,19 @@ def tune(shape: Shape, built: dict, quantize: str | None = None) -> dict:
     from support.language_models import decode_loop
 
     model = built["model"] = build(shape, seed=0)
+    rounded = {} if quantize is None else {"weights_rounded_to_grid": round_to_grid(model, quantize)}
 
     def run(m, kind: str):
         if kind == "loop":
             return decode_loop(m, shape.ids(shape.batch), min(8, shape.new_tokens), shape.cache(m))
         return greedy_generate(m, shape, shape.batch)
 
-    strategy = None if quantize is None else xpupack.Only(quantized_chain(shape.device, quantize))
+    strategy = None if quantize is None else xpupack.Only(quantized_chain(shape.device, quantize, floor))
     started = time.perf_counter()
     with torch.inference_mode():
         xpupack.tune(model, ["loop", "generate"], run=run, device=shape.device, strategy=strategy)
     return {
+        **rounded,
         "tune_s": round(time.perf_counter() - started, 2),
         "tuned_backends": backends(model),
         "tuned_candidates": candidates(model),
@@ -652,7 +683,8 @@ def unfinished(found: dict, step: str, why: str) -> None:
 def child_arguments(args: argparse.Namespace) -> list[str]:
     names = ["device", "dtype", *LLAMA3_8B, "prompt", "new_tokens", "batch", "seconds", "warmup"]
     parts = [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
-    return parts + (["--quantize", args.quantize] if args.quantize else [])
+    quantize = ["--quantize", args.quantize] if args.quantize else []
+    return parts + quantize + (["--min-sqnr-db", str(args.min_sqnr_db)] if args.min_sqnr_db is not None else [])
 
 
 def report_head(args: argparse.Namespace) -> dict:
@@ -667,7 +699,7 @@ def report_head(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__}
-        | {"seconds": args.seconds, "warmup": args.warmup, "quantize": args.quantize},
+        | {"seconds": args.seconds, "warmup": args.warmup, "quantize": args.quantize, "min_sqnr_db": args.min_sqnr_db},
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
         "tuned_candidates": None,
@@ -705,6 +737,13 @@ def parser() -> argparse.ArgumentParser:
         help=f"tune one quantized candidate (graph+inductor+torchao:CONFIG) instead of the default strategy; "
         f"one of {', '.join(QUANTIZE_CONFIGS)}",
     )
+    parser.add_argument(
+        "--min-sqnr-db",
+        type=float,
+        default=None,
+        metavar="DB",
+        help="--quantize's accuracy floor (default: llm_decode.py's, else the config's); the JSON's settings say it",
+    )
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--workdir", default=None, help="package, caches and logs (default: a temporary folder)")
@@ -725,7 +764,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.step:
         package, phases = Path(args.workdir) / "pkg", Phases(args.deadline)
         if args.step == "build":
-            step_build(shape, package, phases, args.quantize)
+            step_build(shape, package, phases, args.quantize, args.min_sqnr_db)
         else:
             step_serve(shape, package, args.seconds, args.warmup, phases)
         return {}

@@ -74,6 +74,7 @@ def test_dynamos_compile_lock_is_reentrant():
         pass
 
 
+@pytest.mark.slow  # the worker's first Inductor compile: its imports and a precompiled header
 def test_a_compile_inside_a_fresh_record_records_its_artifacts_and_shows_its_sources():
     """What a package's Inductor artifacts are made of: the record of one compile's cache artifacts (hits
     included) and the C++ sources it wrote or found; the outer record gets them back afterwards."""
