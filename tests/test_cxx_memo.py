@@ -88,3 +88,24 @@ def test_the_second_build_of_a_kernel_is_copied_from_the_memo_without_the_compil
     assert calls.read_text() == "x"  # the compiler ran once
     subprocess.run([sys.executable, str(MEMO), "--version"], env=env, check=True)
     assert calls.read_text() == "xx"  # anything else goes to it
+
+
+def test_a_memo_that_cannot_keep_a_build_still_hands_it_over(tmp_path, stable):
+    compiler = tmp_path / "fake-g++"
+    compiler.write_text(f"#!{sys.executable}\nimport sys\nargs = sys.argv[1:]\nopen(args[-1], 'w').write('built')\n")
+    compiler.chmod(0o755)
+    blocked = tmp_path / "memo"
+    blocked.write_text("a file where the memo's folder should be")
+    env = {
+        **os.environ,
+        "XPUPACK_TEST_CXX": str(compiler),
+        "XPUPACK_TEST_CXX_MEMO": str(blocked),
+        "XPUPACK_TEST_CXX_STABLE": str(stable.parent.parent),
+    }
+    source = _source(tmp_path)
+    output = source.with_suffix(".so")
+    result = subprocess.run(
+        [sys.executable, str(MEMO), str(source), "-shared", "-o", str(output)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and output.read_text() == "built"
+    assert "not kept" in result.stderr

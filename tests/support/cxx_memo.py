@@ -94,8 +94,11 @@ def main(argv: list[str]) -> int:
         return 0
     code = subprocess.call([compiler, *argv])
     if code == 0 and os.path.isfile(output):
-        os.makedirs(os.path.dirname(stored), exist_ok=True)
-        _store(output, stored)
+        try:
+            os.makedirs(os.path.dirname(stored), exist_ok=True)
+            _store(output, stored)
+        except OSError as exc:  # the build itself succeeded: a memo that cannot keep it only costs time
+            print(f"cxx_memo: not kept ({exc})", file=sys.stderr)
     return code
 
 
