@@ -1,7 +1,8 @@
 """A memo of the C++ compiler for the test run: Inductor's CPU kernels are built once per run, not once per process.
 
-Most of the suite's time was g++: every fresh process with an empty Inductor cache (what the cold-start and
-after-load tests must start from) compiled the tiny models' kernels again, the same sources each time. The
+About half of a tiny Llama's compile on the 2-core CPU is g++ (a tune in a fresh process: 38 s, 23 s with the
+memo warm), and every fresh process with an empty Inductor cache (what the cold-start and after-load tests must
+start from) compiled the tiny models' kernels again, the same sources each time. The
 root conftest points ``CXX`` at a shim that runs this file. A build whose output is fully determined by what the
 memo can see — one source file, includes only from the stable prefixes (torch's and Python's headers) or a
 precompiled header named by its content — is looked up by a hash of its command line and its inputs'
