@@ -1,7 +1,12 @@
 """Canaries for the private PyTorch entry points `xpupack._torch_compat` names: each fails loudly on a torch
 release that changes one, before a user meets the change."""
 
+import shutil
+import subprocess
+import sys
 import threading
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +31,16 @@ def test_a_package_compiled_without_its_weights_runs_on_the_tensors_it_is_handed
     with torch.no_grad():
         exported = torch.export.export(module, (torch.randn(2, 4),), strict=False)
         path = _torch_compat.aoti_compile(exported, tmp_path / "linear.pt2")
+    if sys.platform == "linux" and shutil.which("readelf"):  # its library binds its own symbols first
+        with zipfile.ZipFile(path) as archive:
+            libraries = [name for name in archive.namelist() if name.endswith(".so")]
+            archive.extractall(tmp_path / "unpacked", members=libraries)
+        assert libraries
+        for name in libraries:
+            dynamic = subprocess.run(
+                ["readelf", "-d", str(tmp_path / "unpacked" / name)], capture_output=True, text=True
+            )
+            assert "SYMBOLIC" in dynamic.stdout, dynamic.stdout
     loader = _torch_compat.aoti_load(path)
     names = _torch_compat.aoti_constant_names(loader)
     assert sorted(names) == ["bias", "weight"]
@@ -39,6 +54,20 @@ def test_a_package_compiled_without_its_weights_runs_on_the_tensors_it_is_handed
     assert torch.allclose(out, module.bias.detach().expand(2, 3), atol=1e-6)
     with pytest.raises(RuntimeError):  # every constant must be handed in
         _torch_compat.aoti_use_constants(_torch_compat.aoti_load(path), {"weight": module.weight.detach()})
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="-Bsymbolic is a GNU linker option")
+def test_the_own_symbols_compiler_adds_bsymbolic_to_shared_links_only(tmp_path, monkeypatch):
+    compiler = tmp_path / "g++"  # prints what it was given
+    compiler.write_text('#!/bin/sh\necho "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setattr("torch._inductor.cpp_builder.get_cpp_compiler", lambda: str(compiler))
+    shim = _torch_compat.own_symbols_compiler()
+    assert shim is not None and Path(shim).name == "g++"  # Inductor reads gcc or clang off the name
+    linked = subprocess.run([shim, "a.cpp", "-shared", "-o", "a b.so"], capture_output=True, text=True, check=True)
+    assert linked.stdout.split() == ["a.cpp", "-shared", "-o", "a", "b.so", "-Wl,-Bsymbolic"]
+    compiled = subprocess.run([shim, "-c", "a.cpp", "-o", "a.o"], capture_output=True, text=True, check=True)
+    assert compiled.stdout.split() == ["-c", "a.cpp", "-o", "a.o"]
 
 
 @pytest.mark.slow  # a C++ compile

@@ -13,6 +13,9 @@ Each item, what xpupack uses it for, and the torch releases it was checked on (`
   ones included; it writes ``aot_inductor.metadata`` in place (kept from the process's setting here).
 - ``torch._C._tensors_data_ptrs_at_indices_equal``: a storage watch's check of every weight's address in
   one C loop (absent: a Python loop does it).
+- ``torch._inductor.cpp_builder.get_cpp_compiler`` and the ``cpp.cxx`` setting: the C++ compiler Inductor
+  runs; an AOTInductor compile runs it through a shim that links the libraries with ``-Wl,-Bsymbolic``
+  (`aoti_compile`).
 
 Inductor's caches, for the artifacts a package carries (`xpupack.backends.inductor`):
 
@@ -46,7 +49,13 @@ Imported where they are used, being stable in all but name (canaries here too):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import shlex
+import shutil
+import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from pathlib import Path
@@ -64,14 +73,19 @@ data_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 def aoti_compile(exported: Any, path: Path) -> Path:
     """Compiles an exported program into an AOTInductor package at ``path``, the weights left out of the
-    library (a load hands it the model's own tensors: `aoti_load`)."""
+    library (a load hands it the model's own tensors: `aoti_load`), linked to bind its own symbols first
+    (`own_symbols_compiler`)."""
     import torch._inductor
     import torch._inductor.config as inductor_config
 
     # torch writes the package's metadata into the process-wide ``aot_inductor.metadata`` in place, and every
     # later Inductor compile of the process keys its graphs on it: a package built after an AOTInductor
     # candidate carried graphs no fresh process looks up. A copy of its own takes the writes.
-    with inductor_config.patch({"aot_inductor.metadata": dict(inductor_config.aot_inductor.metadata)}):
+    settings: dict[str, Any] = {"aot_inductor.metadata": dict(inductor_config.aot_inductor.metadata)}
+    compiler = own_symbols_compiler()
+    if compiler is not None:
+        settings["cpp.cxx"] = (None, compiler)
+    with inductor_config.patch(settings):
         result = torch._inductor.aoti_compile_and_package(
             exported,
             package_path=str(path),
@@ -80,6 +94,38 @@ def aoti_compile(exported: Any, path: Path) -> Path:
             inductor_configs={"aot_inductor.package_constants_in_so": False, "always_keep_tensor_constants": True},
         )
     return Path(result)
+
+
+def own_symbols_compiler() -> str | None:
+    """Inductor's C++ compiler behind a shim that links shared libraries with ``-Wl,-Bsymbolic``; None off Linux.
+
+    An AOTInductor library instantiates ``std::regex`` (its device-string parser) and exports the template
+    code; ``libc10`` exports its own copies, built by torch's compiler. Bound to those, the library's calls
+    run another GCC's layout on its objects: on an H100 image (g++ 13.3, torch 2.11.0+cu130) every package
+    crashed in ``std::regex`` as it loaded (docs/hardware.md). Linked with ``-Bsymbolic``, a library binds
+    its own definitions first; whether that cures the crash there is still to be measured (AOTInductor stays
+    off on CUDA until it is), and on a CPU the libraries load and run as before. The shim is named as the
+    compiler is, since Inductor picks its flags by the name (gcc's or clang's).
+    """
+    if sys.platform != "linux":
+        return None
+    from torch._inductor import cpp_builder
+
+    return _own_symbols_shim(cpp_builder.get_cpp_compiler())
+
+
+@functools.cache
+def _own_symbols_shim(compiler: str) -> str:
+    real = shutil.which(compiler) or compiler
+    folder = Path(tempfile.mkdtemp(prefix="xpupack-cxx-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    shim = folder / Path(compiler).name
+    quoted = shlex.quote(real)
+    shim.write_text(
+        f'#!/bin/sh\ncase " $* " in *" -shared "*) exec {quoted} "$@" -Wl,-Bsymbolic ;; esac\nexec {quoted} "$@"\n'
+    )
+    shim.chmod(0o700)
+    return str(shim)
 
 
 def aoti_load(path: Path) -> Any:
