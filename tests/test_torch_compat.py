@@ -1,6 +1,7 @@
 """Canaries for the private PyTorch entry points `xpupack._torch_compat` names: each fails loudly on a torch
 release that changes one, before a user meets the change."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,12 @@ def test_the_own_symbols_compiler_adds_bsymbolic_to_shared_links_only(tmp_path, 
     assert linked.stdout.split() == ["a.cpp", "-shared", "-o", "a", "b.so", "-Wl,-Bsymbolic"]
     compiled = subprocess.run([shim, "-c", "a.cpp", "-o", "a.o"], capture_output=True, text=True, check=True)
     assert compiled.stdout.split() == ["-c", "a.cpp", "-o", "a.o"]
+    # one path per compiler and cache, which Inductor's cache keys name: another process's compiles are found
+    assert _torch_compat.own_symbols_compiler() == shim
+    assert Path(shim).is_relative_to(_torch_compat.inductor_cache_dir())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "another cache"))
+    moved = _torch_compat.own_symbols_compiler()
+    assert moved != shim and Path(moved).is_relative_to(tmp_path / "another cache") and os.access(moved, os.X_OK)
 
 
 @pytest.mark.slow  # a C++ compile

@@ -49,9 +49,9 @@ Imported where they are used, being stable in all but name (canaries here too):
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
+import hashlib
+import os
 import shlex
 import shutil
 import sys
@@ -114,17 +114,19 @@ def own_symbols_compiler() -> str | None:
     return _own_symbols_shim(cpp_builder.get_cpp_compiler())
 
 
-@functools.cache
 def _own_symbols_shim(compiler: str) -> str:
-    real = shutil.which(compiler) or compiler
-    folder = Path(tempfile.mkdtemp(prefix="xpupack-cxx-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    shim = folder / Path(compiler).name
-    quoted = shlex.quote(real)
-    shim.write_text(
-        f'#!/bin/sh\ncase " $* " in *" -shared "*) exec {quoted} "$@" -Wl,-Bsymbolic ;; esac\nexec {quoted} "$@"\n'
-    )
-    shim.chmod(0o700)
+    quoted = shlex.quote(shutil.which(compiler) or compiler)
+    script = f'#!/bin/sh\ncase " $* " in *" -shared "*) exec {quoted} "$@" -Wl,-Bsymbolic ;; esac\nexec {quoted} "$@"\n'
+    # in Inductor's cache, named by its content: the compiler's path is part of Inductor's cache keys, and every
+    # process on this cache runs the same file, so one AOTInductor compile's kernels are found by the next
+    shim = inductor_cache_dir() / "xpupack-cxx" / hashlib.sha256(script.encode()).hexdigest()[:16] / Path(compiler).name
+    if not shim.is_file() or shim.read_text() != script:
+        shim.parent.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(dir=shim.parent)
+        with os.fdopen(fd, "w") as file:
+            file.write(script)
+        os.chmod(scratch, 0o700)
+        os.replace(scratch, shim)  # whole or not at all: another process may run it meanwhile
     return str(shim)
 
 

@@ -13,6 +13,9 @@ import torch
 from .backends.base import Backend, ComposedBackend
 from .strategies import Fastest, FirstWins, Strategy
 
+#: the device types that record device graphs
+_GRAPH_DEVICES = ("cuda", "xpu")
+
 
 def default_backends(device: torch.device | None = None) -> list[Backend]:
     """The default candidates: on a GPU the module compiled by Inductor recorded as a device graph first
@@ -32,7 +35,7 @@ def default_backends(device: torch.device | None = None) -> list[Backend]:
     from .backends.inductor import InductorBackend
 
     backends: list[Backend] = [GraphBackend(), InductorBackend(), EagerBackend()]
-    if device is not None and device.type in ("cuda", "xpu"):
+    if device is not None and device.type in _GRAPH_DEVICES:
         backends.insert(0, GraphBackend(base=InductorBackend()))
     return backends
 
@@ -75,7 +78,6 @@ SEARCHES = ("quick", "thorough")
 #: batches (decode), each where the device has it (float8: CUDA capability 8.9; int4: CUDA, bfloat16)
 QUANTIZE_CONFIGS = ("int8-weight-only", "float8-weight-only", "int4-weight-only")
 
-_GRAPH_DEVICES = ("cuda", "xpu")
 #: Inductor's coordinate descent: each Triton kernel's block sizes and warps tuned by timing its neighbours
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 #: whether Inductor's static CUDA launcher loses the mark that a cached kernel's block sizes came from
