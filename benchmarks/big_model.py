@@ -7,7 +7,8 @@ bf16, batch 1, a 32-token prompt, 128 new tokens. ``--layers``, ``--hidden``, ``
 
 Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``; what a new server meets):
 
-- **build**: ``xpupack.tune`` with the default strategy (with ``--quantize CONFIG``: the one quantized
+- **build**: ``xpupack.tune`` with the default strategy (with ``--backends LIST``: those candidates, first
+  that passes wins; with ``--quantize CONFIG``: the one quantized
   chain, ``graph+inductor+torchao:CONFIG``, ``inductor+torchao:CONFIG`` on a CPU, over random weights first
   rounded to CONFIG's grid: ``round_to_grid`` says why), under
   ``torch.inference_mode()``, on a greedy ``generate(..., cache_implementation="static")`` and a
@@ -248,7 +249,12 @@ class Phases:
 
 
 def step_build(
-    shape: Shape, package: Path, phases: Phases, quantize: str | None = None, floor: float | None = None
+    shape: Shape,
+    package: Path,
+    phases: Phases,
+    quantize: str | None = None,
+    floor: float | None = None,
+    backend_list: str | None = None,
 ) -> None:
     # tuning's progress (each candidate built, checked, timed) goes to the build process's log
     handler = logging.StreamHandler()
@@ -257,7 +263,7 @@ def step_build(
     logging.getLogger("xpupack").setLevel(logging.INFO)
     emit_device_name(shape)
     built: dict = {}
-    phases.run("tune", lambda: tune(shape, built, quantize, floor))
+    phases.run("tune", lambda: tune(shape, built, quantize, floor, backend_list))
     phases.run("save", lambda: save(built["model"], package), needs=("tune",))
 
 
@@ -305,7 +311,9 @@ def round_to_grid(model, config: str) -> int:
     return len(linears)
 
 
-def tune(shape: Shape, built: dict, quantize: str | None = None, floor: float | None = None) -> dict:
+def tune(
+    shape: Shape, built: dict, quantize: str | None = None, floor: float | None = None, backend_list: str | None = None
+) -> dict:
     import torch
 
     import xpupack
@@ -321,6 +329,10 @@ def tune(shape: Shape, built: dict, quantize: str | None = None, floor: float | 
         return greedy_generate(m, shape, shape.batch)
 
     strategy = None if quantize is None else xpupack.Only(quantized_chain(shape.device, quantize, floor))
+    if backend_list is not None:  # the candidates named, in order, as `xpupack build --backends` takes them
+        from xpupack.cli.build import parse_backends
+
+        strategy = xpupack.FirstWins(parse_backends(backend_list))
     started = time.perf_counter()
     with torch.inference_mode():
         xpupack.tune(model, ["loop", "generate"], run=run, device=shape.device, strategy=strategy)
@@ -684,7 +696,9 @@ def child_arguments(args: argparse.Namespace) -> list[str]:
     names = ["device", "dtype", *LLAMA3_8B, "prompt", "new_tokens", "batch", "seconds", "warmup"]
     parts = [part for name in names for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
     quantize = ["--quantize", args.quantize] if args.quantize else []
-    return parts + quantize + (["--min-sqnr-db", str(args.min_sqnr_db)] if args.min_sqnr_db is not None else [])
+    backends = ["--backends", args.backends] if args.backends else []
+    floor = ["--min-sqnr-db", str(args.min_sqnr_db)] if args.min_sqnr_db is not None else []
+    return parts + quantize + backends + floor
 
 
 def report_head(args: argparse.Namespace) -> dict:
@@ -699,7 +713,8 @@ def report_head(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__}
-        | {"seconds": args.seconds, "warmup": args.warmup, "quantize": args.quantize, "min_sqnr_db": args.min_sqnr_db},
+        | {"seconds": args.seconds, "warmup": args.warmup, "quantize": args.quantize, "min_sqnr_db": args.min_sqnr_db}
+        | {"backends": args.backends},
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
         "tuned_candidates": None,
@@ -744,6 +759,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="DB",
         help="--quantize's accuracy floor (default: llm_decode.py's, else the config's); the JSON's settings say it",
     )
+    parser.add_argument(
+        "--backends",
+        default=None,
+        metavar="LIST",
+        help="tune these candidates in order instead of the default strategy, as `xpupack build --backends` "
+        "takes them (graph+aoti,graph+inductor); not with --quantize",
+    )
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--workdir", default=None, help="package, caches and logs (default: a temporary folder)")
@@ -759,12 +781,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parser().parse_args(argv)
+    parser_ = parser()
+    args = parser_.parse_args(argv)
+    if args.quantize and args.backends:
+        parser_.error("--quantize tunes its own candidate: give --quantize or --backends, not both")
     shape = Shape.of(args)
     if args.step:
         package, phases = Path(args.workdir) / "pkg", Phases(args.deadline)
         if args.step == "build":
-            step_build(shape, package, phases, args.quantize, args.min_sqnr_db)
+            step_build(shape, package, phases, args.quantize, args.min_sqnr_db, args.backends)
         else:
             step_serve(shape, package, args.seconds, args.warmup, phases)
         return {}

@@ -80,6 +80,18 @@ def test_the_processes_get_the_runs_settings():
     args = big_model.parser().parse_args([*TINY, "--quantize", "int4-weight-only", "--min-sqnr-db", "8"])
     assert big_model.parser().parse_args(big_model.child_arguments(args)).min_sqnr_db == 8
     assert big_model.report_head(args)["settings"]["min_sqnr_db"] == 8
+    args = big_model.parser().parse_args([*TINY, "--backends", "graph+aoti,eager"])
+    assert big_model.parser().parse_args(big_model.child_arguments(args)).backends == "graph+aoti,eager"
+    assert big_model.report_head(args)["settings"]["backends"] == "graph+aoti,eager"
+
+
+def test_backends_tunes_the_candidates_named_and_not_with_quantize(capsys):
+    shape = big_model.Shape.of(big_model.parser().parse_args(TINY))
+    tuned = big_model.tune(shape, {}, backend_list="eager")
+    assert set(tuned["tuned_backends"].values()) == {"eager"}
+    with pytest.raises(SystemExit):
+        big_model.main([*TINY, "--backends", "eager", "--quantize", "int8-weight-only"])
+    assert "give --quantize or --backends, not both" in capsys.readouterr().err
 
 
 def test_quantize_tunes_the_one_quantized_chain_with_the_int8_floor():
