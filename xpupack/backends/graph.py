@@ -58,6 +58,7 @@ from ..padding import check_output_axes, signature_batch
 from ..signature import BatchAxes, Signature, flatten, unflatten
 from ..state import state_type
 from ._facts import GRAPH_MAX_RECORDINGS, no_graphs_on
+from ._graph_handover import BaseHandover
 from ._storage_watch import StorageWatch
 from .base import (
     Backend,
@@ -170,12 +171,13 @@ _WARM_RUNS_KEPT = 64
 _NOT_NOW = object()
 
 
-class GraphRunner(Runner):
+class GraphRunner(BaseHandover, Runner):
     """Replays one device-graph recording per signature; what `GraphBackend` builds and restores.
 
     Signatures without state are recorded up front (`record_all`); signatures with state (a KV
     cache) while serving, per set of state addresses (see the module docstring). ``stats`` shows
-    ``recordings``, ``rerecordings``, ``memory_bytes`` and what could not be recorded.
+    ``recordings``, ``rerecordings``, ``memory_bytes`` and what could not be recorded. With a base
+    restored off the caller's path, its calls move over to the base as it gets ready (`BaseHandover`).
 
     Args:
         target: the module.
@@ -233,36 +235,11 @@ class GraphRunner(Runner):
         # one call at a time: a replay fills shared static buffers, and two threads interleaving
         # there would hand each other's results back
         self._lock = threading.Lock()
-        #: the base runner being restored off the caller's path (`upgrade_when_ready`); until it is
-        #: ready every call replays a recording of the original module
-        self._upgrade: Future | None = None
-        #: the original module's function while the base runner takes over signature by signature
-        self._original: Callable[..., Any] | None = None
-        #: signatures with state the base runner is getting ready for (`Runner.prepare`), and those it is ready for
-        self._preparing: dict[int, Future] = {}
-        self._base_ready: set[int] = set()
-        self._base_refused: set[int] = set()
-        #: signatures with state whose capture over the original module failed: run unrecorded until the base
-        #: takes them (`_record_state_call`)
-        self._original_unrecordable: set[int] = set()
-        #: signatures with state whose recording over the original module was made or tried: only then does
-        #: the base get ready for them (`_prepare_state_signature`). A compile holds the device: started
-        #: earlier, it left every call during it unrecorded, the original module run for real (on the H200 a
-        #: TorchAO int8 package's first ``generate()`` took 29 s, where replays take about 1 s)
-        self._original_tried: set[int] = set()
         #: the state addresses of each signature's latest call run once, kept over recordings made again
         self._last_warm: dict[int, tuple] = {}
-        #: signatures added while the base runner was being restored: it is handed them when it takes over
-        self._unknown_to_base: set[int] = set()
-        #: calls served by the original module's recordings while the base runner was being restored
-        self.compiling = 0
-        self.upgrade_error: str | None = None
         #: the load found the device taken by another thread's compile: the first free call records
         self._recording_left_to_first_call = False
-        #: that restore, kept back until the first recording with state (`start_upgrade_after_recording`)
-        self._held: _background.Held | None = None
-        #: time.monotonic() of the latest call while an upgrade is pending: the held restore waits for a pause
-        self._last_call = 0.0
+        self._init_handover()
 
     def add_signature(self, index: int, signature: Signature, args: tuple, kwargs: dict) -> Future | None:
         """Records the new signature as any call with state (`_run_with_state`), once the base is ready.
@@ -474,138 +451,6 @@ class GraphRunner(Runner):
         self.supported.clear()
         self.failures.clear()
         self.record_all(strict=False)
-
-    # -- a base restored off the caller's path --------------------------------------
-    def upgrade_when_ready(self, future: Future) -> None:
-        """Serves every call with recordings of the original module until ``future`` (the base runner,
-        restored by `xpupack._background`) is done; the first call after that records each signature
-        again over the base (captures only: the compile is done) and replays those from then on.
-
-        A failed restore, or recordings over the base that fail where the original's did not, leave the
-        original module's recordings serving (`upgrade_error` says why).
-
-        Args:
-            future: resolves to the base runner, checked against the original module.
-        """
-        self._original = self.function
-        self._upgrade = future
-
-    def failed_upgrade(self) -> tuple[str, str] | None:
-        """``("graph", why)`` once restoring the base off the caller's path failed: recordings of the original
-        module serve (`Runner.failed_upgrade`)."""
-        return ("graph", self.upgrade_error) if self.upgrade_error else None
-
-    def prepare_state_calls(self, original: Callable[..., Any]) -> None:
-        """For a base that is restored but compiles its calls with state off the caller's path
-        (`Runner.prepares_state_calls`): ``original`` serves those calls, recorded, until the base is ready
-        for their signature (`_prepare_state_signature`), as after an upgrade (`upgrade_when_ready`).
-
-        Args:
-            original: runs the module itself, ``(index, args, kwargs, leaves) -> output``.
-        """
-        self._original = original
-        self._base_ready = {i for i, signature in self.signatures.items() if not signature.state_slots}
-
-    def start_upgrade_after_recording(self, held: _background.Held) -> None:
-        """For signatures with state (decode steps): their recordings need a real call's state, and a
-        capture cannot overlap the worker's device work, so the restore (`held`) starts only once the
-        first such call is recorded and the caller pauses (`_background.quiet`). Until then the
-        original module's recordings serve, made on the caller's first calls."""
-        self._held = held
-        self.upgrade_when_ready(held.future)
-
-    def _start_held_upgrade(self) -> None:
-        held, self._held = self._held, None
-        held.start(ready=_background.quiet(lambda: self._last_call))
-
-    def _take_upgrade(self, index: int, args: tuple, kwargs: dict) -> None:
-        """Called under the lock before each call while an upgrade is pending: adopts a finished base."""
-        if self._upgrade is None:
-            if self._original is not None and self.signatures[index].state_slots and index not in self._base_ready:
-                self._prepare_state_signature(index, args, kwargs)
-            return
-        if not self._upgrade.done() or not _background.device_work.acquire(blocking=False):
-            self.compiling += 1  # captures wait for the worker's device work: try again on a later call
-            return
-        try:
-            future, self._upgrade = self._upgrade, None
-            try:
-                base = future.result()
-            except Exception as exc:
-                self._keep_original(f"restoring the compiled module failed: {error_line(exc)}")
-                return
-            self.base_runner, self.function = base, base.run
-            self._base_ready = {i for i, signature in self.signatures.items() if not signature.state_slots}
-            self._record_again()
-            if self.failures:  # the original module's recordings served these: never lose one
-                failed = "; ".join(self.failures.values())
-                base.release()
-                self.base_runner, self.function = None, self._original
-                self._record_again()
-                self._keep_original(f"recording over the compiled module failed: {failed}")
-                return
-            log.info(
-                "%s: the compiled module serves now (restored off the caller's path)", self.target.path or "<model>"
-            )
-            if not self._has_state():
-                self._original = None  # every signature is the base's: nothing left to route
-        finally:
-            _background.device_work.release()
-        if self.signatures[index].state_slots:
-            self._prepare_state_signature(index, args, kwargs)
-
-    def _keep_original(self, why: str) -> None:
-        self.upgrade_error, self._original, self._base_ready = why, None, set()
-        log.warning("%s: %s; recordings of the original module keep serving", self.target.path or "<model>", why)
-
-    def _prepare_state_signature(self, index: int, args: tuple, kwargs: dict) -> None:
-        """A call with state after the base took over: the base gets ready for it off the caller's path
-        (`Runner.prepare`), the original module's recordings serving until then; then its recordings
-        are made again over the base."""
-        if index in self._base_refused:
-            return
-        future = self._preparing.get(index)
-        if future is None:
-            if index not in self._original_tried and index not in self._original_unrecordable:
-                return  # its recording of the original module first: replays serve while the base compiles
-            future = self._preparing[index] = self._base_prepares(index, args, kwargs) or _done()
-        if not future.done():
-            self.compiling += 1
-            return
-        del self._preparing[index]
-        if future.exception() is not None:
-            log.warning(
-                "%s: the compiled module could not take %s (%s); the original module's recordings serve it",
-                self.target.path or "<model>",
-                self.signatures[index].describe(),
-                error_line(future.exception()),
-            )
-            self._base_refused.add(index)  # never asked again
-            return
-        self._base_ready.add(index)
-        for key in [key for key in self.state_recordings if key[0] == index]:
-            del self.state_recordings[key]  # recorded again, over the base, on the next calls
-
-    def _base_prepares(self, index: int, args: tuple, kwargs: dict) -> Future | None:
-        """The base runner gets ready for signature ``index`` (`Runner.prepare`); one added while it was
-        being restored is handed to it first (`Runner.add_signature`, whose work, if any, is that)."""
-        args, kwargs = self._for_base(index, args, kwargs)
-        if index in self._unknown_to_base:
-            self._unknown_to_base.discard(index)
-            work = self.base_runner.add_signature(index, self.signatures[index], args, kwargs)
-            if work is not None:
-                return work
-        return self.base_runner.prepare(index, args, kwargs, ready=_background.quiet(lambda: self._last_call))
-
-    def _has_state(self) -> bool:
-        return any(signature.state_slots for signature in self.signatures.values())
-
-    def _function(self, index: int) -> Callable[..., Any]:
-        """What signature ``index``'s calls run (and its recordings record): the base's, or the original
-        module's where the base is not ready for it yet."""
-        if self._original is not None and index not in self._base_ready:
-            return self._original
-        return self.function
 
     # -- calls -------------------------------------------------------------------
     def run(self, index: int, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -898,12 +743,6 @@ def _forward_of(target: Target) -> Callable[..., Any]:
     """The module's own forward as a runner's function, ``(index, args, kwargs, leaves) -> output``."""
     forward = target.forward
     return lambda index, args, kwargs, leaves: forward(*args, **kwargs)
-
-
-def _done() -> Future:
-    future: Future = Future()
-    future.set_result(None)
-    return future
 
 
 def _difference(after: tuple, before: tuple) -> tuple:
