@@ -509,3 +509,22 @@ def test_a_model_on_the_gpu_saves_shards_a_tensor_at_a_time(tmp_path):
     loaded = make(seed=5)
     xpupack.load(loaded, root, device="cpu")
     assert all(torch.equal(loaded.state_dict()[name], tensor.cpu()) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("rows", [3, 3000], ids=["small", "zeroed-first"])
+def test_a_written_tensors_old_values_come_back_whole_on_rollback(rows):
+    """`ModelEdit.copy_into` keeps a tensor's old values on the host (`host_copy`: a large one's memory zeroed
+    first from torch's threads), and rollback writes them back into the same tensor, strides and all."""
+    from xpupack._model_edit import _PREFAULT_BYTES, ModelEdit, host_copy
+
+    weight = torch.randn(3000, rows).t()  # transposed: dense, not contiguous
+    assert (weight.untyped_storage().nbytes() >= _PREFAULT_BYTES) == (rows == 3000)
+    copy = host_copy(weight)
+    assert torch.equal(copy, weight) and copy.stride() == weight.stride()
+    assert copy.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr()
+    model = nn.Linear(1, 1)
+    edit, before, address = ModelEdit(model), weight.clone(), weight.data_ptr()
+    edit.copy_into(weight, torch.zeros_like(weight))
+    assert weight.count_nonzero() == 0 and weight.data_ptr() == address
+    edit.rollback()
+    assert torch.equal(weight, before) and weight.data_ptr() == address

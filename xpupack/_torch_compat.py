@@ -103,8 +103,9 @@ def own_symbols_compiler() -> str | None:
     code; ``libc10`` exports its own copies, built by torch's compiler. Bound to those, the library's calls
     run another GCC's layout on its objects: on an H100 image (g++ 13.3, torch 2.11.0+cu130) every package
     crashed in ``std::regex`` as it loaded (docs/hardware.md). Linked with ``-Bsymbolic``, a library binds
-    its own definitions first; whether that cures the crash there is still to be measured (AOTInductor stays
-    off on CUDA until it is), and on a CPU the libraries load and run as before. The shim is named as the
+    its own definitions first: there a 2-layer MLP's package built by torch's defaults then loaded and ran
+    (2026-12-07), while xpupack's package of it (weights outside, a single-threaded runner) still crashed, so
+    AOTInductor stays off on CUDA. On a CPU the libraries load and run as before. The shim is named as the
     compiler is, since Inductor picks its flags by the name (gcc's or clang's).
     """
     if sys.platform != "linux":

@@ -146,7 +146,7 @@ EAGER = BackendFacts("eager")
 #: the user's process down at tune or load time
 AOTI_NOT_ON_GPUS = (
     "aoti runs on a CPU only: AOTInductor's package loader crashed the process (SIGSEGV) on CUDA with torch "
-    "2.11.0+cu130 on an H100, even for a 2-layer MLP through torch's own aoti_load_package (docs/cold-start.md)"
+    "2.11.0+cu130 on an H100, for xpupack's package of a 2-layer MLP too (docs/hardware.md)"
 )
 
 #: the AOTInductor backend's facts (it takes no options)
