@@ -713,8 +713,13 @@ def report_head(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "settings": {name: getattr(args, name) for name in Shape.__dataclass_fields__}
-        | {"seconds": args.seconds, "warmup": args.warmup, "quantize": args.quantize, "min_sqnr_db": args.min_sqnr_db}
-        | {"backends": args.backends},
+        | {
+            "seconds": args.seconds,
+            "warmup": args.warmup,
+            "quantize": args.quantize,
+            "min_sqnr_db": args.min_sqnr_db,
+            "backends": args.backends,
+        },
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
         "tuned_candidates": None,

@@ -96,7 +96,7 @@ class BaseHandover:
             original: runs the module itself, ``(index, args, kwargs, leaves) -> output``.
         """
         self._original = original
-        self._base_ready = {i for i, signature in self.signatures.items() if not signature.state_slots}
+        self._base_ready = self._stateless()
 
     def start_upgrade_after_recording(self, held: _background.Held) -> None:
         """For signatures with state (decode steps): their recordings need a real call's state, and a
@@ -128,7 +128,7 @@ class BaseHandover:
                 self._keep_original(f"restoring the compiled module failed: {error_line(exc)}")
                 return
             self.base_runner, self.function = base, base.run
-            self._base_ready = {i for i, signature in self.signatures.items() if not signature.state_slots}
+            self._base_ready = self._stateless()
             self._record_again()
             if self.failures:  # the original module's recordings served these: never lose one
                 failed = "; ".join(self.failures.values())
@@ -162,7 +162,7 @@ class BaseHandover:
         if future is None:
             if index not in self._original_tried and index not in self._original_unrecordable:
                 return  # its recording of the original module first: replays serve while the base compiles
-            future = self._preparing[index] = self._base_prepares(index, args, kwargs) or done()
+            future = self._preparing[index] = self._base_prepares(index, args, kwargs) or _done()
         if not future.done():
             self.compiling += 1
             return
@@ -194,6 +194,10 @@ class BaseHandover:
                 return work
         return base.prepare(index, args, kwargs, ready=_background.quiet(lambda: self._last_call))
 
+    def _stateless(self) -> set[int]:
+        """The signatures without state: recorded up front, so the base is ready for them once it serves."""
+        return {i for i, signature in self.signatures.items() if not signature.state_slots}
+
     def _has_state(self) -> bool:
         return any(signature.state_slots for signature in self.signatures.values())
 
@@ -205,7 +209,7 @@ class BaseHandover:
         return self.function
 
 
-def done() -> Future:
+def _done() -> Future:
     """A future that is already done (a base with nothing to prepare)."""
     future: Future = Future()
     future.set_result(None)
