@@ -47,8 +47,12 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
 - ``ttft_s``, ``hand_ttft_s``: a prefill of the prompt to its first token (median of 3 after a warm-up)
   through the package and through ``torch.compile`` of the forward; ``ttft_vs_hand`` (above 1: the
   package is slower);
-- ``tokens_equal``, ``first_differing_position``: the package's greedy tokens against eager's (the same
-  weights, deactivated); bf16 may differ where two logits are within rounding;
+- ``tokens_equal``, ``first_differing_position``: the package's greedy tokens (the series' last ``generate()``)
+  against eager's of the model as it was tuned, in the build process (``reference_tokens.json``: with
+  ``--quantize``, its bf16 weights rounded to the grid); bf16 may differ where two logits are within rounding;
+- with ``--quantize``, the serve process's model keeps bf16 weights beside the package's quantized ones (the
+  originals the quantization swapped out), so ``hand_decode_tokens_s`` is a bf16 hand graph and
+  ``decode_vs_hand`` the quantized package's speed against it, measured in the same process;
 - ``device``, ``device_name``, ``torch``, ``transformers``, the settings, ``tuned_backends`` (what tuning
   chose) and ``tuned_candidates`` (each candidate's verdict, as ``xpupack inspect`` shows it);
   ``phases`` (each phase: ``ok``, ``error`` or ``skipped``), ``errors`` (phase -> error) and ``skipped``
@@ -263,7 +267,7 @@ def step_build(
     logging.getLogger("xpupack").setLevel(logging.INFO)
     emit_device_name(shape)
     built: dict = {}
-    phases.run("tune", lambda: tune(shape, built, quantize, floor, backend_list))
+    phases.run("tune", lambda: tune(shape, built, package, quantize, floor, backend_list))
     phases.run("save", lambda: save(built["model"], package), needs=("tune",))
 
 
@@ -312,7 +316,12 @@ def round_to_grid(model, config: str) -> int:
 
 
 def tune(
-    shape: Shape, built: dict, quantize: str | None = None, floor: float | None = None, backend_list: str | None = None
+    shape: Shape,
+    built: dict,
+    package: Path,
+    quantize: str | None = None,
+    floor: float | None = None,
+    backend_list: str | None = None,
 ) -> dict:
     import torch
 
@@ -322,6 +331,9 @@ def tune(
 
     model = built["model"] = build(shape, seed=0)
     rounded = {} if quantize is None else {"weights_rounded_to_grid": round_to_grid(model, quantize)}
+    with torch.inference_mode():  # the serve's reference: a quantized package has no bf16 weights to rerun
+        eager = greedy_generate(model, shape, shape.batch, disable_compile=True)
+    reference_tokens(package).write_text(json.dumps(eager[:, shape.prompt :].tolist()))
 
     def run(m, kind: str):
         if kind == "loop":
@@ -342,6 +354,11 @@ def tune(
         "tuned_backends": backends(model),
         "tuned_candidates": candidates(model),
     }
+
+
+def reference_tokens(package: Path) -> Path:
+    """Where the build leaves eager's greedy tokens (a JSON list per row) for the serve to compare with."""
+    return package.parent / "reference_tokens.json"
 
 
 def save(model, package: Path) -> dict:
@@ -500,14 +517,11 @@ class Server:
         return {}
 
     def tokens(self) -> dict:
-        """The package's tokens (the last ``generate()`` of the series) against eager's."""
+        """The package's tokens (the last ``generate()`` of the series) against the build's eager tokens."""
         import torch
 
-        from llm_decode import greedy_generate
-
-        with torch.inference_mode():
-            eager = greedy_generate(self.model, self.shape, self.shape.batch, disable_compile=True)
-        differ = (eager[:, self.shape.prompt :].cpu() != self.last_tokens).any(0).nonzero()
+        eager = torch.tensor(json.loads(reference_tokens(self.package).read_text()))
+        differ = (eager != self.last_tokens).any(0).nonzero()
         return {"tokens_equal": not len(differ), "first_differing_position": int(differ[0]) if len(differ) else None}
 
     def hand_decode(self) -> dict:
@@ -631,7 +645,7 @@ def step_serve(shape: Shape, package: Path, seconds: float, warmup: str, phases:
     decode = phases.run("decode", server.decode, needs=("load",))
     ttft = phases.run("ttft", server.ttft, needs=("load",))
     phases.run("deactivate", server.deactivate, needs=("load",))
-    phases.run("tokens", server.tokens, needs=("series", "deactivate"))
+    phases.run("tokens", server.tokens, needs=("series",))
     hand = phases.run("hand_decode", server.hand_decode, needs=("deactivate",))
     if decode and hand:
         emit(decode_vs_hand=round(decode["decode_tokens_s"] / hand["hand_decode_tokens_s"], 3))

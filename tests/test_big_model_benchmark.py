@@ -85,9 +85,9 @@ def test_the_processes_get_the_runs_settings():
     assert big_model.report_head(args)["settings"]["backends"] == "graph+aoti,eager"
 
 
-def test_backends_tunes_the_candidates_named_and_not_with_quantize(capsys):
+def test_backends_tunes_the_candidates_named_and_not_with_quantize(tmp_path, capsys):
     shape = big_model.Shape.of(big_model.parser().parse_args(TINY))
-    tuned = big_model.tune(shape, {}, backend_list="eager")
+    tuned = big_model.tune(shape, {}, tmp_path / "pkg", backend_list="eager")
     assert set(tuned["tuned_backends"].values()) == {"eager"}
     with pytest.raises(SystemExit):
         big_model.main([*TINY, "--backends", "eager", "--quantize", "int8-weight-only"])
@@ -175,6 +175,9 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
     # the warm-up left the cache generate() was tuned with: its prefills fit (they fell back after a warm-up
     # at the decode loop's cache length, and the decode step compiled again)
     assert report["prefill_fallbacks"] == 0 == stats["fallbacks"], stats
+    # against eager's tokens in the build process (a quantized package has no bf16 weights to rerun)
+    reference = json.loads((tmp_path / "reference_tokens.json").read_text())
+    assert len(reference) == 1 and len(reference[0]) == 8
     assert isinstance(report["tokens_equal"], bool)
     assert (report["first_differing_position"] is None) == report["tokens_equal"]
     assert report["hand"] == "the torch.compile'd step (no graphs on a CPU)" and report["device_name"] == "cpu"
