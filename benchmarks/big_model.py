@@ -50,9 +50,10 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
 - ``tokens_equal``, ``first_differing_position``: the package's greedy tokens (the series' last ``generate()``)
   against eager's of the model as it was tuned, in the build process (``reference_tokens.json``: with
   ``--quantize``, its bf16 weights rounded to the grid); bf16 may differ where two logits are within rounding;
-- with ``--quantize``, the serve process's model keeps bf16 weights beside the package's quantized ones (the
-  originals the quantization swapped out), so ``hand_decode_tokens_s`` is a bf16 hand graph and
-  ``decode_vs_hand`` the quantized package's speed against it, measured in the same process;
+- with ``--quantize``, the hand-compiled step is the quantized model's (a loaded quantized package keeps no
+  bf16 weights: a call that falls back, and the model after ``deactivate``, run the quantized module),
+  compiled with the candidate's Inductor settings; the bf16 package's speed comes from a run without
+  ``--quantize`` on the same machine;
 - ``device``, ``device_name``, ``torch``, ``transformers``, the settings, ``tuned_backends`` (what tuning
   chose) and ``tuned_candidates`` (each candidate's verdict, as ``xpupack inspect`` shows it);
   ``phases`` (each phase: ``ok``, ``error`` or ``skipped``), ``errors`` (phase -> error) and ``skipped``
@@ -278,17 +279,32 @@ def emit_device_name(shape: Shape) -> None:
 
 
 def quantized_chain(device: str, config: str, floor: float | None = None):
-    """The one quantized candidate of ``--quantize``: TorchAO's ``config`` under Inductor, in a device graph where
-    the device has them; the accuracy floor is ``--min-sqnr-db`` where given, else ``llm_decode.py``'s (20 dB
-    for weight-only int8: a random 8B model's logits are close, so its tokens drift sooner than a trained
-    model's), else the config's own."""
+    """The one quantized candidate of ``--quantize``, as the thorough search builds it
+    (`xpupack.searches.quantized_candidates`: TorchAO's ``config`` under Inductor with coordinate descent, in a
+    device graph where the device has them); the accuracy floor is ``--min-sqnr-db`` where given, else
+    ``llm_decode.py``'s (20 dB for weight-only int8: a random 8B model's logits are close, so its tokens drift
+    sooner than a trained model's), else the config's own."""
+    import torch
+
     import xpupack
     from llm_decode import QUANTIZED
+    from xpupack.searches import quantized_candidates
 
     floor = dict(QUANTIZED.values()).get(config) if floor is None else floor
     torchao = xpupack.TorchAOBackend(config, **({} if floor is None else {"min_sqnr_db": floor}))
-    inductor = xpupack.InductorBackend(base=torchao)
-    return inductor if device == "cpu" else xpupack.GraphBackend(base=inductor)
+    return quantized_candidates(torch.device(device), [torchao])[0]
+
+
+def hand_compile_settings(device: str, config: str | None) -> dict:
+    """``torch.compile``'s settings for the hand-compiled step: the defaults for bf16 (the default strategy's),
+    the quantized candidate's with ``--quantize`` (coordinate descent, and TorchAO's own)."""
+    import torch
+
+    if config is None:
+        return {}
+    chain = quantized_chain(device, config)
+    inductor = chain if chain.name == "inductor" else chain.base
+    return inductor.compile_settings(torch.device(device))
 
 
 def round_to_grid(model, config: str) -> int:
@@ -311,8 +327,26 @@ def round_to_grid(model, config: str) -> int:
             probe = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
             probe.weight = torch.nn.Parameter(module.weight.detach().clone(), requires_grad=False)
             quantize_(probe, settings)
-            module.weight.copy_(probe.weight.dequantize())
+            module.weight.copy_(stored_weight(probe, module.weight.dtype))
     return len(linears)
+
+
+def stored_weight(layer, dtype):
+    """The weight a quantized linear layer computes with, in ``dtype``: ``dequantize()``, or where its tensor type
+    has none (int4's tile-packed layout for torchao's tinygemm kernel) the layer's own product with the
+    identity, ``linear(I, W) = W^T``, 1024 rows of it at a time."""
+    import torch
+
+    try:
+        return layer.weight.dequantize().to(dtype)
+    except NotImplementedError:
+        blocks = []
+        for start in range(0, layer.in_features, 1024):
+            rows = min(1024, layer.in_features - start)
+            block = torch.zeros(rows, layer.in_features, dtype=dtype, device=layer.weight.device)
+            block[:, start : start + rows].fill_diagonal_(1)
+            blocks.append(layer(block))
+        return torch.cat(blocks).t()
 
 
 def tune(
@@ -403,8 +437,8 @@ def candidates(model) -> dict:
 class Server:
     """A fresh server's view of the package: each method is one phase of `step_serve`."""
 
-    def __init__(self, shape: Shape, package: Path, warmup: str | None):
-        self.shape, self.package, self.warmup = shape, package, warmup
+    def __init__(self, shape: Shape, package: Path, warmup: str | None, quantize: str | None = None):
+        self.shape, self.package, self.warmup, self.quantize = shape, package, warmup, quantize
         self.model = None
         self.started = 0.0  # perf_counter when load() started
         self.prefill_fallbacks = 0
@@ -530,7 +564,8 @@ class Server:
         from llm_decode import hand_graph, loop_tokens_per_s
 
         capture = self.shape.device != "cpu"
-        step = hand_graph(self.model, self.shape, compiled=True, capture=capture)
+        settings = hand_compile_settings(self.shape.device, self.quantize)
+        step = hand_graph(self.model, self.shape, compiled=True, capture=capture, compile_settings=settings)
         with torch.inference_mode():
             tokens_s, _, _ = loop_tokens_per_s(self.model, self.shape, self.shape.batch, step)
         how = (
@@ -636,9 +671,11 @@ def device_memory_growth(device: str, before: int) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
 
-def step_serve(shape: Shape, package: Path, seconds: float, warmup: str, phases: Phases) -> None:
+def step_serve(
+    shape: Shape, package: Path, seconds: float, warmup: str, phases: Phases, quantize: str | None = None
+) -> None:
     emit_device_name(shape)  # also where the build ran in another call (--only serve)
-    server = Server(shape, package, warmup=None if warmup == "none" else warmup)
+    server = Server(shape, package, warmup=None if warmup == "none" else warmup, quantize=quantize)
     phases.run("prepare", server.prepare)
     phases.run("load", server.load, needs=("prepare",))
     phases.run("series", lambda: server.series(seconds, phases.left), needs=("load",))
@@ -810,7 +847,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.step == "build":
             step_build(shape, package, phases, args.quantize, args.min_sqnr_db, args.backends)
         else:
-            step_serve(shape, package, args.seconds, args.warmup, phases)
+            step_serve(shape, package, args.seconds, args.warmup, phases, args.quantize)
         return {}
     started = time.perf_counter()
     deadline = time.time() + args.budget if args.budget else None

@@ -619,10 +619,11 @@ def step_profile(model, settings: Settings, batch: int, step_us: float | None = 
     return summary
 
 
-def hand_graph(model, settings: Settings, compiled: bool, capture: bool = True):
+def hand_graph(model, settings: Settings, compiled: bool, capture: bool = True, compile_settings: dict | None = None):
     """A CUDA graph captured by hand around one decode step (Inductor-compiled or eager) on a fixed cache;
     returns ``step(cache, batch)``, the decode loop through it. ``capture=False`` (a CPU, which has no
-    device graphs) runs the step itself for every token."""
+    device graphs) runs the step itself for every token; ``compile_settings`` go to ``torch.compile``
+    (``mode=`` or ``options=``, as `xpupack.InductorBackend.compile_settings` gives them)."""
     import torch
 
     from support.language_models import cache_argument
@@ -631,7 +632,7 @@ def hand_graph(model, settings: Settings, compiled: bool, capture: bool = True):
     api = getattr(torch, device.split(":")[0])
     name = cache_argument(model)
     positions_too = "cache_position" in inspect.signature(type(model).forward).parameters
-    forward = torch.compile(model.forward, dynamic=False) if compiled else model.forward
+    forward = torch.compile(model.forward, dynamic=False, **(compile_settings or {})) if compiled else model.forward
     graphs = {}
     inputs: dict[int, tuple] = {}  # per batch: the tensors the graph reads on every replay (they live with it)
 

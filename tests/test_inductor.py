@@ -275,9 +275,9 @@ def test_compile_options_reach_torch_compile_at_tune_and_at_load(tmp_path, monke
 
 def test_compile_options_with_a_mode_keep_the_mode_settings():
     backend = xpupack.InductorBackend("max-autotune-no-cudagraphs", compile_options={"epilogue_fusion": False})
-    settings = backend._settings(torch.device("cpu"))["options"]
+    settings = backend.compile_settings(torch.device("cpu"))["options"]
     assert settings["max_autotune"] is True and settings["epilogue_fusion"] is False
-    assert xpupack.InductorBackend("max-autotune-no-cudagraphs")._settings(torch.device("cpu")) == {
+    assert xpupack.InductorBackend("max-autotune-no-cudagraphs").compile_settings(torch.device("cpu")) == {
         "mode": "max-autotune-no-cudagraphs"
     }
 
@@ -287,7 +287,7 @@ def test_a_package_may_carry_the_choice_of_triton_launcher():
     launcher's path loses them (pytorch#172819); the choice must travel, since a compile's cache key has it."""
     options = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
     backend = xpupack.InductorBackend(compile_options=options)
-    assert backend._settings(torch.device("cpu"))["options"]["use_static_cuda_launcher"] is False
+    assert backend.compile_settings(torch.device("cpu"))["options"]["use_static_cuda_launcher"] is False
     with pytest.raises(ValueError, match="not a boolean"):
         xpupack.InductorBackend(compile_options={"use_static_cuda_launcher": "no"})
 
@@ -462,7 +462,9 @@ def test_int8_weight_only_turns_off_the_cpu_int8_rewrite_on_cuda_only():
     assert int8.inductor_options(torch.device("cpu")) == {}
     assert xpupack.TorchAOBackend("int8-dynamic").inductor_options(torch.device("cuda")) == {}
     composed = xpupack.InductorBackend(base=int8, compile_options={"epilogue_fusion": False})
-    assert composed._settings(torch.device("cuda")) == {"options": {"pattern_matcher": False, "epilogue_fusion": False}}
+    assert composed.compile_settings(torch.device("cuda")) == {
+        "options": {"pattern_matcher": False, "epilogue_fusion": False}
+    }
 
 
 def test_a_load_compiles_in_its_own_process_where_tuning_leaves_inductor_its_worker_pool(tmp_path, monkeypatch):

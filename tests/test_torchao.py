@@ -2,6 +2,7 @@
 
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +12,15 @@ from safetensors.torch import load_file, save_file
 
 import xpupack
 from support.models import make_stack
-from xpupack import _device
+from xpupack import _device, digests
 from xpupack.backends.base import backend_from_json
-from xpupack.errors import IncompatiblePackageError, NoCandidateError, UnknownConfigError
+from xpupack.errors import (
+    IncompatiblePackageError,
+    IntegrityError,
+    NoCandidateError,
+    PackageFormatError,
+    UnknownConfigError,
+)
 from xpupack.manifest import sha256_of
 
 pytest.importorskip("torchao")
@@ -157,6 +164,47 @@ def test_package_is_well_under_40_percent_of_the_fp32_weights(config, tmp_path):
     assert entry["owned_tensors"] == ["down.weight", "up.weight"]
     assert entry["backend"]["config"]["config"]["_type"].endswith("Config")  # config_to_dict form
     assert "modules/layers.0.mlp/torchao/weights.safetensors" in manifest["files"]
+
+
+def test_quantized_weights_past_the_shard_size_are_shards_that_load_verify_and_are_remembered(tmp_path, monkeypatch):
+    model = tune_quantized()
+    root = xpupack.save(model, tmp_path / "pkg", max_shard_size="20KB")  # each int8 weight is 16 KiB and more
+    entry = json.loads((root / "xpupack.json").read_text())["modules"][0]
+    files = entry["backend"]["config"]["weights"]
+    assert files == ["weights-00001-of-00002.safetensors", "weights-00002-of-00002.safetensors"]
+    folder = root / entry["folder"] / "torchao"
+    for file in files:  # each shard a safetensors file of its own tensors, with its own header
+        with safe_open(str(folder / file), "pt") as handle:
+            assert len(json.loads(handle.metadata()["tensor_names"])) == 1
+    monkeypatch.setattr(digests, "SETTLE_S", 0.0)  # as if the package had been written a while ago
+    loaded = xpupack.load(make_stack(4, WIDTH), root)
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert set(weight_types(loaded).values()) == {"Int8Tensor"}
+    remembered = json.loads((digests.cache_dir() / "verified-files.json").read_text())["files"]
+    assert {Path(path).name for path in remembered} >= set(files)  # as the model's weights files are
+    from xpupack.cli import main
+
+    verified = CliRunner().invoke(main, ["verify", str(root)])
+    assert verified.exit_code == 0, verified.output
+    (folder / files[1]).unlink()
+    (folder / files[0]).rename(folder / files[1])
+    with pytest.raises(IntegrityError):
+        xpupack.load(make_stack(4, WIDTH), root)
+
+
+def test_a_shard_holding_another_shards_tensor_is_refused(tmp_path):
+    root = xpupack.save(tune_quantized(), tmp_path / "pkg", max_shard_size="20KB")
+    manifest = json.loads((root / "xpupack.json").read_text())
+    config = manifest["modules"][0]["backend"]["config"]
+    config["weights"] = [config["weights"][0], config["weights"][0]]
+    (root / "xpupack.json").write_text(json.dumps(manifest))
+    model = make_stack(4, WIDTH)
+    before = snapshot(model)
+    with pytest.raises(PackageFormatError, match="again, which another shard holds"):
+        xpupack.load(model, root, trust_compiled=True, on_mismatch="error")
+    assert_unchanged(model, before)
 
 
 def test_fallback_runs_the_quantized_module(fallback_calls):

@@ -442,8 +442,10 @@ def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
             if not isinstance(backend, dict) or not isinstance(config, dict):
                 break
             folder = f"{folder}/{backend.get('name')}"
-            if backend.get("name") == "torchao":
-                named.append((f"{where} {entry['path'] or '<model>'}", config.get("weights", _TORCHAO_WEIGHTS), folder))
+            if backend.get("name") == "torchao":  # one file, or a list of shards
+                weights = config.get("weights", _TORCHAO_WEIGHTS)
+                for name in weights if isinstance(weights, list) and weights else [weights]:
+                    named.append((f"{where} {entry['path'] or '<model>'}", name, folder))
             if backend.get("name") == "aoti":  # one compiled library per signature
                 programs = config.get("programs")
                 for program in programs.values() if isinstance(programs, dict) else [None]:
@@ -452,6 +454,18 @@ def named_files(manifest: dict) -> list[tuple[str, Any, str]]:
             backend = backend.get("options", {}).get("base") if isinstance(backend.get("options"), dict) else None
             config = config.get("base", {})
     return named
+
+
+def _backend_tensor_files(manifest: dict) -> set[str]:
+    """The files of tensors a backend stores (TorchAO's quantized weights, as large as a model's): hashed and
+    remembered as the weights files are, not on the verify's path. Names `check_named_files` refuses later
+    are left out here."""
+    try:
+        named = named_files(manifest)
+    except PackageFormatError:
+        return set()
+    # named_files puts a backend's files in a folder named after it
+    return {f"{folder}/{name}" for _, name, folder in named if isinstance(name, str) and folder.endswith("/torchao")}
 
 
 def check_named_files(root: Path, manifest: dict) -> None:
@@ -752,7 +766,8 @@ def check_files(
     ``ignore_unlisted`` (a Hub snapshot, which may hold the repo's other files),
     unlisted files are not refused; `artifact_file` never hands them out.
 
-    Files are hashed in worker threads. The weights files' verifications are remembered
+    Files are hashed in worker threads. The verifications of the weights files and of the files of tensors a
+    backend stores (TorchAO's quantized weights) are remembered
     (`xpupack.digests`); with ``trusted``, a remembered one is not hashed again. With ``pending`` it
     returns before the weights files' digests are in, for the load that reads them to hash them as it
     does (or, where `xpupack.digests.hash_ahead`, while threads hash them): the returned `Digests` raises
@@ -777,16 +792,17 @@ def check_files(
                 actual=str(size),
             )
     remembered = Remembered() if remembering() else None
+    tensors = _backend_tensor_files(manifest)
     weights = Digests(
         root,
         listed,
-        [relative for relative in listed if is_weights_file(relative)],
+        [relative for relative in listed if is_weights_file(relative) or relative in tensors],
         remembered=remembered,
         trust_remembered=trusted,
         by_reader=pending and not hash_ahead(),
     )
     with weights.reported_first():
-        Digests(root, listed, [relative for relative in listed if not is_weights_file(relative)]).wait()
+        Digests(root, listed, [r for r in listed if not is_weights_file(r) and r not in tensors]).wait()
         if not ignore_unlisted:
             _refuse_unlisted(root, listed, links_within)
         if not pending:

@@ -26,7 +26,7 @@ from .manifest import (
     validate,
     write_json,
 )
-from .shards import check_weights, parse_size
+from .shards import backend_shard_size, check_weights, parse_size
 from .spec import spec_to_json
 from .tuned import session_of
 
@@ -53,6 +53,7 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True, max_shard_
             ``model-00001-of-0000n.safetensors`` with ``model.safetensors.index.json``, the
             Hugging Face layout (a tensor larger than it gets a shard of its own). Each shard
             comes to the host on its own, a tensor at a time: never the whole model at once.
+            A backend's own tensors (TorchAO's quantized weights) are cut at the same size.
 
     Returns:
         The package directory.
@@ -73,7 +74,11 @@ def save(model: nn.Module, path: str | Path, *, weights: bool = True, max_shard_
     state = model.state_dict()
     # a tensor-parallel model: every rank gathers the full weights (a collective), rank 0 alone writes them
     full = distributed.full_state(state)
-    distributed.on_rank0(state, lambda: _save(model, session, full, root, shard_bytes if weights else 0))
+    token = backend_shard_size.set(shard_bytes)
+    try:
+        distributed.on_rank0(state, lambda: _save(model, session, full, root, shard_bytes if weights else 0))
+    finally:
+        backend_shard_size.reset(token)
     return root
 
 

@@ -134,10 +134,11 @@ def thorough_backends(
 
     graphs = device is not None and device.type in _GRAPH_DEVICES
     compiled: list[Backend] = [InductorBackend(**settings) for settings in inductor_settings(device)]
-    quantized = _quantized(device, quantize)
+    quantized = quantized_candidates(device, quantize)
     if graphs:
         return [
-            *(GraphBackend(base=backend) for backend in [*compiled, *quantized]),
+            *(GraphBackend(base=backend) for backend in compiled),
+            *quantized,
             GraphBackend(),
             InductorBackend(),
             EagerBackend(),
@@ -146,16 +147,29 @@ def thorough_backends(
     return [GraphBackend(), *compiled, *quantized, *torchao, EagerBackend()]
 
 
-def _quantized(device: torch.device | None, quantize: bool | Sequence[str | Backend]) -> list[ComposedBackend]:
-    """Each TorchAO configuration of ``quantize`` compiled by Inductor: with coordinate descent on a GPU,
-    without which Inductor's int8 weight-only kernels are slower than bfloat16 (docs/language-models.md)."""
+def quantized_candidates(
+    device: torch.device | None, quantize: bool | Sequence[str | Backend]
+) -> list[ComposedBackend]:
+    """Each TorchAO configuration of ``quantize`` as the thorough search tries it: compiled by Inductor, on a
+    GPU with coordinate descent (without it Inductor's int8 weight-only products are slower than bfloat16's:
+    0.46x on Llama-3-8B's shapes, H100, docs/quantization.md) and recorded as a device graph.
+
+    Args:
+        device: where the module is tuned.
+        quantize: as `thorough_backends` takes it.
+
+    Returns:
+        ``graph+inductor+torchao:CONFIG`` for each configuration on a GPU, ``inductor+torchao:CONFIG`` elsewhere.
+    """
+    from .backends.graph import GraphBackend
     from .backends.inductor import InductorBackend
 
     on_gpu = device is not None and device.type in _GRAPH_DEVICES
-    return [
+    compiled: list[ComposedBackend] = [
         InductorBackend(base=backend, compile_options=coordinate_descent(device) if on_gpu else None)
         for backend in quantized_backends(quantize)
     ]
+    return [GraphBackend(base=backend) for backend in compiled] if on_gpu else compiled
 
 
 def quantized_backends(quantize: bool | Sequence[str | Backend]) -> list[Backend]:

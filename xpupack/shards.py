@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,11 @@ def parse_size(value: int | str) -> int:
             f"max_shard_size={value!r}: give a positive number of bytes, or a size such as '5GB', '500MB' or '2GiB'"
         )
     return value
+
+
+#: the largest weights file a backend that stores tensors of its own writes (TorchAO's quantized weights):
+#: `xpupack.save`'s ``max_shard_size`` while it writes the package
+backend_shard_size: ContextVar[int] = ContextVar("xpupack_backend_shard_size", default=DEFAULT_MAX_SHARD_SIZE)
 
 
 def shard_name(index: int, count: int) -> str:

@@ -624,8 +624,9 @@ class InductorBackend(ComposedBackend):
                 base_runner.undo()
             raise
 
-    def _settings(self, device: torch.device, *, loading: bool = False) -> dict[str, Any]:
-        """``torch.compile``'s mode or options: ``mode`` alone unless a base or the caller sets options.
+    def compile_settings(self, device: torch.device, *, loading: bool = False) -> dict[str, Any]:
+        """``torch.compile``'s mode or options: ``mode`` alone unless a base or the caller sets options (what a
+        hand-compiled comparison passes to ``torch.compile`` to compile as this backend does).
 
         ``loading``: compiles from the package's carried caches run in this process (``compile_threads=1``,
         which Inductor leaves out of its cache keys): Inductor would otherwise start its pool of compile
@@ -641,7 +642,7 @@ class InductorBackend(ComposedBackend):
     def _runner(
         self, target: Target, spec: ModuleSpec, device: torch.device, *, symbolic_state: bool
     ) -> InductorRunner:
-        settings = self._settings(device, loading=spec.samples is None)  # samples: at tune time
+        settings = self.compile_settings(device, loading=spec.samples is None)  # samples: at tune time
 
         def compile_one(dynamic: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
             # a base transforms the module in place, so its own forward is what gets compiled

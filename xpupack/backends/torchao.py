@@ -35,6 +35,7 @@ from .._compare import mismatch
 from ..errors import BackendError, PackageFormatError, UnknownConfigError
 from ..manifest import artifact_file, check_depth
 from ..module_spec import ModuleSpec, Target
+from ..shards import backend_shard_size, plan_shards
 from ..signature import dtype_name
 from .base import Backend, Runner, register_backend
 from .torchao_configs import (
@@ -354,30 +355,40 @@ class TorchAOBackend(Backend):
         return runner
 
     def save(self, runner: Runner, folder: Path) -> dict:
-        """Writes the quantized tensors to ``weights.safetensors`` (torchao's flattening, no pickle).
+        """Writes the quantized tensors to ``weights.safetensors`` (torchao's flattening, no pickle), or past
+        `xpupack.save`'s ``max_shard_size`` to shards ``weights-0000k-of-0000n.safetensors``, each a
+        safetensors file of its own tensors and header (a tensor larger than the size gets a shard of its own).
 
         Args:
             runner: the `TorchAORunner`.
             folder: ``modules/<path>/torchao/``.
 
         Returns:
-            The config as JSON, the weights file, and each tensor's type, shape and dtype.
+            The config as JSON, the weights file (a list of them past one shard), and each tensor's type,
+            shape and dtype.
         """
         from safetensors.torch import save_file
-        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
         assert isinstance(runner, TorchAORunner)
         quantized = runner.quantized()
-        data, metadata = flatten_tensor_state_dict({f"{_ROOT}.{name}": t for name, t in quantized.items()})
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {key: value.detach().to("cpu").contiguous() for key, value in data.items()},
-            str(folder / WEIGHTS_FILE),
-            metadata=metadata,
+        sizes = {name: sum(part.nbytes for part in _flattened({name: t})[0].values()) for name, t in quantized.items()}
+        groups = plan_shards(sizes, backend_shard_size.get())
+        files = (
+            [WEIGHTS_FILE]
+            if len(groups) == 1
+            else [weights_shard_name(k, len(groups)) for k in range(1, len(groups) + 1)]
         )
+        folder.mkdir(parents=True, exist_ok=True)
+        for file, names in zip(files, groups, strict=True):
+            data, metadata = _flattened({name: quantized[name] for name in names})
+            save_file(
+                {key: value.detach().to("cpu").contiguous() for key, value in data.items()},
+                str(folder / file),
+                metadata=metadata,
+            )
         return {
             "config": runner.config,
-            "weights": WEIGHTS_FILE,
+            "weights": files[0] if len(files) == 1 else files,
             "tensors": {
                 name: {"type": type(t).__name__, "shape": list(t.shape), "dtype": dtype_name(t.dtype)}
                 for name, t in sorted(quantized.items())
@@ -409,8 +420,8 @@ class TorchAOBackend(Backend):
             UnknownConfigError: the config or a tensor names a type xpupack does not load.
         """
         require_torchao()
-        weights = artifact_file(folder, config.get("weights", WEIGHTS_FILE))
-        where = str(weights)
+        files = [artifact_file(folder, name) for name in weights_files(config)]
+        where = str(files[0])
         if "config" in config:
             config_from_json(config["config"], f"{folder} (torchao config)")
         expected = config.get("tensors")
@@ -418,7 +429,17 @@ class TorchAOBackend(Backend):
             raise PackageFormatError(
                 f"the torchao config of {folder} lists no tensors; rebuild the package", path=where
             )
-        tensors = read_quantized(weights, device)
+        tensors: dict[str, torch.Tensor] = {}
+        for weights in files:
+            part = read_quantized(weights, device)
+            if set(part) & set(tensors):
+                raise PackageFormatError(
+                    f"{weights} holds {sorted(set(part) & set(tensors))} again, which another shard holds; "
+                    "rebuild the package",
+                    path=str(weights),
+                )
+            tensors.update(part)
+        where = str(files[0].parent / "weights*.safetensors") if len(files) > 1 else str(files[0])
         if set(tensors) != set(expected):
             raise PackageFormatError(
                 f"{where} holds {sorted(tensors)}, the manifest lists {sorted(expected)}; rebuild the package",
@@ -445,6 +466,35 @@ class TorchAOBackend(Backend):
         runner = TorchAORunner(target.forward, set(range(len(spec.signatures))), swaps, config=config.get("config"))
         runner.redo()
         return runner
+
+
+def weights_shard_name(index: int, count: int) -> str:
+    """The file name of quantized-weights shard ``index`` (from 1) of ``count``."""
+    return f"weights-{index:05d}-of-{count:05d}.safetensors"
+
+
+def weights_files(config: dict) -> list[str]:
+    """The weights files a stored config names, in order: one name, or a list of shards.
+
+    Raises:
+        PackageFormatError: ``weights`` is neither a file name nor a non-empty list of them.
+    """
+    named = config.get("weights", WEIGHTS_FILE)
+    files = [named] if isinstance(named, str) else named
+    if not isinstance(files, list) or not files or not all(isinstance(name, str) for name in files):
+        raise PackageFormatError(
+            f"the torchao config names its weights as {str(named)[:80]}, not a file or a list of files; "
+            "rebuild the package",
+            path="weights",
+        )
+    return files
+
+
+def _flattened(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """torchao's flattening of ``tensors`` (names relative to the module) to plain tensors and a header."""
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    return flatten_tensor_state_dict({f"{_ROOT}.{name}": t for name, t in tensors.items()})
 
 
 def read_quantized(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
