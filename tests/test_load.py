@@ -233,3 +233,42 @@ def test_the_check_against_the_original_module_checks_the_spec_and_skips_sizes_m
     check_against_original(target, spec, EagerBackend(), CallableRunner(mlp.forward, {0, 1}))
     with pytest.raises(OutputMismatchError, match="layers.0.mlp"):
         check_against_original(target, spec, EagerBackend(), CallableRunner(lambda x: x + 1, {0, 1}))
+
+
+# -- an empty model (accelerate's init_empty_weights): every weight from the package -----------------------
+
+
+def test_an_empty_language_model_takes_every_weight_from_the_package_ties_and_buffers_kept(tmp_path):
+    """Parameters on the meta device (accelerate's ``init_empty_weights``; its buffers are real) get the package's
+    values on the device of the model's buffers; tied weights stay one Parameter."""
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from support.language_models import TINY, prompt, tune_llm
+
+    config = LlamaConfig(**TINY, tie_word_embeddings=True)
+    model, _ = tune_llm(EAGER, make=lambda: LlamaForCausalLM(config).eval())
+    root = xpupack.save(model, tmp_path / "pkg")
+    with init_empty_weights():
+        empty = LlamaForCausalLM(config).eval()
+    empty.tie_weights()  # as from_pretrained does
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight and empty.lm_head.weight.is_meta
+    tied = empty.lm_head.weight
+    xpupack.load(empty, root)
+    assert not any(p.is_meta for p in empty.parameters())
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight is tied  # the same Parameter, now with data
+    with torch.no_grad():
+        assert torch.equal(empty(prompt()).logits, model(prompt()).logits)
+
+
+def test_an_empty_model_whose_package_stores_no_weights_is_refused_and_stays_empty(tmp_path):
+    from accelerate import init_empty_weights
+
+    root = xpupack.save(xpupack.tune(make_stack(), stack_samples(), strategy=EAGER), tmp_path / "pkg", weights=False)
+    with init_empty_weights():
+        empty = make_stack(3)
+    parameters = {name: id(p) for name, p in empty.named_parameters()}
+    with pytest.raises(ModelMismatchError, match=r"is on the meta device \(an empty model\).*stores no weights"):
+        xpupack.load(empty, root)
+    assert {name: id(p) for name, p in empty.named_parameters()} == parameters
+    assert all(p.is_meta for p in empty.parameters())

@@ -207,6 +207,36 @@ def test_a_shard_holding_another_shards_tensor_is_refused(tmp_path):
     assert_unchanged(model, before)
 
 
+def test_an_empty_model_gets_the_quantized_weights_without_its_full_precision_ones(tmp_path, monkeypatch):
+    """The way to a quantized model's memory: build it empty (accelerate's ``init_empty_weights``) and load the
+    package; the weights it quantized never exist at full precision, and a failed load leaves it empty."""
+    from accelerate import init_empty_weights
+
+    model = tune_quantized()
+    root = xpupack.save(model, tmp_path / "pkg")
+    with init_empty_weights():
+        empty = make_stack(4, WIDTH)
+    xpupack.load(empty, root)
+    x = torch.randn(2, WIDTH)
+    with torch.no_grad():
+        assert torch.equal(empty(x), model(x))
+    assert set(weight_types(empty).values()) == {"Int8Tensor"}
+    assert not any(p.is_meta for p in empty.parameters())
+    runners = [tuned.runner for tuned in xpupack.tuned.session_of(empty).modules.values()]
+    assert all(swap.original.is_meta for runner in runners for swap in runner.swaps)  # kept for undo: no memory
+
+    with init_empty_weights():
+        other = make_stack(4, WIDTH)
+    before = snapshot(other)
+    monkeypatch.setattr(importlib.import_module("xpupack.loading"), "attach", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        xpupack.load(other, root)
+    assert all(p.is_meta for p in other.parameters())
+    assert [(name, ident, kind) for name, (ident, kind, _) in snapshot(other)[0].items()] == [
+        (name, ident, kind) for name, (ident, kind, _) in before[0].items()
+    ]
+
+
 def test_fallback_runs_the_quantized_module(fallback_calls):
     model = tune_quantized()
     x = torch.randn(3, WIDTH)  # batch 3 was never recorded

@@ -511,11 +511,21 @@ def test_a_model_on_the_gpu_saves_shards_a_tensor_at_a_time(tmp_path):
     assert all(torch.equal(loaded.state_dict()[name], tensor.cpu()) for name, tensor in model.state_dict().items())
 
 
+def test_a_tensor_comes_to_the_host_for_writing_contiguous_and_a_host_one_is_not_copied_again():
+    from xpupack._device import host_bytes_copy
+
+    weight = torch.randn(4, 3)
+    assert host_bytes_copy(weight) is weight
+    transposed = host_bytes_copy(weight.t())
+    assert transposed.is_contiguous() and torch.equal(transposed, weight.t())
+
+
 @pytest.mark.parametrize("rows", [3, 3000], ids=["small", "zeroed-first"])
 def test_a_written_tensors_old_values_come_back_whole_on_rollback(rows):
     """`ModelEdit.copy_into` keeps a tensor's old values on the host (`host_copy`: a large one's memory zeroed
     first from torch's threads), and rollback writes them back into the same tensor, strides and all."""
-    from xpupack._model_edit import _PREFAULT_BYTES, ModelEdit, host_copy
+    from xpupack._device import _PREFAULT_BYTES, host_copy
+    from xpupack._model_edit import ModelEdit
 
     weight = torch.randn(3000, rows).t()  # transposed: dense, not contiguous
     assert (weight.untyped_storage().nbytes() >= _PREFAULT_BYTES) == (rows == 3000)

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import _device
+
 if TYPE_CHECKING:
     from .backends.base import Runner
 
@@ -49,27 +51,6 @@ def edits_model(function: Callable[..., Any]) -> Callable[..., Any]:
     return locked
 
 
-#: tensors from this size on get host memory written by all of torch's threads before the copy (`host_copy`)
-_PREFAULT_BYTES = 32 << 20
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` in host memory, strides kept.
-
-    The first write to each page of new memory costs the kernel a fault and a page to clear, and a copy
-    from an accelerator makes those writes from one thread: an H100 host copied 4 GB of 1 GB tensors to
-    new memory at 1.39 GB/s (11.5 s of an 8B model's 16 GB, most of its load's weights phase), against
-    19.4 GB/s to zero new memory from all cores and 12.6 GB/s to copy into memory written once
-    (docs/benchmarks.md, "Weights at disk speed"). Large tensors are therefore zeroed first (`Tensor.zero_`
-    writes from torch's threads); glibc hands smaller ones memory it has used before.
-    """
-    copy = torch.empty_like(tensor, device="cpu")
-    if copy.untyped_storage().nbytes() >= _PREFAULT_BYTES:
-        copy.zero_()
-    copy.copy_(tensor)
-    return copy
-
-
 class ModelEdit:
     """Changes to a model that can all be undone: tensors replaced or written, training flags, runners' changes.
 
@@ -83,9 +64,16 @@ class ModelEdit:
 
     def replace_tensor(self, module: nn.Module, name: str, tensor: torch.Tensor, new: torch.Tensor) -> None:
         """Puts ``new`` in place of the parameter or buffer ``tensor`` (``module``'s ``name``): a parameter keeps its
-        Parameter object and takes ``new`` as its data, a buffer entry is replaced. Rollback puts the old tensor
+        Parameter object and takes ``new`` as its data (an empty model's, on the meta device, its contents
+        swapped), a buffer entry is replaced. Rollback puts the old tensor
         back; the undo log holds a reference to it, no copy."""
-        if name in module._parameters:
+        if name in module._parameters and tensor.is_meta and not new.is_meta:
+            # an empty model's parameter: ``.data`` cannot change a meta tensor into another kind, so the
+            # Parameter object trades contents with one over ``new`` (ties and references to it stay valid)
+            replacement = nn.Parameter(new, requires_grad=tensor.requires_grad)
+            torch.utils.swap_tensors(tensor, replacement)
+            self._undo.append(functools.partial(torch.utils.swap_tensors, tensor, replacement))
+        elif name in module._parameters:
             old = tensor.data
             tensor.data = new
             self._undo.append(functools.partial(setattr, tensor, "data", old))
@@ -101,7 +89,7 @@ class ModelEdit:
         device until the load is over: a second model's worth). Also a DTensor's local shard, whose Parameter
         cannot take new data.
         """
-        old = host_copy(tensor.detach())
+        old = _device.host_copy(tensor.detach())
         with torch.no_grad():
             tensor.copy_(values)
 

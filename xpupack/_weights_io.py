@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from . import _device
 from .digests import Digests
 from .shards import SAFETENSORS_DTYPES, WEIGHTS, WEIGHTS_INDEX, index_json, plan_shards, shard_name
 
@@ -123,7 +124,7 @@ def _write_file(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
 
 def _host_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of ``tensor`` in row-major order, on the host (a copy for an accelerator's tensor)."""
-    return _memory(tensor.detach().to("cpu").contiguous())
+    return _memory(_device.host_bytes_copy(tensor.detach()))
 
 
 def _memory(tensor: torch.Tensor) -> memoryview:

@@ -66,14 +66,14 @@ class Placement:
 
     def tensor_device(self, state_name: str, current: torch.device) -> torch.device:
         """Where a load puts the model's tensor ``state_name``, now on ``current``: with ``device=`` there; with
-        ``device_map=`` on the device of the innermost tuned module holding it; else where it is."""
+        ``device_map=`` on the device of the innermost tuned module holding it; else where it is, and an empty
+        model's tensor (on the meta device) where its tuned module is, or slot 0's device."""
         if self.everything is not None:
             return self.everything
-        if self.moves_modules:
-            owners = [path for path in self.modules if not path or state_name.startswith(path + ".")]
-            if owners:
-                return self.modules[max(owners, key=len)]
-        return current
+        owners = [path for path in self.modules if not path or state_name.startswith(path + ".")]
+        if owners and (self.moves_modules or current.type == "meta"):
+            return self.modules[max(owners, key=len)]
+        return self.first if current.type == "meta" else current
 
 
 def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map, default: torch.device) -> Placement:

@@ -7,7 +7,7 @@ made a load take 77 s and 7.4 GiB), records or compiles each signature (about a
 second a compile: a package of 2 modules × 24 signatures compiled for 43 s),
 and a graph backend keeps up to ``max_recordings`` recordings per module.
 `LoadLimits` bounds each of these, the compiles and the input bytes for the
-package as a whole; `check_package` compares a package with them reading JSON
+package as a whole; `check_limits` compares a package with them reading JSON
 only, so `xpupack.load` refuses an oversized package before it parses a
 signature or allocates a tensor, and `xpupack verify` says the same and what
 the package costs to load (`load_work`). `early_check` refuses a spec with too
@@ -178,7 +178,7 @@ def _check_counts(where: Any, signatures: list, limits: LoadLimits) -> None:
             )
 
 
-def check_package(root: Path, manifest: dict, limits: LoadLimits) -> None:
+def check_limits(root: Path, manifest: dict, limits: LoadLimits) -> None:
     """Raises `PackageLimitError` naming the first field of the package at ``root`` over ``limits``.
 
     Reads the manifest's backend options and each module's ``spec.json`` (validated against its

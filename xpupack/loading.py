@@ -37,8 +37,7 @@ from .errors import (
     XpupackError,
 )
 from .hub import resolve_source
-from .limits import LoadLimits, early_check
-from .limits import check_package as check_limits
+from .limits import LoadLimits, check_limits, early_check
 from .manifest import listed_files, module_slot, open_package, reading_once
 from .module_spec import ModuleSpec, Target
 from .plan import ON_MISMATCH, Choice, Context, choose, options_here
@@ -653,6 +652,12 @@ class _Installed:
 
     def __init__(self, edit: ModelEdit, placement: device_slots.Placement, manifest: dict, root: Path, model: str):
         self.edit, self.placement, self.manifest, self.root, self.model = edit, placement, manifest, root, model
+        #: the model's names whose tensors a module's backend stores and puts in itself
+        self.owned = {
+            f"{entry['path']}.{name}" if entry["path"] else name
+            for entry in manifest["modules"]
+            for name in entry["owned_tensors"]
+        }
         #: id of a tensor of the model -> (the stored name it took, the tensor that holds its value now)
         self.done: dict[int, tuple[str | None, torch.Tensor]] = {}
 
@@ -689,6 +694,17 @@ class _Installed:
         device = self.placement.tensor_device(state_name, tensor.device)
         if distributed.is_dtensor(tensor) or device == tensor.device:
             return
+        if tensor.is_meta:  # an empty model's: only its package can give it a value
+            if state_name in self.owned:
+                return  # the module's backend puts its own tensor there (TorchAO's quantized weights)
+            stored = "stores no weights" if self.manifest["model"]["weights"] is None else "does not store it"
+            raise ModelMismatchError(
+                f"{self.model}'s {state_name} is on the meta device (an empty model) and the package at "
+                f"{self.root} {stored}; build the model with its weights (e.g. from_pretrained), or load a "
+                "package saved with them",
+                expected="a tensor with data",
+                actual="meta",
+            )
         new = tensor.to(device)
         self.edit.replace_tensor(module, name, tensor, new)
         self.done[id(tensor)] = (None, new)

@@ -25,8 +25,7 @@ from .backends._facts import describe
 from .backends._megacache import artifact_counts
 from .candidate import Candidate
 from .errors import PackageFormatError, XpupackError
-from .limits import LoadLimits, early_check, load_work
-from .limits import check_package as check_limits
+from .limits import LoadLimits, check_limits, early_check, load_work
 from .manifest import (
     CACHE,
     KERNELS,

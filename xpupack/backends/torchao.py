@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .. import _device
 from .._compare import mismatch
 from ..errors import BackendError, PackageFormatError, UnknownConfigError
 from ..manifest import artifact_file, check_depth
@@ -382,7 +383,7 @@ class TorchAOBackend(Backend):
         for file, names in zip(files, groups, strict=True):
             data, metadata = _flattened({name: quantized[name] for name in names})
             save_file(
-                {key: value.detach().to("cpu").contiguous() for key, value in data.items()},
+                {key: _device.host_bytes_copy(value.detach()) for key, value in data.items()},
                 str(folder / file),
                 metadata=metadata,
             )
