@@ -14,7 +14,8 @@ Two fresh processes, each with empty Inductor and Triton caches (``_caches.py``;
   ``torch.inference_mode()``, on a greedy ``generate(..., cache_implementation="static")`` and a
   hand-written decode loop on a caller-held
   ``StaticCache`` (``llm_decode.py``'s samples), then ``xpupack.save`` (weights included);
-- **serve**: the model built and the package's files read once (page cache warm) before the clock; then
+- **serve**: the model built (with ``--empty-model`` empty: its parameters on the meta device) and the
+  package's files read once (page cache warm) before the clock; then
   ``xpupack.load`` (with ``warmup="auto"`` unless ``--warmup none``: the prefill and decode steps compiled
   inside it) and back-to-back ``generate()`` calls until ``--seconds`` after the load started; then
   the decode loop and the prefill through the package, and the same through hand-compiled code of the same
@@ -179,16 +180,22 @@ class Shape:
         return static_cache(model, self.cache_length)
 
 
-def build(shape: Shape, seed: int):
-    """The Llama with random weights, made in ``shape.dtype`` on ``shape.device`` (never a float32 copy first)."""
+def build(shape: Shape, seed: int, empty: bool = False):
+    """The Llama with random weights, made in ``shape.dtype`` on ``shape.device`` (never a float32 copy first);
+    ``empty``: its parameters on the meta device (accelerate's ``init_empty_weights``; buffers real), for a
+    load that fills them all."""
+    import contextlib
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, shape.dtype))
+    if empty:
+        from accelerate import init_empty_weights
     try:
-        with torch.device(shape.device):
+        with torch.device(shape.device), init_empty_weights() if empty else contextlib.nullcontext():
             model = LlamaForCausalLM(LlamaConfig(**shape.config()))
     finally:
         torch.set_default_dtype(default)
@@ -437,8 +444,10 @@ def candidates(model) -> dict:
 class Server:
     """A fresh server's view of the package: each method is one phase of `step_serve`."""
 
-    def __init__(self, shape: Shape, package: Path, warmup: str | None, quantize: str | None = None):
-        self.shape, self.package, self.warmup, self.quantize = shape, package, warmup, quantize
+    def __init__(
+        self, shape: Shape, package: Path, warmup: str | None, quantize: str | None = None, empty: bool = False
+    ):
+        self.shape, self.package, self.warmup, self.quantize, self.empty = shape, package, warmup, quantize, empty
         self.model = None
         self.started = 0.0  # perf_counter when load() started
         self.prefill_fallbacks = 0
@@ -449,7 +458,8 @@ class Server:
         import torch
 
         torch.zeros(1, device=self.shape.device)
-        self.model = build(self.shape, seed=1)  # other weights than the package's: the load replaces them
+        # other weights than the package's (the load replaces them), or none at all with --empty-model
+        self.model = build(self.shape, seed=1, empty=self.empty)
         read_through(self.package)
         sync(self.shape.device)
         return {}
@@ -672,10 +682,16 @@ def device_memory_growth(device: str, before: int) -> int:
 
 
 def step_serve(
-    shape: Shape, package: Path, seconds: float, warmup: str, phases: Phases, quantize: str | None = None
+    shape: Shape,
+    package: Path,
+    seconds: float,
+    warmup: str,
+    phases: Phases,
+    quantize: str | None = None,
+    empty: bool = False,
 ) -> None:
     emit_device_name(shape)  # also where the build ran in another call (--only serve)
-    server = Server(shape, package, warmup=None if warmup == "none" else warmup, quantize=quantize)
+    server = Server(shape, package, warmup=None if warmup == "none" else warmup, quantize=quantize, empty=empty)
     phases.run("prepare", server.prepare)
     phases.run("load", server.load, needs=("prepare",))
     phases.run("series", lambda: server.series(seconds, phases.left), needs=("load",))
@@ -749,7 +765,7 @@ def child_arguments(args: argparse.Namespace) -> list[str]:
     quantize = ["--quantize", args.quantize] if args.quantize else []
     backends = ["--backends", args.backends] if args.backends else []
     floor = ["--min-sqnr-db", str(args.min_sqnr_db)] if args.min_sqnr_db is not None else []
-    return parts + quantize + backends + floor
+    return parts + quantize + backends + floor + (["--empty-model"] if args.empty_model else [])
 
 
 def report_head(args: argparse.Namespace) -> dict:
@@ -770,6 +786,7 @@ def report_head(args: argparse.Namespace) -> dict:
             "quantize": args.quantize,
             "min_sqnr_db": args.min_sqnr_db,
             "backends": args.backends,
+            "empty_model": args.empty_model,
         },
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
@@ -822,6 +839,12 @@ def parser() -> argparse.ArgumentParser:
         help="tune these candidates in order instead of the default strategy, as `xpupack build --backends` "
         "takes them (graph+aoti,graph+inductor); not with --quantize",
     )
+    parser.add_argument(
+        "--empty-model",
+        action="store_true",
+        help="the server builds the model empty (accelerate's init_empty_weights) and the load fills it: how a "
+        "quantized package keeps only the quantized weights in memory (docs/packages.md)",
+    )
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--workdir", default=None, help="package, caches and logs (default: a temporary folder)")
@@ -847,7 +870,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.step == "build":
             step_build(shape, package, phases, args.quantize, args.min_sqnr_db, args.backends)
         else:
-            step_serve(shape, package, args.seconds, args.warmup, phases, args.quantize)
+            step_serve(shape, package, args.seconds, args.warmup, phases, args.quantize, args.empty_model)
         return {}
     started = time.perf_counter()
     deadline = time.time() + args.budget if args.budget else None

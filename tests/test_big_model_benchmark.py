@@ -85,6 +85,17 @@ def test_the_processes_get_the_runs_settings():
     args = big_model.parser().parse_args([*TINY, "--backends", "graph+aoti,eager"])
     assert big_model.parser().parse_args(big_model.child_arguments(args)).backends == "graph+aoti,eager"
     assert big_model.report_head(args)["settings"]["backends"] == "graph+aoti,eager"
+    assert big_model.parser().parse_args(big_model.child_arguments(args)).empty_model is False
+    args = big_model.parser().parse_args([*TINY, "--empty-model"])
+    assert big_model.parser().parse_args(big_model.child_arguments(args)).empty_model is True
+    assert big_model.report_head(args)["settings"]["empty_model"] is True
+
+
+def test_an_empty_model_has_its_parameters_on_the_meta_device_and_its_buffers_real():
+    shape = big_model.Shape.of(big_model.parser().parse_args(TINY))
+    model = big_model.build(shape, seed=1, empty=True)
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())  # the rotary frequencies a load cannot give
 
 
 def test_backends_tunes_the_candidates_named_and_not_with_quantize(tmp_path, capsys):
