@@ -45,6 +45,8 @@ from xpupack.report import package_report, verify_package
 from xpupack.signature import Signature
 from xpupack.spec import read_module_spec
 
+#: hundreds of mutated inputs per reader: slow (the quick loop has each reader's hand-written refusals)
+pytestmark = pytest.mark.slow
 SCALE = int(os.environ.get("XPUPACK_FUZZ_SCALE", "1"))
 FUZZ = settings(
     deadline=None,

@@ -29,6 +29,15 @@ def test_load_restores_the_package_weights_over_other_weights(package):
     assert set(xpupack.stats(model)) == {"layers.0.mlp", "layers.1.mlp"}
 
 
+def test_a_module_entry_without_owned_tensors_owns_none(package):
+    """``owned_tensors`` is optional in the manifest's schema (the fuzzer found a load that read it as required)."""
+    rewrite_manifest(package, lambda m: [entry.pop("owned_tensors") for entry in m["modules"]])
+    model = make_stack(seed=7)
+    xpupack.load(model, package)
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(4, 8)), make_stack(seed=0)(torch.ones(4, 8)))
+
+
 def test_a_load_says_where_its_time_went(package, caplog):
     model = make_stack(seed=7)
     with caplog.at_level("INFO", logger="xpupack"):

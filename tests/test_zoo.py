@@ -25,8 +25,9 @@ from support.zoo import DECODERS, ENCODERS
 from xpupack import _device
 from xpupack.cli import main
 
-#: one worker holds the module's packages, which the fresh process loads together
-pytestmark = pytest.mark.xdist_group("zoo")
+#: one worker holds the module's packages, which the fresh process loads together; the sweep of every family is
+#: slow (the quick loop has the Llama of tests/test_llm.py), and CI runs it again on the oldest transformers
+pytestmark = [pytest.mark.xdist_group("zoo"), pytest.mark.slow]
 
 #: the prompt every served generate() decodes: the tuned prompt's length, other tokens
 SERVED_PROMPT_SEED = 7

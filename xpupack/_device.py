@@ -342,8 +342,8 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     from an accelerator makes those writes from one thread: an H100 host copied 4 GB of 1 GB tensors to
     new memory at 1.39 GB/s (11.5 s of an 8B model's 16 GB: most of its load's weights phase, the copy of
     the old values a rollback needs; a save makes the same copies), against 19.4 GB/s to zero new memory
-    from all cores and 12.6 GB/s to copy into memory written once (docs/benchmarks.md, "Weights at disk
-    speed"). Large tensors are therefore zeroed first (`Tensor.zero_`
+    from all cores and 12.6 GB/s to copy into memory written once
+    (docs/benchmarks.md, "Weights at disk speed"). Large tensors are therefore zeroed first (`Tensor.zero_`
     writes from torch's threads); glibc hands smaller ones memory it has used before.
     """
     copy = torch.empty_like(tensor, device="cpu")

@@ -656,7 +656,7 @@ class _Installed:
         self.owned = {
             f"{entry['path']}.{name}" if entry["path"] else name
             for entry in manifest["modules"]
-            for name in entry["owned_tensors"]
+            for name in entry.get("owned_tensors", ())
         }
         #: id of a tensor of the model -> (the stored name it took, the tensor that holds its value now)
         self.done: dict[int, tuple[str | None, torch.Tensor]] = {}
