@@ -881,7 +881,9 @@ def activate(model: nn.Module) -> nn.Module:
 def deactivate(model: nn.Module) -> nn.Module:
     """Restores every tuned module's original forward; `activate` undoes it.
 
-    The device memory the recordings hold is released; the tuned state (signatures, backends) is kept.
+    The device memory the recordings hold is released; the tuned state (signatures, backends) is kept. A module
+    TorchAO quantized keeps its quantized weights: its original forward runs them, as its fallback does (a
+    loaded package holds no full-precision copy of them; docs/quantization.md).
 
     Args:
         model: a tuned or loaded model.
