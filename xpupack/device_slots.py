@@ -70,10 +70,13 @@ class Placement:
         model's tensor (on the meta device) where its tuned module is, or slot 0's device."""
         if self.everything is not None:
             return self.everything
+        empty = current.type == "meta"
+        if not (self.moves_modules or empty):  # every tensor of a load stays where it is: nothing to look up
+            return current
         owners = [path for path in self.modules if not path or state_name.startswith(path + ".")]
-        if owners and (self.moves_modules or current.type == "meta"):
+        if owners:
             return self.modules[max(owners, key=len)]
-        return self.first if current.type == "meta" else current
+        return self.first if empty else current
 
 
 def resolve_placement(model: nn.Module, manifest: dict, *, device, device_map, default: torch.device) -> Placement:

@@ -48,9 +48,10 @@ def parse_size(value: int | str) -> int:
 backend_shard_size: ContextVar[int] = ContextVar("xpupack_backend_shard_size", default=DEFAULT_MAX_SHARD_SIZE)
 
 
-def shard_name(index: int, count: int) -> str:
-    """The file name of shard ``index`` (from 1) of ``count``."""
-    return f"model-{index:05d}-of-{count:05d}.safetensors"
+def shard_name(index: int, count: int, stem: str = "model") -> str:
+    """The file name of shard ``index`` (from 1) of ``count``: the model's weights', or with ``stem="weights"``
+    TorchAO's quantized weights'."""
+    return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
 
 
 def is_weights_file(relative: str) -> bool:

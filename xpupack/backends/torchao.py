@@ -36,7 +36,7 @@ from .._compare import mismatch
 from ..errors import BackendError, PackageFormatError, UnknownConfigError
 from ..manifest import artifact_file, check_depth
 from ..module_spec import ModuleSpec, Target
-from ..shards import backend_shard_size, plan_shards
+from ..shards import backend_shard_size, plan_shards, shard_name
 from ..signature import dtype_name
 from .base import Backend, Runner, register_backend
 from .torchao_configs import (
@@ -377,7 +377,7 @@ class TorchAOBackend(Backend):
         files = (
             [WEIGHTS_FILE]
             if len(groups) == 1
-            else [weights_shard_name(k, len(groups)) for k in range(1, len(groups) + 1)]
+            else [shard_name(k, len(groups), stem="weights") for k in range(1, len(groups) + 1)]
         )
         folder.mkdir(parents=True, exist_ok=True)
         for file, names in zip(files, groups, strict=True):
@@ -467,11 +467,6 @@ class TorchAOBackend(Backend):
         runner = TorchAORunner(target.forward, set(range(len(spec.signatures))), swaps, config=config.get("config"))
         runner.redo()
         return runner
-
-
-def weights_shard_name(index: int, count: int) -> str:
-    """The file name of quantized-weights shard ``index`` (from 1) of ``count``."""
-    return f"weights-{index:05d}-of-{count:05d}.safetensors"
 
 
 def weights_files(config: dict) -> list[str]:
