@@ -200,7 +200,7 @@ def test_the_fastest_compiled_candidate_gives_way_to_a_plain_one_within_the_marg
     def within_the_margin(self, heavy, light, threshold, **options):  # side by side: 1.02x, 1.0-1.04x
         return _timing.Comparison(_timing.Timing(100.0, 100.0, 5), _timing.Timing(102.0, 102.0, 5), 1.02, 1.0, 1.04, 5)
 
-    monkeypatch.setattr(xpupack.strategies._SpeedGate, "between", within_the_margin)
+    monkeypatch.setattr(xpupack.strategies.checks.SpeedGate, "between", within_the_margin)
     model = SlowEager(delay=0.005)
     strategy = xpupack.Fastest(
         [FastArtifactBackend(), CpuOnlyNever(), SleepyShortcutBackend(), xpupack.EagerBackend()],
@@ -232,7 +232,7 @@ def test_the_two_fastest_by_speedup_over_eager_are_timed_head_to_head_and_the_fa
         timed.append((heavy, light))
         return _timing.Comparison(_timing.Timing(100.0, 100.0, 5), _timing.Timing(60.0, 60.0, 5), 0.6, 0.55, 0.65, 5)
 
-    monkeypatch.setattr(xpupack.strategies._SpeedGate, "between", second_is_faster)
+    monkeypatch.setattr(xpupack.strategies.checks.SpeedGate, "between", second_is_faster)
     model = SlowEager(delay=0.005)
     strategy = xpupack.Fastest(
         [ShortcutBackend(), SleepyShortcutBackend(delay=0.002), xpupack.EagerBackend()],
@@ -275,7 +275,7 @@ class _HeadToHead:
 def test_the_runoff_also_challenges_the_quickest_by_its_own_time_where_eagers_drift_ranked_it_third():
     """On the H200, eager's step drifted from 13 to 29 ms across one thorough search: the quickest candidate
     (2.2 ms per call) came third by speedup behind one at 3.0 ms, and the runner-up by speedup was neither."""
-    from xpupack.strategies import _runoff
+    from xpupack.strategies.fastest import _runoff
 
     report = [
         Candidate("max-autotune", "accepted", median_us=2984.0, speedup=6.87),
@@ -293,7 +293,7 @@ def test_the_runoff_also_challenges_the_quickest_by_its_own_time_where_eagers_dr
 
 
 def test_the_runoff_keeps_the_best_by_speedup_when_no_challenger_beats_it_head_to_head():
-    from xpupack.strategies import _runoff
+    from xpupack.strategies.fastest import _runoff
 
     report = [
         Candidate("a", "accepted", median_us=2000.0, speedup=7.0),

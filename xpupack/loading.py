@@ -338,7 +338,7 @@ def _install(
         clock.lap("weights")
         modules = _restore_modules(verified, edit, clock, progress=progress, defer=defer)
         for module in modules.values():
-            module.verify_every_padded_call = verify_padding == "always"
+            module.verify_padding(verify_padding)
         _activate(model, verified, modules, clock)
     except BaseException:
         edit.rollback()

@@ -26,11 +26,12 @@ from ._listeners import add_fallback_listener  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from ._listeners import fallback_listeners as _fallback_listeners
 from ._model_edit import edits_model
+from ._padded_calls import PaddedCalls, Padding
 from .backends.base import Backend, Runner
 from .candidate import Candidate
 from .errors import NotAModelError, NotTunedError
 from .module_spec import ModuleSpec, Target
-from .padding import PadTable, check_output_axes, cut_outputs, pad_call, padded_rows_differ
+from .padding import padded_rows_differ
 from .recorder import BufferWatch
 from .signature import BatchAxes, Signature, StateLeaf, Unrecordable, dtype_name, fit_key
 from .state import StateNotReady, allocate_ahead, state_type, unrecordable_hint
@@ -97,6 +98,24 @@ def check_verify_padding(value: Any) -> str:
     return value
 
 
+@dataclass
+class CallCounts:
+    """What a tuned module's calls did since its load, its tuning or its warm-up (`TunedModule.forget_calls`):
+    the figures of `xpupack.stats`."""
+
+    calls: int = 0
+    #: calls that ran the original module
+    fallbacks: int = 0
+    #: fallbacks by kind ("signature", "device", "training mode", "autograd needed", ...)
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+    #: calls that ran the original module while their signature's compile was pending
+    compiling: int = 0
+    #: calls served by padding up to a recorded batch or length (`xpupack.padding`)
+    padded: int = 0
+    #: padded calls checked against the original module (the first per recording after a load, or all)
+    padding_checks: int = 0
+
+
 class TunedModule:
     """The ``forward`` of a tuned module: fit check, then backend or fallback.
 
@@ -134,10 +153,7 @@ class TunedModule:
         self.backend_name = backend.name
         self.runner = runner
         self.report = report or []
-        self.calls = 0
-        self.fallbacks = 0
-        #: fallbacks by kind ("signature", "device", "training mode", "autograd needed", ...)
-        self.fallback_reasons: dict[str, int] = {}
+        self.counts = CallCounts()
         #: devices the recorded signatures' tensors are on: an input elsewhere is a "device" fallback
         self._devices = {leaf.device for signature in spec.signatures for leaf in signature.tensor_leaves}
         self.backend_errors: dict[int, str] = {}
@@ -167,25 +183,12 @@ class TunedModule:
         self._refused: set = set()
         #: new sizes whose runner prepares them off the caller's path -> that work (`_take_new_size`)
         self._pending: dict[int, Future] = {}
-        #: calls that ran the original module while their signature's compile was pending
-        self.compiling = 0
-        #: calls served by padding up to a recorded batch (`xpupack.padding`)
-        self.padded = 0
         pads = backend.pads_calls and bool(spec.batch_axes or spec.length_axes)
-        self._padding = PadTable(spec, set(self._table.values())) if pads else None
-        self._pads_in_place = runner.run_padded
-        #: (signature, the axes it is padded along) whose padded calls are known to agree with the original
-        #: module: all of them when tuning checked the axes on its samples; none after a load, whose axes
-        #: are the package's claim (the first padded call into each is checked, `_check_first_padded_call`)
-        self._padding_checked: set[tuple[int, BatchAxes]] = (
-            {(i, axes) for kind in (spec.batch_axes, spec.length_axes) for i, axes in kind.items()}
-            if padding_checked
-            else set()
+        #: the calls padded up to a recording (None: this module pads none, or no longer any)
+        self.padded_calls = (
+            PaddedCalls(spec, set(self._table.values()), runner, checked=padding_checked) if pads else None
         )
-        #: every padded call checked against the original module (``verify_padding="always"``)
-        self.verify_every_padded_call = check_verify_padding(verify_padding) == "always"
-        #: padded calls checked against the original module (the first per recording after a load, or all)
-        self.padding_checks = 0
+        self.verify_padding(verify_padding)
         #: set by `xpupack.load` when the package's backend does not run here; each call reports it
         #: to the downgrade listeners (the pytest plugin), as each fallback is reported
         self.downgrade = downgrade
@@ -199,7 +202,7 @@ class TunedModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # the per-call path: a call that fits a tuned signature runs it with no helper call in between;
         # the rarer cases (padding, a new size, a fallback) each have a method of their own
-        self.calls += 1
+        self.counts.calls += 1
         if _downgrade_listeners:
             self._report_downgrade()
         if self._runs_original:
@@ -309,13 +312,13 @@ class TunedModule:
 
     def _fit_new_size_or_padded(
         self, key: tuple, args: tuple, kwargs: dict, leaves: list
-    ) -> tuple[int | None, tuple[int, BatchAxes, int, int] | None]:
+    ) -> tuple[int | None, Padding | None]:
         """For a call no tuned signature fits as it is: the signature it becomes as a new size of a tuned
         signature with state (`_take_new_size`), else the recorded batch it is padded up to (``padding``
         names it, `xpupack.padding.PadTable.fit`). ``(None, None)``: neither, the call falls back."""
         if self._families and (index := self._take_new_size(key, args, kwargs)) is not None:
             return index, None
-        if self._padding and (padding := self._padding.fit(key, leaves)) is not None:
+        if self.padded_calls and (padding := self.padded_calls.fit(key, leaves)) is not None:
             return padding[0], padding
         return None, None
 
@@ -324,24 +327,24 @@ class TunedModule:
         while it still runs, the original module serves the call (counted as ``compiling``); once it
         failed, the call falls back as a backend error."""
         if index in self._pending:
-            self.compiling += 1
+            self.counts.compiling += 1
             return self._run_original(args, kwargs)
         return self._fallback(args, kwargs, "backend error", leaves)
 
-    def _call_padded(self, index: int, key: tuple, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
+    def _call_padded(self, index: int, key: tuple, padding: Padding, args: tuple, kwargs: dict, leaves: list) -> Any:
         """Serves a smaller batch from signature ``index``'s recording, padded up to it (counted as
         ``padded``). The first padded call into a loaded package's recording is checked against the
         original module, which must see the buffers as the caller left them (the padded run may have
         written them)."""
-        check = self.verify_every_padded_call or (index, padding[1]) not in self._padding_checked
-        buffers = BufferWatch(self.target.module) if check else None
+        assert self.padded_calls is not None  # a call is padded only where its module pads
+        buffers = BufferWatch(self.target.module) if self.padded_calls.needs_check(padding) else None
         try:
-            outputs = self._run_padded(padding, args, kwargs, leaves)
+            outputs = self.padded_calls.run(padding, args, kwargs, leaves)
         except Exception as exc:  # a broken backend must never break the model: fall back
             return self._backend_failed(index, key, exc, args, kwargs, leaves)
         if buffers is not None:
             return self._check_first_padded_call(index, padding[1], outputs, args, kwargs, leaves, buffers)
-        self.padded += 1
+        self.counts.padded += 1
         return outputs
 
     def _backend_failed(self, index: int, key: tuple, exc: Exception, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -355,8 +358,8 @@ class TunedModule:
         self.backend_errors[index] = error
         self._table = {k: i for k, i in self._table.items() if i != index}
         self._unallocated = {k: [i for i in v if i != index] for k, v in self._unallocated.items()}
-        if self._padding:
-            self._padding.retire(index)
+        if self.padded_calls:
+            self.padded_calls.retire(index)
         self._refused.add(key)
         log.warning(
             "%s: %s backend failed (%s); this signature now runs the original module",
@@ -390,7 +393,8 @@ class TunedModule:
         its own (`xpupack.padding.check_loaded`); this sees the caller's. On a mismatch that signature is no
         longer padded into; if the original module wrote its buffers, no call of the module is. Returns the
         call's outputs."""
-        self.padding_checks += 1
+        assert self.padded_calls is not None  # checked only while its module pads
+        self.counts.padding_checks += 1
         buffers.restore()
         with torch.no_grad():
             expected = self._run_original(args, kwargs)
@@ -401,13 +405,13 @@ class TunedModule:
             else padded_rows_differ(self.backend, outputs, expected)
         )
         if problem is None:
-            self._padding_checked.add((index, axes))
-            self.padded += 1
+            self.padded_calls.checked.add((index, axes))
+            self.counts.padded += 1
             return outputs
         if written:
-            self._padding = None
+            self.padded_calls = None
         else:
-            self._padding.retire(index)
+            self.padded_calls.retire(index)
         self.backend_errors[index] = f"padding check: {problem}"
         log.warning(
             "%s: a padded call into %s disagreed with the original module (%s); calls are no longer padded into %s",
@@ -418,19 +422,6 @@ class TunedModule:
         )
         self._count_fallback("padding check", leaves)
         return expected
-
-    def _run_padded(self, padding: tuple, args: tuple, kwargs: dict, leaves: list) -> Any:
-        """Runs a call padded up to the recorded batch ``padding`` names and cuts the outputs back.
-
-        A runner with ``run_padded`` (the graph backend) pads into its own static buffers; the others
-        get a padded copy of the call."""
-        index, axes, batch, recorded = padding
-        if self._pads_in_place is not None:
-            return self._pads_in_place(index, leaves, axes, batch)
-        padded_args, padded_kwargs, padded_leaves = pad_call(args, kwargs, axes, recorded)
-        padded = self.runner.run(index, padded_args, padded_kwargs, padded_leaves)
-        check_output_axes(padded, axes, recorded)
-        return cut_outputs(padded, axes, batch)
 
     def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
         """A call of a tuned signature's family whose state has a new layout (a KV cache of another
@@ -504,7 +495,7 @@ class TunedModule:
     def _count_fallback(self, reason: str, leaves: list, key: Any = None) -> None:
         """Counts, logs (once per reason) and reports a call that runs the original module; ``key``: the
         call's fit key, for a signature the backend did not build."""
-        self.fallbacks += 1
+        self.counts.fallbacks += 1
         if self.warming_up:  # a load's own warm-up call (`xpupack.warmup`): not the caller's, nothing to report
             return
         kind = reason
@@ -525,7 +516,7 @@ class TunedModule:
             else:
                 reason = "no recorded signature fits " + _describe_call(leaves)
                 self._advise(leaves)
-        self.fallback_reasons[kind] = self.fallback_reasons.get(kind, 0) + 1
+        self.counts.fallback_reasons[kind] = self.counts.fallback_reasons.get(kind, 0) + 1
         if reason not in self._logged:
             self._logged.add(reason)
             log.info("%s: %s; running the original module", self.target.path or "<model>", reason)
@@ -554,21 +545,27 @@ class TunedModule:
     def forget_calls(self) -> None:
         """Sets the call counts of `stats` back to zero (after a load's warm-up calls, `xpupack.warmup`);
         what the calls prepared (compiled code, recordings, retired signatures) stays."""
-        self.calls = self.fallbacks = self.padded = self.padding_checks = self.compiling = 0
-        self.fallback_reasons = {}
+        self.counts = CallCounts()
+
+    def verify_padding(self, mode: str) -> None:
+        """``"always"``: every padded call is also run by the original module and compared; ``"first"``: the
+        first into each recording of a loaded package (`VERIFY_PADDING`)."""
+        if self.padded_calls is not None:
+            self.padded_calls.verify_every = check_verify_padding(mode) == "always"
 
     def stats(self) -> dict:
         """This module's entry of `xpupack.stats`."""
         described = self.runner.describe()
         # calls the runner served from the original module's recordings while its compiled code was not
         # ready (a load's `defer_compile`) count with those that ran the original while a compile ran
-        compiling = self.compiling + described.pop("compiling", 0)
+        counts = self.counts
+        compiling = counts.compiling + described.pop("compiling", 0)
         return {
             "backend": self.backend_name,
-            "calls": self.calls,
-            "fallbacks": self.fallbacks,
-            "padded": self.padded,
-            "padding_checks": self.padding_checks,
+            "calls": counts.calls,
+            "fallbacks": counts.fallbacks,
+            "padded": counts.padded,
+            "padding_checks": counts.padding_checks,
             "compiling": compiling,
             "signatures": len(self.signatures),
             "active_signatures": len(self._table),
@@ -582,7 +579,7 @@ class TunedModule:
                 if self.downgrade
                 else {}
             ),
-            **({"fallback_reasons": dict(self.fallback_reasons)} if self.fallback_reasons else {}),
+            **({"fallback_reasons": dict(counts.fallback_reasons)} if counts.fallback_reasons else {}),
         }
 
     def __deepcopy__(self, memo):

@@ -167,7 +167,7 @@ def _tune(
         specs = record(model, selected, samples, run, progress, mode=samples_mode)
     tuned = _tune_modules(selected, specs, placed, strategy, progress)
     for module in tuned.values():
-        module.verify_every_padded_call = verify_padding == "always"
+        module.verify_padding(verify_padding)
     _activate(model, tuned, device, strategy, architecture, placed, samples_mode)
     return model
 

@@ -103,9 +103,9 @@ def _until_one_fits(tuned: TunedModule, tries: list[Callable[[nn.Module], Any]])
 
     def call(model: nn.Module) -> Any:
         for attempt in tries:
-            before = tuned.fallbacks
+            before = tuned.counts.fallbacks
             result = attempt(model)
-            if tuned.fallbacks == before:
+            if tuned.counts.fallbacks == before:
                 break
         return result
 
