@@ -170,3 +170,56 @@ def test_nothing_the_backends_stand_on_imports_a_backend():
         name: both[name] & (backends - BACKEND_FACTS) for name in below if both[name] & (backends - BACKEND_FACTS)
     }
     assert not upward, f"modules below the backends import a backend: {upward}"
+
+
+#: the floors of docs/architecture.md, bottom first: a module imports only modules on its own floor or below
+FLOORS = {
+    "ground": {
+        "errors", "_version", "_fsutil", "_listeners", "_background", "_torch_compat", "_inference", "_device",
+        "_timing", "_signature_text", "state", "distributed", "examples", "candidate", "_hooks", "digests",
+        "shards", "source", "environment", "backends._facts", "backends._megacache",
+    },
+    "format and sources": {"manifest", "hub", "limits"},
+    "specs and recording": {
+        "signature", "module_spec", "_compare", "recorder", "padding", "spec", "device_slots", "_weights_io",
+        "_model_edit",
+    },
+    "backends": {
+        "backends", "backends.base", "backends.eager", "backends.graph", "backends._graph_handover",
+        "backends.inductor", "backends.aoti", "backends._storage_watch", "backends.torchao",
+        "backends.torchao_configs",
+    },
+    "runtime": {"tuned", "_padded_calls", "warmup", "testing"},
+    "decisions": {
+        "plan", "searches", "strategies", "strategies.checks", "strategies.base", "strategies.first_wins",
+        "strategies.fastest", "strategies.only",
+    },
+    "reports": {"report", "card"},
+    "actions": {"tuning", "loading", "package", "publish", "bench"},
+    "entry": {"", "__main__", "cli", "cli._common", "cli.bench", "cli.build", "cli.inspect", "cli.push"},
+}  # fmt: skip
+
+
+def _floor_of() -> dict[str, int]:
+    return {f"xpupack.{name}".rstrip("."): height for height, names in enumerate(FLOORS.values()) for name in names}
+
+
+def test_every_module_has_a_floor():
+    """A new module is placed on a floor (here and in docs/architecture.md) before it lands."""
+    floor_of = _floor_of()
+    assert set(MODULES) - set(floor_of) == set(), "modules on no floor"
+    assert set(floor_of) - set(MODULES) == set(), "floors name modules that do not exist"
+
+
+def test_no_module_imports_one_on_a_floor_above_it():
+    """Imports point down or sideways, never up, deferred imports (inside functions) included."""
+    floor_of, names = _floor_of(), list(FLOORS)
+    top, deferred = import_graphs()
+    upward = sorted(
+        f"{module} ({names[floor_of[module]]}) -> {target} ({names[floor_of[target]]})"
+        for module in MODULES
+        for target in top[module] | deferred[module]
+        if floor_of[target] > floor_of[module]
+    )
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+    assert floor_of["xpupack.tuned"] > floor_of["xpupack.backends.base"]  # else the test could not fail
