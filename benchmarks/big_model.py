@@ -55,6 +55,11 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
   bf16 weights: a call that falls back, and the model after ``deactivate``, run the quantized module),
   compiled with the candidate's Inductor settings; the bf16 package's speed comes from a run without
   ``--quantize`` on the same machine;
+- with ``--quantize`` and ``--baseline``, the unquantized package of the same model is built and served in
+  the same run, on the same machine (first, its processes as above, in ``WORKDIR/baseline``; the quantized
+  one's in ``WORKDIR/quantized``): ``baseline`` holds its figures, ``vs_baseline`` the quantized package's
+  over them (``decode_tokens_s``: above 1 the quantized one decodes faster; ``package_gb``, ``load_s``,
+  ``time_to_full_speed_s``, ``extra_device_memory_gb``, ``ttft_s``);
 - ``device``, ``device_name``, ``torch``, ``transformers``, the settings, ``tuned_backends`` (what tuning
   chose) and ``tuned_candidates`` (each candidate's verdict, as ``xpupack inspect`` shows it);
   ``phases`` (each phase: ``ok``, ``error`` or ``skipped``), ``errors`` (phase -> error) and ``skipped``
@@ -65,6 +70,8 @@ It prints one JSON object (sizes in GB of 10^9 bytes, times in seconds, rates pe
     python benchmarks/big_model.py --out big_model.json                   # Llama-3-8B shapes on a GPU
     python benchmarks/big_model.py --layers 8 --budget 540                 # a quarter of the layers
     python benchmarks/big_model.py --quantize int8-weight-only            # a quantized package
+    python benchmarks/big_model.py --quantize int4-weight-only --baseline graph+inductor --empty-model
+                                                                          # ... and bf16's, side by side
     python benchmarks/big_model.py --device cpu --layers 2 --hidden 64 --intermediate 128 --vocab 256 \\
         --heads 4 --kv-heads 2 --new-tokens 8 --prompt 8 --seconds 3      # a smoke test on a CPU
 """
@@ -710,6 +717,36 @@ def step_serve(
 # --- the parent: two fresh processes, the budget, the report ------------------------------------------
 
 
+def run_steps(args: argparse.Namespace, workdir: Path, deadline: float | None) -> dict:
+    """The build and serve processes (or the one ``--only`` names) of one package in ``workdir``; their figures."""
+    if args.only == "serve" and not (workdir / "pkg").is_dir():
+        raise SystemExit(f"--only serve: no package in {workdir} (run --only build with this --workdir first)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    found: dict = {}
+    for step in (args.only,) if args.only else ("build", "serve"):
+        if step == "serve" and found.get("package_gb") is None and not args.only:
+            merge(found, {"skipped": {"serve": "no package: the build did not finish"}})
+        elif deadline is not None and deadline <= time.time():
+            merge(found, {"skipped": {step: "the --budget ran out"}})
+        else:
+            merge(found, run_step(step, args, workdir, deadline))
+    return found
+
+
+#: the figures `over_baseline` compares: a quantized package's over the unquantized one's
+COMPARED = ["decode_tokens_s", "package_gb", "load_s", "time_to_full_speed_s", "extra_device_memory_gb", "ttft_s"]
+
+
+def over_baseline(quantized: dict, baseline: dict) -> dict:
+    """Each of `COMPARED` of ``quantized`` over ``baseline``'s, to 3 decimals; None where either is missing or the
+    baseline's is 0."""
+    ratios: dict = {}
+    for name in COMPARED:
+        mine, theirs = quantized.get(name), baseline.get(name)
+        ratios[name] = round(mine / theirs, 3) if mine is not None and theirs else None
+    return ratios
+
+
 def run_step(step: str, args: argparse.Namespace, workdir: Path, deadline: float | None) -> dict:
     """Runs ``step`` in a fresh process on empty compiler caches, stopped at ``deadline`` (its phases stop
     starting a margin before it); returns its figures, and what happened to the phases it never finished."""
@@ -787,6 +824,7 @@ def report_head(args: argparse.Namespace) -> dict:
             "min_sqnr_db": args.min_sqnr_db,
             "backends": args.backends,
             "empty_model": args.empty_model,
+            "baseline": args.baseline,
         },
         **dict.fromkeys(FIELDS),
         "tuned_backends": None,
@@ -845,6 +883,16 @@ def parser() -> argparse.ArgumentParser:
         help="the server builds the model empty (accelerate's init_empty_weights) and the load fills it: how a "
         "quantized package keeps only the quantized weights in memory (docs/packages.md)",
     )
+    parser.add_argument(
+        "--baseline",
+        nargs="?",
+        const="default",
+        default=None,
+        metavar="LIST",
+        help="with --quantize: also build and serve the unquantized package in this run, first (with the default "
+        "strategy, or the candidates LIST names as --backends takes them), and report the quantized one's figures "
+        "over its (vs_baseline); --empty-model applies to the quantized one only",
+    )
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS", help="phases after it are skipped")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--workdir", default=None, help="package, caches and logs (default: a temporary folder)")
@@ -864,6 +912,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser_.parse_args(argv)
     if args.quantize and args.backends:
         parser_.error("--quantize tunes its own candidate: give --quantize or --backends, not both")
+    if args.baseline and not args.quantize:
+        parser_.error("--baseline is the unquantized package a --quantize run is measured against: give --quantize")
     shape = Shape.of(args)
     if args.step:
         package, phases = Path(args.workdir) / "pkg", Phases(args.deadline)
@@ -877,15 +927,16 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="big-model-"))
     workdir.mkdir(parents=True, exist_ok=True)
     report = report_head(args)
-    if args.only == "serve" and not (workdir / "pkg").is_dir():
-        raise SystemExit(f"--only serve: no package in {workdir} (run --only build with this --workdir first)")
-    for step in (args.only,) if args.only else ("build", "serve"):
-        if step == "serve" and report["package_gb"] is None and not args.only:
-            report["skipped"]["serve"] = "no package: the build did not finish"
-        elif deadline is not None and deadline <= time.time():
-            report["skipped"][step] = "the --budget ran out"
-        else:
-            merge(report, run_step(step, args, workdir, deadline))
+    if args.baseline:
+        baseline = argparse.Namespace(
+            **{**vars(args), "quantize": None, "min_sqnr_db": None, "empty_model": False, "baseline": None}
+        )
+        baseline.backends = None if args.baseline == "default" else args.baseline
+        report["baseline"] = run_steps(baseline, workdir / "baseline", deadline)
+        merge(report, run_steps(args, workdir / "quantized", deadline))
+        report["vs_baseline"] = over_baseline(report, report["baseline"])
+    else:
+        merge(report, run_steps(args, workdir, deadline))
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(report, indent=2, default=str)
     if args.out:

@@ -232,3 +232,41 @@ def test_a_tiny_run_tunes_saves_loads_and_serves_with_every_field(tmp_path, caps
 def test_serving_alone_needs_the_package_an_earlier_build_left(tmp_path):
     with pytest.raises(SystemExit, match="no package in .*run --only build with this --workdir first"):
         big_model.main([*TINY, "--only", "serve", "--workdir", str(tmp_path)])
+
+
+def test_a_baseline_run_builds_and_serves_the_unquantized_package_first_and_reports_the_ratios(
+    tmp_path, capsys, monkeypatch
+):
+    ran = []
+
+    def fake_step(step, args, workdir, deadline):
+        ran.append((step, args.quantize, args.backends, args.empty_model, workdir.name))
+        if step == "build":
+            return {"package_gb": 2.0 if args.quantize else 5.0, "phases": {"tune": "ok", "save": "ok"}}
+        return {"decode_tokens_s": 900.0 if args.quantize else 450.0, "load_s": 20.0, "ttft_s": None}
+
+    monkeypatch.setattr(big_model, "run_step", fake_step)
+    argv = [*TINY, "--quantize", "int4-weight-only", "--baseline", "graph+inductor", "--empty-model"]
+    report = big_model.main([*argv, "--workdir", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out) == report
+    assert ran == [
+        ("build", None, "graph+inductor", False, "baseline"),  # the baseline first, full precision, a model of its own
+        ("serve", None, "graph+inductor", False, "baseline"),
+        ("build", "int4-weight-only", None, True, "quantized"),
+        ("serve", "int4-weight-only", None, True, "quantized"),
+    ]
+    assert report["baseline"]["decode_tokens_s"] == 450.0 and report["decode_tokens_s"] == 900.0
+    assert report["vs_baseline"]["decode_tokens_s"] == 2.0 and report["vs_baseline"]["package_gb"] == 0.4
+    assert report["vs_baseline"]["load_s"] == 1.0 and report["vs_baseline"]["ttft_s"] is None  # not measured
+    assert report["settings"]["baseline"] == "graph+inductor"
+    args = big_model.parser().parse_args(argv)
+    assert big_model.parser().parse_args(big_model.child_arguments(args)).baseline is None  # a process runs one
+    ran.clear()
+    big_model.main([*TINY, "--quantize", "int8-weight-only", "--baseline", "--workdir", str(tmp_path / "d")])
+    assert ran[0][:3] == ("build", None, None)  # the default strategy
+
+
+def test_a_baseline_needs_a_quantized_package_to_measure(capsys):
+    with pytest.raises(SystemExit):
+        big_model.main([*TINY, "--baseline"])
+    assert "--baseline is the unquantized package a --quantize run is measured against" in capsys.readouterr().err
