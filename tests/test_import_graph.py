@@ -189,7 +189,7 @@ FLOORS = {
         "backends.inductor", "backends.aoti", "backends._storage_watch", "backends.torchao",
         "backends.torchao_configs",
     },
-    "runtime": {"tuned", "_padded_calls", "warmup", "testing"},
+    "runtime": {"tuned", "_padded_calls", "_new_sizes", "warmup", "testing"},
     "decisions": {
         "plan", "searches", "strategies", "strategies.checks", "strategies.base", "strategies.first_wins",
         "strategies.fastest", "strategies.only",

@@ -14,7 +14,6 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,6 +25,7 @@ from ._listeners import add_fallback_listener  # noqa: F401 (the plugin's)
 from ._listeners import downgrade_listeners as _downgrade_listeners
 from ._listeners import fallback_listeners as _fallback_listeners
 from ._model_edit import edits_model
+from ._new_sizes import NewSizes
 from ._padded_calls import PaddedCalls, Padding
 from .backends.base import Backend, Runner
 from .candidate import Candidate
@@ -33,13 +33,10 @@ from .errors import NotAModelError, NotTunedError
 from .module_spec import ModuleSpec, Target
 from .padding import padded_rows_differ
 from .recorder import BufferWatch
-from .signature import BatchAxes, Signature, StateLeaf, Unrecordable, dtype_name, fit_key
+from .signature import BatchAxes, Signature, StateLeaf, dtype_name, fit_key
 from .state import StateNotReady, allocate_ahead, state_type, unrecordable_hint
 
 log = logging.getLogger("xpupack")
-
-#: signatures with state of new sizes a tuned module takes while serving (each may hold a recording)
-MAX_NEW_SIZES = 16
 
 #: one call that says whether autocast is on for any device type (public: torch.is_autocast_enabled(type))
 _autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None) or (
@@ -166,23 +163,16 @@ class TunedModule:
         }
         #: fit key -> why the backend did not build that signature (its calls fall back as "not built")
         self._unbuilt = {spec.signatures[index].key: why for index, why in runner.unbuilt().items()}
-        #: family of each tuned signature with state -> the state layouts tuned in it (`_take_new_size`)
-        self._families: dict[tuple, set] = {}
-        for index, signature in enumerate(spec.signatures):
-            if signature.state_slots and index in runner.supported:
-                self._families.setdefault(signature.family, set()).add(signature.state_layout)
+        #: the calls of a tuned signature's family with a new state layout, taken as signatures of their own
+        self._new_sizes = NewSizes(spec, set(self._table.values()))
         #: fit key of a call whose StaticCache has not allocated its tensors yet (a prefill into a new cache)
         #: -> the signatures it may become once they are allocated ahead (`_call_allocating`)
         self._unallocated: dict[tuple, list[int]] = {}
         for index, signature in enumerate(spec.signatures):
             if index in runner.supported:
                 self._note_unallocated(index, signature)
-        self.new_sizes = 0
         #: seconds the load spent restoring this module (compiling, recording, checking); None when tuned here
         self.load_s: float | None = None
-        self._refused: set = set()
-        #: new sizes whose runner prepares them off the caller's path -> that work (`_take_new_size`)
-        self._pending: dict[int, Future] = {}
         pads = backend.pads_calls and bool(spec.batch_axes or spec.length_axes)
         #: the calls padded up to a recording (None: this module pads none, or no longer any)
         self.padded_calls = (
@@ -225,7 +215,7 @@ class TunedModule:
             return self._fallback(args, kwargs, "autograd needed", leaves)
         if self._check_autocast and _autocast_enabled():  # recordings are made without autocast
             return self._fallback(args, kwargs, "autocast enabled", leaves)
-        if self._pending and index in self._pending and not self._prepared(index, key):
+        if (pending := self._new_sizes.pending) and index in pending and not self._prepared(index, key):
             return self._call_while_not_prepared(index, args, kwargs, leaves)
         if padding is not None:
             return self._call_padded(index, key, padding, args, kwargs, leaves)
@@ -266,7 +256,7 @@ class TunedModule:
             if index is None:
                 undo()
                 continue
-            if self._pending and index in self._pending and not self._prepared(index, allocated_key):
+            if (pending := self._new_sizes.pending) and index in pending and not self._prepared(index, allocated_key):
                 undo()
                 return self._call_while_not_prepared(index, args, kwargs, leaves)
             try:
@@ -316,7 +306,7 @@ class TunedModule:
         """For a call no tuned signature fits as it is: the signature it becomes as a new size of a tuned
         signature with state (`_take_new_size`), else the recorded batch it is padded up to (``padding``
         names it, `xpupack.padding.PadTable.fit`). ``(None, None)``: neither, the call falls back."""
-        if self._families and (index := self._take_new_size(key, args, kwargs)) is not None:
+        if self._new_sizes and (index := self._take_new_size(key, args, kwargs)) is not None:
             return index, None
         if self.padded_calls and (padding := self.padded_calls.fit(key, leaves)) is not None:
             return padding[0], padding
@@ -326,7 +316,7 @@ class TunedModule:
         """A call of new size ``index`` whose preparation off the caller's path has not finished well:
         while it still runs, the original module serves the call (counted as ``compiling``); once it
         failed, the call falls back as a backend error."""
-        if index in self._pending:
+        if index in self._new_sizes.pending:
             self.counts.compiling += 1
             return self._run_original(args, kwargs)
         return self._fallback(args, kwargs, "backend error", leaves)
@@ -360,7 +350,7 @@ class TunedModule:
         self._unallocated = {k: [i for i in v if i != index] for k, v in self._unallocated.items()}
         if self.padded_calls:
             self.padded_calls.retire(index)
-        self._refused.add(key)
+        self._new_sizes.refused.add(key)
         log.warning(
             "%s: %s backend failed (%s); this signature now runs the original module",
             self.target.path or "<model>",
@@ -371,12 +361,12 @@ class TunedModule:
     def _prepared(self, index: int, key: tuple) -> bool:
         """Whether the work off the caller's path for new size ``index`` finished well (it is then
         forgotten). False while it runs, and once it failed: the signature is then retired."""
-        work = self._pending.get(index)
+        work = self._new_sizes.pending.get(index)
         if work is None:  # another thread took the outcome
             return index not in self.backend_errors
         if not work.done() or work.cancelled():  # cancelled: the process exits
             return False
-        self._pending.pop(index, None)
+        self._new_sizes.pending.pop(index, None)
         error = work.exception()
         if error is None:
             return True
@@ -424,34 +414,20 @@ class TunedModule:
         return expected
 
     def _take_new_size(self, key: tuple, args: tuple, kwargs: dict) -> int | None:
-        """A call of a tuned signature's family whose state has a new layout (a KV cache of another
-        length, from ``generate(max_new_tokens=...)``) becomes a signature of its own, up to a cap; the
-        backend prepares it as it does a new cache: the first call runs for real, the next one is
-        recorded. Where that needs a compile, the runner does it off the caller's path, and the calls
-        meanwhile run the original module (counted as ``compiling``). A new input size on a tuned cache
-        layout (a prefill into a reused cache) is no such call: it is a different step, and falls back
-        like any unrecorded signature."""
-        if key in self._refused or self.new_sizes >= MAX_NEW_SIZES:
-            return None
-        try:
-            signature = Signature.of_call(args, kwargs)
-        except Unrecordable:
-            signature = None
-        tuned_layouts = self._families.get(signature.family) if signature is not None else None
-        if tuned_layouts is None or signature.state_layout in tuned_layouts:
-            if len(self._refused) > 1024:
-                self._refused.clear()
-            self._refused.add(key)
+        """A call of a tuned signature's family whose state has a new layout becomes a signature of its own
+        (`xpupack._new_sizes`); the backend prepares it as it does a new cache: the first call runs for real,
+        the next one is recorded. Where that needs a compile, the runner does it off the caller's path, and
+        the calls meanwhile run the original module (counted as ``compiling``)."""
+        signature = self._new_sizes.new_signature(key, args, kwargs)
+        if signature is None:
             return None
         index = len(self.signatures)
         self.signatures.append(signature)
         pending = self.runner.add_signature(index, signature, args, kwargs)
         if pending is not None:
-            self._pending[index] = pending
+            self._new_sizes.pending[index] = pending
         self._table[key] = index
         self._note_unallocated(index, signature)
-        tuned_layouts.add(signature.state_layout)
-        self.new_sizes += 1
         log.info(
             "%s: taking calls of %s (a new size of a tuned signature with state)%s",
             self.target.path or "<model>",
@@ -571,7 +547,7 @@ class TunedModule:
             "active_signatures": len(self._table),
             "memory_bytes": self.runner.memory_bytes(),
             **described,
-            **({"new_sizes": self.new_sizes} if self._families else {}),
+            **({"new_sizes": self._new_sizes.taken} if self._new_sizes else {}),
             **({"load_s": round(self.load_s, 3)} if self.load_s is not None else {}),
             **({"backend_errors": dict(self.backend_errors)} if self.backend_errors else {}),
             **(
