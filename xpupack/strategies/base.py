@@ -4,7 +4,6 @@ then timed against eager), a compiled candidate weighed against a lighter one fo
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +15,6 @@ from ..candidate import Candidate
 from ..errors import NoCandidateError
 from ..module_spec import ModuleSpec, Target
 from .checks import Rejected, SpeedGate, check_candidate, is_reference
-
-log = logging.getLogger("xpupack")
 
 
 class Strategy:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,9 +16,6 @@ from ..errors import error_line
 from ..module_spec import ModuleSpec, Target
 from ..recorder import snapshot
 from ..signature import flatten
-
-log = logging.getLogger("xpupack")
-
 
 #: where `check_candidate` and the speed gate say what they are doing for the module being tuned (`reporting`)
 _progress: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar(

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from ..backends.base import Backend, Runner, changes_module
 from ..candidate import Candidate
 from .base import Strategy, is_lighter, no_candidate, noise_note, try_candidate, weigh_startup
 from .checks import SpeedGate, is_reference
-
-log = logging.getLogger("xpupack")
 
 
 class Fastest(Strategy):

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 from ..backends.base import Backend
 from ..candidate import Candidate
 from .base import Passed, Strategy, is_lighter, no_candidate, noise_note, try_candidate, weigh_startup
 from .checks import SpeedGate
-
-log = logging.getLogger("xpupack")
 
 
 class FirstWins(Strategy):

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 from ..backends.base import Backend
 from ..candidate import Candidate
 from ..errors import NoCandidateError
 from .base import Strategy
 from .checks import Rejected, check_candidate, is_reference
-
-log = logging.getLogger("xpupack")
 
 
 class Only(Strategy):
