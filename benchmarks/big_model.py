@@ -719,8 +719,6 @@ def step_serve(
 
 def run_steps(args: argparse.Namespace, workdir: Path, deadline: float | None) -> dict:
     """The build and serve processes (or the one ``--only`` names) of one package in ``workdir``; their figures."""
-    if args.only == "serve" and not (workdir / "pkg").is_dir():
-        raise SystemExit(f"--only serve: no package in {workdir} (run --only build with this --workdir first)")
     workdir.mkdir(parents=True, exist_ok=True)
     found: dict = {}
     for step in (args.only,) if args.only else ("build", "serve"):
@@ -925,18 +923,23 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     deadline = time.time() + args.budget if args.budget else None
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="big-model-"))
-    workdir.mkdir(parents=True, exist_ok=True)
     report = report_head(args)
     if args.baseline:
         baseline = argparse.Namespace(
             **{**vars(args), "quantize": None, "min_sqnr_db": None, "empty_model": False, "baseline": None}
         )
         baseline.backends = None if args.baseline == "default" else args.baseline
-        report["baseline"] = run_steps(baseline, workdir / "baseline", deadline)
-        merge(report, run_steps(args, workdir / "quantized", deadline))
-        report["vs_baseline"] = over_baseline(report, report["baseline"])
+        packages = [(baseline, workdir / "baseline"), (args, workdir / "quantized")]
     else:
-        merge(report, run_steps(args, workdir, deadline))
+        packages = [(args, workdir)]
+    for _, folder in packages:  # before anything runs: a serve must not spend the budget on the first alone
+        if args.only == "serve" and not (folder / "pkg").is_dir():
+            raise SystemExit(f"--only serve: no package in {folder} (run --only build with this --workdir first)")
+    found = [run_steps(package_args, folder, deadline) for package_args, folder in packages]
+    merge(report, found[-1])
+    if args.baseline:
+        report["baseline"] = found[0]
+        report["vs_baseline"] = over_baseline(report, found[0])
     report["elapsed_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(report, indent=2, default=str)
     if args.out:

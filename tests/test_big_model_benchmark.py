@@ -270,3 +270,13 @@ def test_a_baseline_needs_a_quantized_package_to_measure(capsys):
     with pytest.raises(SystemExit):
         big_model.main([*TINY, "--baseline"])
     assert "--baseline is the unquantized package a --quantize run is measured against" in capsys.readouterr().err
+
+
+def test_a_baseline_serve_checks_both_packages_before_serving_either(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(big_model, "run_step", lambda step, args, workdir, deadline: ran.append(step) or {})
+    (tmp_path / "baseline" / "pkg").mkdir(parents=True)  # the quantized build never finished
+    argv = [*TINY, "--quantize", "int8-weight-only", "--baseline", "--only", "serve", "--workdir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="no package in .*quantized"):
+        big_model.main(argv)
+    assert ran == []  # the baseline's serve did not spend the budget first

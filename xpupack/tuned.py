@@ -161,10 +161,11 @@ class TunedModule:
         self._table = {
             signature.key: index for index, signature in enumerate(spec.signatures) if index in runner.supported
         }
+        supported = set(self._table.values())  # the signatures the backend serves, by index
         #: fit key -> why the backend did not build that signature (its calls fall back as "not built")
         self._unbuilt = {spec.signatures[index].key: why for index, why in runner.unbuilt().items()}
         #: the calls of a tuned signature's family with a new state layout, taken as signatures of their own
-        self._new_sizes = NewSizes(spec, set(self._table.values()))
+        self._new_sizes = NewSizes(spec, supported)
         #: fit key of a call whose StaticCache has not allocated its tensors yet (a prefill into a new cache)
         #: -> the signatures it may become once they are allocated ahead (`_call_allocating`)
         self._unallocated: dict[tuple, list[int]] = {}
@@ -175,9 +176,7 @@ class TunedModule:
         self.load_s: float | None = None
         pads = backend.pads_calls and bool(spec.batch_axes or spec.length_axes)
         #: the calls padded up to a recording (None: this module pads none, or no longer any)
-        self.padded_calls = (
-            PaddedCalls(spec, set(self._table.values()), runner, checked=padding_checked) if pads else None
-        )
+        self.padded_calls = PaddedCalls(spec, supported, runner, checked=padding_checked) if pads else None
         self.verify_padding(verify_padding)
         #: set by `xpupack.load` when the package's backend does not run here; each call reports it
         #: to the downgrade listeners (the pytest plugin), as each fallback is reported

@@ -153,18 +153,7 @@ class SpeedGate:
         rounds are timed (up to 4x ``iterations``)."""
         say(f"timing {backend.label} against eager")
         eager = self._eager or self._build_eager()
-        signatures = range(len(self.spec.signatures))
-        transforms = changes_module(backend)
-        return _timing.compare(
-            [_timed_call(runner, self.spec, index) if index in runner.supported else None for index in signatures],
-            [_timed_call(eager, self.spec, index) for index in signatures],
-            self.device,
-            weights=self.spec.signature_weights(),
-            threshold=threshold,
-            rounds=self.iterations,
-            to_eager=runner.undo if transforms else None,
-            to_candidate=runner.redo if transforms else None,
-        )
+        return self._rounds(runner, eager, threshold, heavy_changes_module=changes_module(backend))
 
     def between(
         self, heavy: Runner, light: Runner, threshold: float, *, heavy_changes_module: bool = False
@@ -173,6 +162,13 @@ class SpeedGate:
         side, so the speedup is ``heavy``'s over ``light``'s. ``light`` must not change the module;
         ``heavy`` may (TorchAO under it: taken back for ``light``'s turns, as for eager's in `compare`).
         A signature only ``light`` runs costs ``light``'s time on both sides."""
+        return self._rounds(heavy, light, threshold, heavy_changes_module=heavy_changes_module)
+
+    def _rounds(
+        self, heavy: Runner, light: Runner, threshold: float | None, *, heavy_changes_module: bool
+    ) -> _timing.Comparison:
+        """``heavy`` against ``light`` (eager for `compare`) in rounds, eager standing in for a signature
+        ``light`` does not run; a module ``heavy`` changes is taken back for ``light``'s turns."""
         signatures = range(len(self.spec.signatures))
         light_calls = [
             _timed_call(light, self.spec, index) if index in light.supported else None for index in signatures
